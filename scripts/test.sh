@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# The test command (README): set up, lint, run every test. Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+VENV=${KVHAL_VENV:-.venv}
+echo "[test] ruff"
+"$VENV/bin/ruff" check .
+echo "[test] pytest"
+exec "$VENV/bin/python" -m pytest -q "$@"

@@ -1,0 +1,1 @@
+"""Benchmarks behind ``kvhal bench``: each prints a table and writes JSON (and a PNG)."""

@@ -1,0 +1,38 @@
+"""What every benchmark writes next to its table."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import subprocess
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+
+def machine_info() -> dict:
+    """Enough about the machine to tell two runs apart."""
+    info = {
+        "hostname": platform.node(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+    with contextlib.suppress(OSError):
+        info["git"] = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5, check=False
+        ).stdout.strip()
+    with contextlib.suppress(OSError):
+        info["load_avg"] = os.getloadavg()
+    return info
+
+
+def write_outputs(folder: Path, name: str, result: dict) -> tuple[Path, Path]:
+    """Write ``result`` as ``folder/name.json``; return it and the PNG path beside it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    json_path = folder / f"{name}.json"
+    json_path.write_text(json.dumps(result, indent=2, default=str))
+    return json_path, folder / f"{name}.png"

@@ -1,0 +1,153 @@
+"""The ``kvhal`` command: ``kvhal devices``, ``kvhal bench ...``, ``kvhal conformance``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from collections.abc import Callable, Sequence
+
+from rich.console import Console
+from rich.table import Table
+
+from kvhal.registry import PluginRegistry, Selection
+
+#: ``kvhal bench NAME`` -> module with ``add_arguments(parser)`` and ``run(args) -> int``.
+BENCHMARKS = {
+    "copy": "kvhal.bench.copy",
+}
+
+
+def devices_report(selection: Selection) -> dict:
+    """Every plugin found, what its probe said, and which one is selected (JSON-able)."""
+    chosen = selection.device.plugin_name if selection.device else None
+    rows = []
+    outcomes = {o.info.name: o for o in selection.outcomes}
+    registry_plugins = [o.info for o in selection.outcomes]
+    for info in registry_plugins:
+        outcome = outcomes[info.name]
+        d = outcome.descriptor
+        if info.name == chosen:
+            status = "selected"
+        elif outcome.error is not None:
+            status = "error"
+        elif d is not None:
+            status = "present"
+        else:
+            status = "declined"
+        rows.append(
+            {
+                "plugin": info.name,
+                "distribution": info.distribution,
+                "status": status,
+                "reason": selection.why if status == "selected" else selection.others.get(info.name),
+                "device": d.name if d else None,
+                "torch_device_type": d.torch_device_type if d else None,
+                "vendor": d.vendor if d else None,
+                "priority": d.priority if d else None,
+                "capabilities": sorted(d.capabilities) if d else [],
+                "details": dict(d.details) if d else {},
+            }
+        )
+    return {
+        "selected": chosen,
+        "why": selection.why if chosen else None,
+        "error": str(selection.error) if selection.error else None,
+        "plugins": rows,
+    }
+
+
+def _devices_blocked(registry: PluginRegistry) -> list[dict]:
+    return [
+        {"plugin": p.name, "distribution": p.distribution, "status": "not loaded", "reason": p.blocked_by}
+        for p in registry.plugins
+        if p.blocked_by
+    ]
+
+
+def cmd_devices(args: argparse.Namespace) -> int:
+    registry = PluginRegistry()
+    selection = registry.explain(args.device, device_type=args.device_type)
+    report = devices_report(selection)
+    report["plugins"].extend(_devices_blocked(registry))
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0 if report["selected"] else 1
+    console = Console()
+    table = Table(title="kvhal device plugins")
+    for column in ("plugin", "distribution", "status", "why", "priority", "capabilities"):
+        table.add_column(column, overflow="fold")
+    for row in report["plugins"]:
+        table.add_row(
+            row["plugin"],
+            row.get("distribution") or "",
+            row["status"],
+            row.get("reason") or "",
+            "" if row.get("priority") is None else str(row["priority"]),
+            ", ".join(row.get("capabilities", [])),
+        )
+    console.print(table)
+    if report["selected"]:
+        console.print(f"selected: [bold]{report['selected']}[/bold] ({report['why']})")
+        for row in report["plugins"]:
+            if row["plugin"] == report["selected"] and row["details"]:
+                for key, value in row["details"].items():
+                    console.print(f"  {key}: {value}")
+        return 0
+    console.print(f"[red]no device selected[/red]: {report['error']}")
+    return 1
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    return args.bench_run(args)
+
+
+def cmd_conformance(args: argparse.Namespace) -> int:
+    try:
+        runner = importlib.import_module("kvhal_conformance.cli")
+    except ImportError:
+        print(
+            "kvhal conformance needs the kvhal-conformance package (pip install ./conformance)",
+            file=sys.stderr,
+        )
+        return 2
+    return runner.main(args.conformance_args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvhal", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    devices = sub.add_parser("devices", help="list device plugins, their probes, and the selected one")
+    devices.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    devices.add_argument("--device", help="select this plugin (as KVHAL_DEVICE would)")
+    devices.add_argument("--device-type", help="select among plugins serving this torch device type")
+    devices.set_defaults(func=cmd_devices)
+
+    bench = sub.add_parser("bench", help="benchmarks: print a table, write JSON (and a plot)")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    for name, module_name in BENCHMARKS.items():
+        module = importlib.import_module(module_name)
+        bench_parser = bench_sub.add_parser(name, help=(module.__doc__ or "").strip().splitlines()[0])
+        module.add_arguments(bench_parser)
+        run: Callable[[argparse.Namespace], int] = module.run
+        bench_parser.set_defaults(func=cmd_bench, bench_run=run)
+
+    conformance = sub.add_parser("conformance", help="run the conformance suite against a device plugin")
+    conformance.add_argument(
+        "conformance_args", nargs=argparse.REMAINDER, help="see kvhal conformance --help"
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["conformance"]:  # its own parser takes every remaining option
+        return cmd_conformance(argparse.Namespace(conformance_args=argv[1:]))
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

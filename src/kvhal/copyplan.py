@@ -1,0 +1,177 @@
+"""Validated, coalesced block copies: what every plugin's ``kvhal_copy_blocks`` receives.
+
+:func:`plan_copy` checks a copy before any byte moves (ids in range, unique
+destinations, caches of one geometry and layout, no overlap) and turns the
+``(src block, dst block)`` pairs into byte descriptors: one per run of
+consecutive ids and contiguous segment. A plugin executes the descriptors
+with its device's (batched) copy call; it never re-derives addresses.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+import torch
+
+from kvhal.cache import KVCache, SegmentFamily
+from kvhal.errors import CopyValidationError
+
+BlockMapping = Sequence[tuple[int, int]] | np.ndarray | torch.Tensor
+
+
+class Direction(str, enum.Enum):
+    """Where the bytes go, by the devices of the two caches."""
+
+    D2H = "d2h"
+    H2D = "h2d"
+    D2D = "d2d"
+    H2H = "h2h"
+
+
+@dataclass(frozen=True, eq=False)
+class CopyPlan:
+    """A checked copy of whole blocks from ``src`` to ``dst``.
+
+    :param mapping: ``(n, 2)`` int64 ``(src id, dst id)`` rows, sorted by src.
+    :param runs: ``(m, 3)`` int64 ``(src start, dst start, count)``: maximal
+        runs where both ids advance by one.
+    :param families: paired ``(src, dst)`` segment families with equal lengths.
+    """
+
+    src: KVCache
+    dst: KVCache
+    mapping: np.ndarray
+    runs: np.ndarray
+    families: tuple[tuple[SegmentFamily, SegmentFamily], ...]
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.mapping)
+
+    @property
+    def num_bytes(self) -> int:
+        return self.num_blocks * sum(s.length for s, _ in self.families)
+
+    @property
+    def src_ids(self) -> np.ndarray:
+        return self.mapping[:, 0]
+
+    @property
+    def dst_ids(self) -> np.ndarray:
+        return self.mapping[:, 1]
+
+    @property
+    def direction(self) -> Direction:
+        src_host = self.src.device.type == "cpu"
+        dst_host = self.dst.device.type == "cpu"
+        if src_host and dst_host:
+            return Direction.H2H
+        if src_host:
+            return Direction.H2D
+        return Direction.D2H if dst_host else Direction.D2D
+
+    @cached_property
+    def descriptors(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(src_ptrs, dst_ptrs, sizes)``, int64 arrays of equal length.
+
+        One descriptor per run and segment family where both sides' runs are
+        dense (consecutive blocks touch), else one per block and family.
+        """
+        srcs, dsts, sizes = [], [], []
+        for s, d in self.families:
+            if s.dense and d.dense:
+                starts_s, starts_d, counts = self.runs.T
+            else:
+                starts_s, starts_d = self.mapping.T
+                counts = np.ones_like(starts_s)
+            srcs.append(s.address + starts_s * s.block_stride)
+            dsts.append(d.address + starts_d * d.block_stride)
+            sizes.append(counts * s.length)
+        if not srcs:
+            empty = np.zeros(0, dtype=np.int64)
+            return empty, empty, empty
+        return (
+            np.concatenate(srcs).astype(np.int64),
+            np.concatenate(dsts).astype(np.int64),
+            np.concatenate(sizes).astype(np.int64),
+        )
+
+    @property
+    def num_descriptors(self) -> int:
+        return len(self.descriptors[2])
+
+
+def _as_mapping(mapping: BlockMapping) -> np.ndarray:
+    if isinstance(mapping, torch.Tensor):
+        mapping = mapping.detach().cpu().numpy()
+    array = np.asarray(mapping)
+    if array.size == 0:
+        return np.zeros((0, 2), dtype=np.int64)
+    if array.ndim != 2 or array.shape[1] != 2:
+        raise CopyValidationError(
+            "mapping", f"must be (src block, dst block) pairs of shape (n, 2), got shape {array.shape}"
+        )
+    if not np.issubdtype(array.dtype, np.integer):
+        raise CopyValidationError("mapping", f"block ids must be integers, got {array.dtype}")
+    return array.astype(np.int64)
+
+
+def _check_ids(ids: np.ndarray, limit: int, side: str) -> None:
+    bad = ids[(ids < 0) | (ids >= limit)]
+    if len(bad):
+        raise CopyValidationError(
+            "mapping",
+            f"{side} block ids out of range [0, {limit}): {sorted(set(bad.tolist()))[:8]}",
+        )
+
+
+def _pair_families(src: KVCache, dst: KVCache) -> tuple[tuple[SegmentFamily, SegmentFamily], ...]:
+    a, b = src.segments, dst.segments
+    for ours, theirs in ((a.merged, b.merged), (a.fine, b.fine)):
+        if [f.keys for f in ours] == [f.keys for f in theirs] and [f.length for f in ours] == [
+            f.length for f in theirs
+        ]:
+            return tuple(zip(ours, theirs, strict=True))
+    raise CopyValidationError(
+        "dst",
+        f"its blocks are laid out unlike the source's ({len(b.fine)} vs {len(a.fine)} runs per "
+        "block); allocate both caches in the same layout",
+    )
+
+
+def plan_copy(src: KVCache, dst: KVCache, mapping: BlockMapping) -> CopyPlan:
+    """Check a block copy and compute its descriptors; raises :class:`CopyValidationError`.
+
+    Nothing is copied here, so a refused copy leaves both caches untouched.
+    """
+    for name, cache in (("src", src), ("dst", dst)):
+        if not isinstance(cache, KVCache):
+            raise CopyValidationError(name, f"must be a KVCache, got {type(cache).__name__}")
+    why = src.geometry.mismatch(dst.geometry)
+    if why is not None:
+        raise CopyValidationError("dst", f"geometry differs from src ({why})")
+    if src.layout.stride_order != dst.layout.stride_order:
+        raise CopyValidationError("dst", f"layout {dst.layout} differs from src layout {src.layout}")
+    if src is dst or src.overlaps(dst):
+        raise CopyValidationError("dst", "shares memory with src; copy between distinct caches")
+    pairs = _as_mapping(mapping)
+    _check_ids(pairs[:, 0], src.num_blocks, "src")
+    _check_ids(pairs[:, 1], dst.num_blocks, "dst")
+    values, counts = np.unique(pairs[:, 1], return_counts=True)
+    if (counts > 1).any():
+        raise CopyValidationError(
+            "mapping", f"duplicate destination block ids: {values[counts > 1].tolist()[:8]}"
+        )
+    pairs = pairs[np.argsort(pairs[:, 0], kind="stable")]
+    if len(pairs):
+        breaks = np.flatnonzero((np.diff(pairs[:, 0]) != 1) | (np.diff(pairs[:, 1]) != 1)) + 1
+        starts = np.concatenate(([0], breaks))
+        counts = np.diff(np.concatenate((starts, [len(pairs)])))
+        runs = np.stack([pairs[starts, 0], pairs[starts, 1], counts], axis=1)
+    else:
+        runs = np.zeros((0, 3), dtype=np.int64)
+    return CopyPlan(src, dst, pairs, runs.astype(np.int64), _pair_families(src, dst))

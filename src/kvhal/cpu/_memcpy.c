@@ -1,0 +1,111 @@
+/*
+ * kvhal.cpu._memcpy: execute a batch of (src, dst, size) byte copies with the
+ * GIL released. Large copies use non-temporal stores: offloaded KV is not read
+ * again soon, and bypassing the cache avoids the read-for-ownership traffic
+ * that holds plain memcpy of 64 KiB-1 MiB chunks to about 60% of bandwidth
+ * (measured: BENCHMARKS.md). Optional: kvhal falls back to ctypes.memmove.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <emmintrin.h>
+#define KVHAL_HAVE_NT 1
+#else
+#define KVHAL_HAVE_NT 0
+#endif
+
+static void copy_streaming(char *dst, const char *src, size_t n) {
+#if KVHAL_HAVE_NT
+    size_t head = (16 - ((uintptr_t)dst & 15)) & 15;
+    if (head > n) head = n;
+    memcpy(dst, src, head);
+    dst += head; src += head; n -= head;
+    size_t blocks = n / 64;
+    for (size_t i = 0; i < blocks; i++) {
+        __m128i a = _mm_loadu_si128((const __m128i *)(src + 0));
+        __m128i b = _mm_loadu_si128((const __m128i *)(src + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(src + 32));
+        __m128i d = _mm_loadu_si128((const __m128i *)(src + 48));
+        _mm_stream_si128((__m128i *)(dst + 0), a);
+        _mm_stream_si128((__m128i *)(dst + 16), b);
+        _mm_stream_si128((__m128i *)(dst + 32), c);
+        _mm_stream_si128((__m128i *)(dst + 48), d);
+        src += 64; dst += 64;
+    }
+    memcpy(dst, src, n - blocks * 64);
+#else
+    memcpy(dst, src, n);
+#endif
+}
+
+static int get_int64_buffer(PyObject *obj, Py_buffer *view, const char *name) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return -1;
+    if (view->itemsize != 8) {
+        PyErr_Format(PyExc_TypeError, "%s must hold 64-bit integers", name);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *copy_batch(PyObject *self, PyObject *args) {
+    PyObject *src_obj, *dst_obj, *size_obj;
+    Py_ssize_t nt_threshold;
+    if (!PyArg_ParseTuple(args, "OOOn", &src_obj, &dst_obj, &size_obj, &nt_threshold)) return NULL;
+    Py_buffer src, dst, sizes;
+    if (get_int64_buffer(src_obj, &src, "src") < 0) return NULL;
+    if (get_int64_buffer(dst_obj, &dst, "dst") < 0) { PyBuffer_Release(&src); return NULL; }
+    if (get_int64_buffer(size_obj, &sizes, "sizes") < 0) {
+        PyBuffer_Release(&src); PyBuffer_Release(&dst); return NULL;
+    }
+    Py_ssize_t n = sizes.len / 8;
+    if (src.len / 8 != n || dst.len / 8 != n) {
+        PyBuffer_Release(&src); PyBuffer_Release(&dst); PyBuffer_Release(&sizes);
+        PyErr_SetString(PyExc_ValueError, "src, dst and sizes must have equal lengths");
+        return NULL;
+    }
+    const int64_t *s = (const int64_t *)src.buf, *d = (const int64_t *)dst.buf, *z = (const int64_t *)sizes.buf;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (z[i] < 0) {  /* refuse the whole batch before any byte moves */
+            PyBuffer_Release(&src); PyBuffer_Release(&dst); PyBuffer_Release(&sizes);
+            PyErr_SetString(PyExc_ValueError, "negative copy size");
+            return NULL;
+        }
+    }
+    Py_BEGIN_ALLOW_THREADS
+    int streamed = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (nt_threshold >= 0 && z[i] >= nt_threshold) {
+            copy_streaming((char *)(intptr_t)d[i], (const char *)(intptr_t)s[i], (size_t)z[i]);
+            streamed = 1;
+        } else {
+            memcpy((void *)(intptr_t)d[i], (const void *)(intptr_t)s[i], (size_t)z[i]);
+        }
+    }
+#if KVHAL_HAVE_NT
+    if (streamed) _mm_sfence();  /* make streamed stores visible before completion is signalled */
+#else
+    (void)streamed;
+#endif
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&src); PyBuffer_Release(&dst); PyBuffer_Release(&sizes);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"copy_batch", copy_batch, METH_VARARGS,
+     "copy_batch(src_ptrs, dst_ptrs, sizes, nt_threshold): copy each size bytes from src to dst "
+     "(int64 buffers), non-temporal stores for sizes >= nt_threshold (-1: never); GIL released."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_memcpy", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__memcpy(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL) PyModule_AddIntConstant(m, "HAVE_NON_TEMPORAL", KVHAL_HAVE_NT);
+    return m;
+}

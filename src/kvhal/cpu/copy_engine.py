@@ -1,0 +1,92 @@
+"""Executing byte descriptors on the CPU: the native batch kernel, split over threads.
+
+One plain memcpy on these machines reaches its bandwidth only with both cores
+and non-temporal stores (BENCHMARKS.md); a batch is therefore cut into
+byte-balanced shares, one per thread, each run by ``kvhal.cpu._memcpy`` with
+the GIL released. Without the compiled kernel, ``ctypes.memmove`` does the
+same work one descriptor at a time.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+try:
+    from kvhal.cpu import _memcpy as native
+except ImportError:  # built without a C compiler
+    native = None
+
+#: Copies at least this large bypass the cache (non-temporal stores).
+NT_THRESHOLD = int(os.environ.get("KVHAL_CPU_NT_THRESHOLD", 64 << 10))
+#: Batches smaller than this stay on one thread: a hand-off costs more.
+PARALLEL_MIN_BYTES = 1 << 20
+
+
+def _python_copy_batch(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, _nt: int) -> None:
+    memmove = ctypes.memmove
+    for s, d, n in zip(src.tolist(), dst.tolist(), sizes.tolist(), strict=True):
+        memmove(d, s, n)
+
+
+def split_shares(
+    src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, shares: int
+) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Cut descriptors into ``shares`` pieces of (nearly) equal bytes.
+
+    A descriptor that straddles a cut is split in two, so one huge run is
+    shared too. Together the pieces copy exactly the bytes of the input.
+    """
+    total = int(sizes.sum())
+    ends = np.cumsum(sizes)
+    starts = ends - sizes
+    pieces = []
+    for k in range(shares):
+        lo, hi = total * k // shares, total * (k + 1) // shares
+        if hi <= lo:
+            continue
+        first = int(np.searchsorted(ends, lo, side="right"))
+        last = int(np.searchsorted(starts, hi, side="left"))
+        s, d, z = src[first:last].copy(), dst[first:last].copy(), sizes[first:last].copy()
+        a, b = starts[first:last], ends[first:last]
+        cut_front = np.maximum(lo - a, 0)
+        cut_back = np.maximum(b - hi, 0)
+        s += cut_front
+        d += cut_front
+        z -= cut_front + cut_back
+        keep = z > 0
+        pieces.append((s[keep], d[keep], z[keep]))
+    return pieces
+
+
+class CopyEngine:
+    """Runs descriptor batches on ``threads`` threads (the caller's plus helpers)."""
+
+    def __init__(self, threads: int | None = None) -> None:
+        self.threads = max(1, threads or min(2, os.cpu_count() or 1))
+        self.kernel = native.copy_batch if native is not None else _python_copy_batch
+        self.name = "native" if native is not None else "ctypes.memmove"
+        self._pool: ThreadPoolExecutor | None = None
+
+    def _helpers(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="kvhal-cpu-copy")
+        return self._pool
+
+    def run(self, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray) -> None:
+        """Copy ``sizes[i]`` bytes from ``src[i]`` to ``dst[i]`` for every i; blocks until done."""
+        if not len(sizes):
+            return
+        if self.threads == 1 or int(sizes.sum()) < PARALLEL_MIN_BYTES:
+            self.kernel(src, dst, sizes, NT_THRESHOLD)
+            return
+        mine, *theirs = split_shares(src, dst, sizes, self.threads)
+        futures = [self._helpers().submit(self.kernel, *piece, NT_THRESHOLD) for piece in theirs]
+        try:
+            self.kernel(*mine, NT_THRESHOLD)
+        finally:
+            for future in futures:
+                future.result()

@@ -1,0 +1,129 @@
+"""The built-in CPU device plugin: kvhal's reference implementation of every device hook.
+
+It serves engines whose KV cache lives in host memory (vLLM's CPU platform)
+and is what every other plugin is measured against by the conformance suite.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+
+from kvhal.cache import KVCache, allocate_dense_kv_cache
+from kvhal.copyplan import CopyPlan
+from kvhal.cpu import memory
+from kvhal.cpu.copy_engine import NT_THRESHOLD, CopyEngine
+from kvhal.cpu.streams import CPUEvent, CPUStream, InlineStream
+from kvhal.descriptor import Capability, DeviceDescriptor, Refusal
+from kvhal.geometry import KVGeometry
+from kvhal.hookspecs import hookimpl
+from kvhal.layouts import LBHNC, STANDARD_LAYOUTS, KVLayout
+
+#: vLLM 0.32's CPU attention backend reads only LBHNC (``cpu_attn.py``).
+VLLM_CPU_BACKENDS = {"CPU_ATTN", "TORCH_SDPA", "CPU"}
+#: Locking this much tells whether host tiers can really be locked.
+LOCK_PROBE_BYTES = 16 << 20
+
+
+class CPUPlugin:
+    """Implements every device hook for ``torch.device("cpu")``."""
+
+    def __init__(self, copy_threads: int | None = None) -> None:
+        threads = copy_threads or int(os.environ.get("KVHAL_CPU_COPY_THREADS", "0")) or None
+        self.engine = CopyEngine(threads)
+        self._compute = InlineStream()
+
+    @hookimpl
+    def kvhal_probe(self) -> DeviceDescriptor | Refusal:
+        lockable, lock_note = memory.can_lock(LOCK_PROBE_BYTES)
+        caps = {
+            Capability.CROSS_LAYER,
+            Capability.SPLIT_KV,
+            Capability.ASYNC_COPY,
+            Capability.BATCHED_COPY,
+            Capability.FP8,
+        }
+        if lockable:
+            caps.add(Capability.PINNED_HOST)
+        return DeviceDescriptor(
+            name="cpu",
+            torch_device_type="cpu",
+            vendor="generic",
+            capabilities=frozenset(caps),
+            priority=0,
+            details={
+                "torch": torch.__version__,
+                "copy_engine": self.engine.name,
+                "copy_threads": str(self.engine.threads),
+                "non_temporal_threshold": str(NT_THRESHOLD),
+                "host_memory": f"page-aligned, pre-faulted; {lock_note}",
+            },
+        )
+
+    @hookimpl
+    def kvhal_kv_layouts(self, attention_backend: str | None) -> Sequence[KVLayout]:
+        if attention_backend is not None and attention_backend.upper() in VLLM_CPU_BACKENDS:
+            return (LBHNC,)
+        # Torch-level CPU kernels index any strided view.
+        return STANDARD_LAYOUTS
+
+    @hookimpl
+    def kvhal_allocate_kv_cache(
+        self, geometry: KVGeometry, layout: KVLayout, device: torch.device
+    ) -> KVCache:
+        return allocate_dense_kv_cache(geometry, layout, device)
+
+    @hookimpl
+    def kvhal_allocate_host_buffer(self, nbytes: int) -> torch.Tensor:
+        return memory.allocate(nbytes)
+
+    @hookimpl
+    def kvhal_free_host_buffer(self, buffer: torch.Tensor) -> None:
+        memory.release(buffer)
+
+    @hookimpl
+    def kvhal_host_buffer_is_pinned(self, buffer: torch.Tensor) -> bool:
+        return memory.is_locked(buffer)
+
+    @hookimpl
+    def kvhal_create_stream(self, device: torch.device) -> CPUStream:
+        return CPUStream()
+
+    @hookimpl
+    def kvhal_current_stream(self, device: torch.device) -> InlineStream:
+        return self._compute
+
+    @hookimpl
+    def kvhal_create_event(self, device: torch.device) -> CPUEvent:
+        return CPUEvent()
+
+    @hookimpl
+    def kvhal_record_event(self, event: CPUEvent, stream: CPUStream | InlineStream) -> None:
+        stream.record(event)
+
+    @hookimpl
+    def kvhal_query_event(self, event: CPUEvent) -> bool:
+        return event.query()
+
+    @hookimpl
+    def kvhal_synchronize_event(self, event: CPUEvent) -> None:
+        event.synchronize()
+
+    @hookimpl
+    def kvhal_stream_wait_event(self, stream: CPUStream | InlineStream, event: CPUEvent) -> None:
+        stream.wait_event(event)
+
+    @hookimpl
+    def kvhal_copy_blocks(self, plan: CopyPlan, stream: CPUStream | InlineStream) -> CPUEvent:
+        engine = self.engine
+
+        def copy() -> None:
+            # The closure keeps ``plan``, whose caches own the memory, alive until it ran.
+            engine.run(*plan.descriptors)
+
+        stream.submit(copy)
+        done = CPUEvent()
+        stream.record(done)
+        return done

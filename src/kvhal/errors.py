@@ -1,0 +1,72 @@
+"""kvhal's error types.
+
+Every error a plugin can cause names the culprit: the plugin, the distribution
+that ships it, and the hook. Validation errors name the argument. All of them
+are raised before any byte moves.
+"""
+
+from __future__ import annotations
+
+
+class KVHALError(Exception):
+    """Base class of every error kvhal raises on purpose."""
+
+
+class ValidationError(KVHALError, ValueError):
+    """An argument is invalid; nothing was done.
+
+    :param argument: the name of the offending argument.
+    """
+
+    def __init__(self, argument: str, message: str) -> None:
+        self.argument = argument
+        super().__init__(f"{argument}: {message}")
+
+
+class LayoutError(ValidationError):
+    """A KV layout is malformed (e.g. its stride order is not a permutation)."""
+
+
+class CopyValidationError(ValidationError):
+    """A block copy was refused before any byte moved (bad ids, mismatched caches)."""
+
+
+class PluginError(KVHALError):
+    """A device plugin failed to load, misbehaved, or returned a malformed result.
+
+    :param plugin: the plugin's registered name.
+    :param distribution: ``name version`` of the distribution shipping it, or
+        ``"kvhal (built-in)"``.
+    :param hook: the hook involved, or ``None`` when the plugin failed to load.
+    """
+
+    def __init__(self, plugin: str, distribution: str | None, hook: str | None, message: str) -> None:
+        self.plugin = plugin
+        self.distribution = distribution
+        self.hook = hook
+        where = f"plugin {plugin!r}"
+        if distribution:
+            where += f" (distribution {distribution})"
+        if hook:
+            where += f", hook {hook}"
+        super().__init__(f"{where}: {message}")
+
+
+class PluginLoadError(PluginError):
+    """A plugin's entry point could not be imported or registered."""
+
+
+class MissingHookError(PluginError):
+    """A device plugin does not implement a hook every device plugin must implement."""
+
+
+class MalformedResultError(PluginError):
+    """A hook returned something that breaks its contract."""
+
+
+class DeviceSelectionError(KVHALError):
+    """No device plugin could be selected (none present, ambiguous, or the named one declined)."""
+
+
+class TransferError(KVHALError):
+    """An asynchronous block copy failed; the destination blocks hold no valid KV."""

@@ -1,0 +1,351 @@
+"""Finding device plugins and picking one.
+
+Plugins come from the entry-point group ``kvhal.plugins`` (an entry point may
+name a module, an object, or a class, which is instantiated without
+arguments); the CPU plugin is built in. Selection, strictest first:
+
+1. a device named by argument, else by ``KVHAL_DEVICE``: that plugin or an error;
+2. a torch device type (the engine's): the present plugins serving it;
+3. otherwise every present plugin.
+
+The highest ``priority`` wins; a tie is an error. A plugin that fails to
+load, raises in its probe, or returns a malformed descriptor is an error
+naming it, its distribution and the hook: kvhal never silently falls back to
+another device. ``KVHAL_PLUGINS`` (allowlist) and ``KVHAL_DISABLE_PLUGINS``
+(blocklist), comma-separated, decide which plugins load at all;
+``KVHAL_DISABLE_PLUGIN_AUTOLOAD=1`` loads only the built-in one.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import pluggy
+
+from kvhal import hookspecs
+from kvhal.descriptor import DeviceDescriptor, Refusal
+from kvhal.device import Device
+from kvhal.errors import (
+    DeviceSelectionError,
+    KVHALError,
+    MalformedResultError,
+    MissingHookError,
+    PluginError,
+    PluginLoadError,
+)
+
+ENTRY_POINT_GROUP = "kvhal.plugins"
+ENV_DEVICE = "KVHAL_DEVICE"
+ENV_ALLOW = "KVHAL_PLUGINS"
+ENV_BLOCK = "KVHAL_DISABLE_PLUGINS"
+ENV_NO_AUTOLOAD = "KVHAL_DISABLE_PLUGIN_AUTOLOAD"
+BUILTIN_DISTRIBUTION = "kvhal (built-in)"
+
+
+@dataclass
+class PluginInfo:
+    """A plugin kvhal found, loaded or not."""
+
+    name: str
+    distribution: str | None
+    plugin: object | None = None
+    error: PluginError | None = None
+    blocked_by: str | None = None
+
+    @property
+    def loaded(self) -> bool:
+        return self.plugin is not None
+
+
+@dataclass
+class ProbeOutcome:
+    """What one device plugin's probe said."""
+
+    info: PluginInfo
+    descriptor: DeviceDescriptor | None = None
+    reason: str | None = None
+    error: PluginError | None = None
+
+    @property
+    def present(self) -> bool:
+        return self.descriptor is not None
+
+
+@dataclass
+class Selection:
+    """The outcome of device selection, with every probe, for ``kvhal devices``."""
+
+    outcomes: list[ProbeOutcome]
+    device: Device | None = None
+    error: KVHALError | None = None
+    why: str = ""
+    others: dict[str, str] = field(default_factory=dict)
+
+
+def _split_names(value: str | Iterable[str] | None) -> set[str] | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return {v.strip() for v in value.split(",") if v.strip()}
+    return set(value)
+
+
+def _distribution_of(ep: importlib.metadata.EntryPoint) -> str | None:
+    dist = getattr(ep, "dist", None)
+    return f"{dist.name} {dist.version}" if dist is not None else None
+
+
+class PluginRegistry:
+    """A pluggy manager holding kvhal's hookspecs and every plugin found.
+
+    :param allow: only these plugin names load (default ``KVHAL_PLUGINS``).
+    :param block: these never load (default ``KVHAL_DISABLE_PLUGINS``).
+    :param autoload: load entry points (default: unless ``KVHAL_DISABLE_PLUGIN_AUTOLOAD``).
+    """
+
+    def __init__(
+        self,
+        *,
+        allow: str | Iterable[str] | None = None,
+        block: str | Iterable[str] | None = None,
+        autoload: bool | None = None,
+    ) -> None:
+        self.allow = _split_names(allow if allow is not None else os.environ.get(ENV_ALLOW))
+        self.block = _split_names(block if block is not None else os.environ.get(ENV_BLOCK)) or set()
+        if autoload is None:
+            autoload = os.environ.get(ENV_NO_AUTOLOAD, "") not in ("1", "true", "yes")
+        self.pm = pluggy.PluginManager(hookspecs.PROJECT)
+        self.pm.add_hookspecs(hookspecs)
+        self.plugins: list[PluginInfo] = []
+        from kvhal.cpu import CPUPlugin
+
+        self.register(CPUPlugin(), "cpu", BUILTIN_DISTRIBUTION)
+        if autoload:
+            self._load_entry_points()
+
+    # -- loading ------------------------------------------------------------
+
+    def _refusal_to_load(self, name: str) -> str | None:
+        if name in self.block:
+            return f"blocked by {ENV_BLOCK} or block="
+        if self.allow is not None and name not in self.allow:
+            return f"not in the allowlist {ENV_ALLOW} or allow= ({', '.join(sorted(self.allow))})"
+        return None
+
+    def _load_entry_points(self) -> None:
+        seen = {p.name for p in self.plugins}
+        for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+            if ep.name in seen:
+                continue
+            seen.add(ep.name)
+            dist = _distribution_of(ep)
+            refusal = self._refusal_to_load(ep.name)
+            if refusal:
+                self.plugins.append(PluginInfo(ep.name, dist, blocked_by=refusal))
+                continue
+            try:
+                obj = ep.load()
+                if isinstance(obj, type):
+                    obj = obj()
+            except Exception as exc:  # any import-time failure is the plugin's
+                error = PluginLoadError(
+                    ep.name, dist, None, f"failed to import {ep.value!r}: {type(exc).__name__}: {exc}"
+                )
+                error.__cause__ = exc
+                self.plugins.append(PluginInfo(ep.name, dist, error=error))
+                continue
+            self.register(obj, ep.name, dist)
+
+    def register(self, plugin: object, name: str, distribution: str | None = None) -> PluginInfo:
+        """Register a plugin object (what entry points do; tests use it directly).
+
+        A plugin whose hook impls do not match kvhal's specs is kept as an
+        error entry (:class:`PluginLoadError` naming the hook), not registered.
+        """
+        refusal = self._refusal_to_load(name)
+        if refusal:
+            info = PluginInfo(name, distribution, blocked_by=refusal)
+            self.plugins.append(info)
+            return info
+        info = PluginInfo(name, distribution)
+        try:
+            self.pm.register(plugin, name=name)
+        except pluggy.PluginValidationError as exc:
+            match = re.search(r"hook '(\w+)'", str(exc))
+            info.error = PluginLoadError(name, distribution, match.group(1) if match else None, str(exc))
+            self.plugins.append(info)
+            return info
+        except ValueError as exc:  # duplicate name
+            info.error = PluginLoadError(name, distribution, None, str(exc))
+            self.plugins.append(info)
+            return info
+        unknown = [
+            caller.name
+            for caller in self.pm.get_hookcallers(plugin) or []
+            if caller.spec is None and caller.name.startswith("kvhal_")
+        ]
+        if unknown:
+            self.pm.unregister(plugin)
+            info.error = PluginLoadError(
+                name, distribution, unknown[0], f"implements {unknown} which kvhal does not define (a typo?)"
+            )
+        else:
+            info.plugin = plugin
+        self.plugins.append(info)
+        return info
+
+    # -- probing ------------------------------------------------------------
+
+    def implemented_hooks(self, info: PluginInfo) -> set[str]:
+        return {c.name for c in self.pm.get_hookcallers(info.plugin) or []} if info.plugin else set()
+
+    def device_plugins(self) -> list[PluginInfo]:
+        """Loaded plugins implementing ``kvhal_probe``, plus ones that failed to load."""
+        return [p for p in self.plugins if p.error is not None or "kvhal_probe" in self.implemented_hooks(p)]
+
+    def probe(self, info: PluginInfo) -> ProbeOutcome:
+        if info.error is not None:
+            return ProbeOutcome(info, reason=str(info.error), error=info.error)
+        impl = next(i for i in self.pm.hook.kvhal_probe.get_hookimpls() if i.plugin is info.plugin)
+        try:
+            result = impl.function()
+        except Exception as exc:
+            error = PluginError(
+                info.name, info.distribution, "kvhal_probe", f"raised {type(exc).__name__}: {exc}"
+            )
+            error.__cause__ = exc
+            return ProbeOutcome(info, reason=str(error), error=error)
+        if isinstance(result, DeviceDescriptor):
+            return ProbeOutcome(info, descriptor=result)
+        if isinstance(result, Refusal):
+            return ProbeOutcome(info, reason=result.reason)
+        error = MalformedResultError(
+            info.name,
+            info.distribution,
+            "kvhal_probe",
+            f"returned {type(result).__name__} {result!r}; expected DeviceDescriptor or Refusal",
+        )
+        return ProbeOutcome(info, reason=str(error), error=error)
+
+    def probe_all(self) -> list[ProbeOutcome]:
+        return [self.probe(p) for p in self.device_plugins()]
+
+    # -- selection ----------------------------------------------------------
+
+    def select(self, name: str | None = None, *, device_type: str | None = None) -> Device:
+        """Pick the device plugin (see the module docstring) and bind a :class:`Device`."""
+        selection = self.explain(name, device_type=device_type)
+        if selection.error is not None:
+            raise selection.error
+        assert selection.device is not None
+        return selection.device
+
+    def explain(self, name: str | None = None, *, device_type: str | None = None) -> Selection:
+        """Like :meth:`select`, but return the outcome (and every probe) instead of raising."""
+        outcomes = self.probe_all()
+        selection = Selection(outcomes)
+        named_by = "argument" if name else ENV_DEVICE
+        name = name or os.environ.get(ENV_DEVICE) or None
+        try:
+            chosen, selection.why = self._choose(outcomes, name, device_type, named_by)
+            selection.device = self._bind(chosen)
+        except KVHALError as exc:
+            selection.error = exc
+        for outcome in outcomes:
+            if selection.device is not None and outcome.info.name == selection.device.plugin_name:
+                continue
+            selection.others[outcome.info.name] = self._why_not(outcome, selection, device_type)
+        return selection
+
+    def _why_not(self, outcome: ProbeOutcome, selection: Selection, device_type: str | None) -> str:
+        if not outcome.present:
+            return outcome.reason or "not present"
+        d = outcome.descriptor
+        assert d is not None
+        if device_type and d.torch_device_type != device_type:
+            return f"serves torch device type {d.torch_device_type!r}, not {device_type!r}"
+        if selection.device is not None:
+            return (
+                f"present, but priority {d.priority} < {selection.device.descriptor.priority} "
+                f"of {selection.device.plugin_name!r}"
+                if d.priority < selection.device.descriptor.priority
+                else "present, but another device was named"
+            )
+        return "present"
+
+    def _choose(
+        self,
+        outcomes: list[ProbeOutcome],
+        name: str | None,
+        device_type: str | None,
+        named_by: str,
+    ) -> tuple[ProbeOutcome, str]:
+        broken = [o for o in outcomes if o.error is not None]
+        if name is not None:
+            matches = [o for o in outcomes if o.info.name == name]
+            if not matches:
+                known = ", ".join(sorted(p.name for p in self.plugins)) or "none"
+                blocked = [p for p in self.plugins if p.name == name and p.blocked_by]
+                hint = f" ({blocked[0].blocked_by})" if blocked else ""
+                raise DeviceSelectionError(
+                    f"device plugin {name!r} was asked for but is not available{hint}; plugins found: {known}"
+                )
+            outcome = matches[0]
+            if outcome.error is not None:
+                raise outcome.error
+            if not outcome.present:
+                raise DeviceSelectionError(
+                    f"device plugin {name!r} was asked for but declined: {outcome.reason}"
+                )
+            return outcome, f"named by {named_by}"
+        if broken:
+            raise broken[0].error  # type: ignore[misc]
+        present = [o for o in outcomes if o.present]
+        if device_type is not None:
+            present = [o for o in present if o.descriptor.torch_device_type == device_type]  # type: ignore[union-attr]
+        if not present:
+            listing = "; ".join(f"{o.info.name}: {o.reason or 'present'}" for o in outcomes) or "no plugins"
+            wanted = f" for torch device type {device_type!r}" if device_type else ""
+            raise DeviceSelectionError(f"no kvhal device plugin can serve{wanted}. Plugins found: {listing}")
+        top = max(o.descriptor.priority for o in present)  # type: ignore[union-attr]
+        best = [o for o in present if o.descriptor.priority == top]  # type: ignore[union-attr]
+        if len(best) > 1:
+            names = ", ".join(o.info.name for o in best)
+            raise DeviceSelectionError(
+                f"several device plugins are present with priority {top}: {names}; "
+                f"choose one with {ENV_DEVICE}=NAME or block the others with {ENV_BLOCK}"
+            )
+        why = f"highest priority ({top}) among present plugins"
+        if device_type is not None:
+            why += f" serving torch device type {device_type!r}"
+        return best[0], why
+
+    def _bind(self, outcome: ProbeOutcome) -> Device:
+        info, descriptor = outcome.info, outcome.descriptor
+        assert descriptor is not None and info.plugin is not None
+        implemented = self.implemented_hooks(info)
+        for hook in hookspecs.DEVICE_HOOKS:
+            if hook not in implemented:
+                raise MissingHookError(
+                    info.name,
+                    info.distribution,
+                    hook,
+                    "is required of every device plugin but not implemented",
+                )
+        others = [p.plugin for p in self.device_plugins() if p.plugin is not None and p is not info]
+        return Device(self.pm, info.name, info.distribution, descriptor, others)
+
+
+def select_device(
+    name: str | None = None,
+    *,
+    device_type: str | None = None,
+    allow: str | Iterable[str] | None = None,
+    block: str | Iterable[str] | None = None,
+) -> Device:
+    """Discover plugins and return the selected :class:`Device` (see the module docstring)."""
+    return PluginRegistry(allow=allow, block=block).select(name, device_type=device_type)
