@@ -1,0 +1,113 @@
+"""Event and stream semantics of the CPU plugin, through the device facade."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import kvhal
+from kvhal.errors import TransferError
+from kvhal.geometry import KVGeometry
+from kvhal.layouts import BLHNC
+from tests.helpers import block_bytes, fill_random_bytes
+
+
+def gate(device, stream):
+    """Hold ``stream`` until the returned threading.Event is set (CPU streams run Python tasks)."""
+    opened = threading.Event()
+    stream.submit(lambda: opened.wait(10))
+    return opened
+
+
+def small(cpu):
+    g = KVGeometry(2, 8, 4, 2, 8, torch.float32)
+    cache = cpu.allocate_kv_cache(g, BLHNC)
+    fill_random_bytes(cache, seed=11)
+    return cache, cpu.allocate_host_cache(g, BLHNC, 8)
+
+
+def test_unrecorded_event_is_complete(cpu):
+    event = cpu.create_event()
+    assert cpu.query_event(event) is True
+    cpu.synchronize_event(event)
+
+
+def test_event_not_complete_before_its_work(cpu):
+    cache, host = small(cpu)
+    stream = cpu.create_stream()
+    opened = gate(cpu, stream)
+    done = cpu.copy_blocks(cache, host, [(3, 0)], stream)
+    assert cpu.query_event(done) is False
+    assert block_bytes(kvhal.get_kv_from_block(host, 0)) != block_bytes(kvhal.get_kv_from_block(cache, 3))
+    opened.set()
+    cpu.synchronize_event(done)
+    assert cpu.query_event(done) is True
+    assert block_bytes(kvhal.get_kv_from_block(host, 0)) == block_bytes(kvhal.get_kv_from_block(cache, 3))
+
+
+def test_work_on_one_stream_stays_ordered(cpu):
+    """Device -> host -> second device cache on one stream: the second copy reads what the first wrote."""
+    cache, host = small(cpu)
+    target = cpu.allocate_kv_cache(cache.geometry, BLHNC)
+    stream = cpu.create_stream()
+    opened = gate(cpu, stream)
+    cpu.copy_blocks(cache, host, [(5, 2)], stream)
+    last = cpu.copy_blocks(host, target, [(2, 6)], stream)
+    opened.set()
+    cpu.synchronize_event(last)
+    assert block_bytes(kvhal.get_kv_from_block(target, 6)) == block_bytes(kvhal.get_kv_from_block(cache, 5))
+
+
+def test_stream_waits_on_another_streams_event(cpu):
+    cache, host = small(cpu)
+    first, second = cpu.create_stream(), cpu.create_stream()
+    opened = gate(cpu, first)
+    marker = cpu.create_event()
+    cpu.record_event(marker, first)
+    cpu.stream_wait_event(second, marker)
+    done = cpu.copy_blocks(cache, host, [(1, 1)], second, after_compute=False)
+    assert cpu.query_event(done) is False, "second stream ran ahead of the event it waits on"
+    opened.set()
+    cpu.synchronize_event(done)
+    assert cpu.query_event(marker)
+
+
+def test_compute_stream_waits_for_a_load(cpu):
+    """The engine waits for a load by making its (inline) compute stream wait on the load's event."""
+    cache, host = small(cpu)
+    stream = cpu.create_stream()
+    opened = gate(cpu, stream)
+    done = cpu.copy_blocks(host, cache, [(0, 7)], stream)
+    threading.Timer(0.05, opened.set).start()
+    cpu.stream_wait_event(cpu.current_stream(), done)  # blocks the caller, like compute would
+    assert cpu.query_event(done)
+
+
+def test_failed_copy_surfaces_on_its_event_only(cpu):
+    cache, host = small(cpu)
+    stream = cpu.create_stream()
+
+    def explode():
+        raise OSError("simulated DMA fault")
+
+    stream.submit(explode)
+    failed = cpu.create_event()
+    cpu.record_event(failed, stream)
+    with pytest.raises(TransferError, match="simulated DMA fault"):
+        cpu.synchronize_event(failed)
+    with pytest.raises(TransferError):
+        cpu.query_event(failed)
+    later = cpu.copy_blocks(cache, host, [(2, 2)], stream)
+    cpu.synchronize_event(later)  # the stream keeps working; the error was reported once
+    assert block_bytes(kvhal.get_kv_from_block(host, 2)) == block_bytes(kvhal.get_kv_from_block(cache, 2))
+
+
+def test_copy_runs_off_the_callers_thread(cpu):
+    threads = []
+    cache, host = small(cpu)
+    stream = cpu.create_stream()
+    stream.submit(lambda: threads.append(threading.current_thread()))
+    cpu.synchronize_event(cpu.copy_blocks(cache, host, [(0, 0)], stream))
+    assert threads and threads[0] is not threading.current_thread()
