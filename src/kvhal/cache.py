@@ -219,17 +219,18 @@ class KVCache:
                 )
         return BlockSegments(merged=merged, fine=tuple(sorted(fine, key=lambda f: f.keys)))
 
+    @cached_property
+    def storage_spans(self) -> frozenset[tuple[int, int]]:
+        """``(address, nbytes)`` of every distinct storage under the views."""
+        return frozenset(
+            (v.untyped_storage().data_ptr(), v.untyped_storage().nbytes()) for p in self.layers for v in p
+        )
+
     def overlaps(self, other: KVCache) -> bool:
         """Whether the two caches share memory (same device and intersecting storage)."""
         if self.device != other.device:
             return False
-        mine = [
-            (v.untyped_storage().data_ptr(), v.untyped_storage().nbytes()) for p in self.layers for v in p
-        ]
-        theirs = [
-            (v.untyped_storage().data_ptr(), v.untyped_storage().nbytes()) for p in other.layers for v in p
-        ]
-        return any(a < c + d and c < a + b for a, b in mine for c, d in theirs)
+        return any(a < c + d and c < a + b for a, b in self.storage_spans for c, d in other.storage_spans)
 
 
 def _part_region_bytes(geometry: KVGeometry, part: int) -> int:

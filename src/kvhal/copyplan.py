@@ -79,26 +79,32 @@ class CopyPlan:
         """``(src_ptrs, dst_ptrs, sizes)``, int64 arrays of equal length.
 
         One descriptor per run and segment family where both sides' runs are
-        dense (consecutive blocks touch), else one per block and family.
+        dense (consecutive blocks touch), else one per block and family;
+        family-major (all of a family's descriptors together).
         """
-        srcs, dsts, sizes = [], [], []
-        for s, d in self.families:
-            if s.dense and d.dense:
-                starts_s, starts_d, counts = self.runs.T
-            else:
-                starts_s, starts_d = self.mapping.T
-                counts = np.ones_like(starts_s)
-            srcs.append(s.address + starts_s * s.block_stride)
-            dsts.append(d.address + starts_d * d.block_stride)
-            sizes.append(counts * s.length)
-        if not srcs:
+        table = np.array(
+            [(s.address, s.block_stride, d.address, d.block_stride, s.length) for s, d in self.families],
+            dtype=np.int64,
+        ).reshape(-1, 5)
+        dense = np.array([s.dense and d.dense for s, d in self.families], dtype=bool)
+        pieces = []
+        for mask, rows in ((dense, self.runs), (~dense, self._single_runs)):
+            fam = table[mask]
+            if not len(fam) or not len(rows):
+                continue
+            src = fam[:, 0:1] + rows[None, :, 0] * fam[:, 1:2]
+            dst = fam[:, 2:3] + rows[None, :, 1] * fam[:, 3:4]
+            size = fam[:, 4:5] * rows[None, :, 2]
+            pieces.append((src.ravel(), dst.ravel(), size.ravel()))
+        if not pieces:
             empty = np.zeros(0, dtype=np.int64)
             return empty, empty, empty
-        return (
-            np.concatenate(srcs).astype(np.int64),
-            np.concatenate(dsts).astype(np.int64),
-            np.concatenate(sizes).astype(np.int64),
-        )
+        return tuple(np.concatenate(column) for column in zip(*pieces, strict=True))  # type: ignore[return-value]
+
+    @property
+    def _single_runs(self) -> np.ndarray:
+        """The mapping as runs of one block each."""
+        return np.concatenate([self.mapping, np.ones((len(self.mapping), 1), dtype=np.int64)], axis=1)
 
     @property
     def num_descriptors(self) -> int:
