@@ -7,10 +7,12 @@ import json
 import os
 import platform
 import subprocess
+import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+from rich.console import Console
 
 
 def machine_info() -> dict:
@@ -36,3 +38,9 @@ def write_outputs(folder: Path, name: str, result: dict) -> tuple[Path, Path]:
     json_path = folder / f"{name}.json"
     json_path.write_text(json.dumps(result, indent=2, default=str))
     return json_path, folder / f"{name}.png"
+
+
+def console() -> Console:
+    """A console wide enough for benchmark tables when output is not a terminal (CI logs, files)."""
+    width = None if sys.stdout.isatty() else 160
+    return Console(width=width)

@@ -24,6 +24,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from kvhal.bench.common import console as make_console
 from kvhal.bench.common import machine_info, write_outputs
 from kvhal.cache import KVCache, dense_kv_cache
 from kvhal.device import Device
@@ -313,7 +314,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    console = Console()
+    console = make_console()
     device = select_device(args.device)
     chunks = args.chunks or (QUICK_CHUNKS_KIB if args.quick else CHUNKS_KIB)
     batches = args.batches or (QUICK_BATCHES if args.quick else BATCHES)
