@@ -31,6 +31,16 @@ class CopyValidationError(ValidationError):
     """A block copy was refused before any byte moved (bad ids, mismatched caches)."""
 
 
+class BlockStateError(ValidationError):
+    """Keys are not in the state an offloading-manager call needs (unknown, not
+    ready, no load in flight, store already completed); nothing was changed."""
+
+
+class PolicyError(KVHALError):
+    """An eviction policy broke its contract (e.g. chose a block in use); see
+    :class:`kvhal.eviction.EvictionPolicy`."""
+
+
 class PluginError(KVHALError):
     """A device plugin failed to load, misbehaved, or returned a malformed result.
 

@@ -19,7 +19,7 @@ blocks, heads, tokens per block, content; see :mod:`kvhal.layouts`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import pluggy
@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from kvhal.cache import KVCache
     from kvhal.copyplan import CopyPlan
     from kvhal.descriptor import DeviceDescriptor, Refusal
+    from kvhal.eviction import EvictionPolicy
     from kvhal.geometry import KVGeometry
     from kvhal.layouts import KVLayout
 
@@ -227,3 +228,29 @@ DEVICE_HOOKS: tuple[str, ...] = (
     "kvhal_stream_wait_event",
     "kvhal_copy_blocks",
 )
+
+
+# --------------------------------------------------------------------------
+# Eviction policies (not a device hook: any plugin may offer policies)
+# --------------------------------------------------------------------------
+
+
+@hookspec
+def kvhal_eviction_policies() -> Mapping[str, Callable[[int], EvictionPolicy]]:
+    """Eviction policies this plugin offers to offloading managers, by name.
+
+    Not a device hook: kvhal calls it on every registered plugin, device or
+    not, and merges the answers; the built-in ``lru`` and ``s3fifo`` come
+    from a built-in plugin through this same hook. An
+    :class:`~kvhal.manager.OffloadingManager` picks a policy by name
+    (:func:`kvhal.eviction.create_policy`); an unknown name is an error
+    listing the known ones.
+
+    :return: a mapping from policy name to a factory: ``factory(num_slots)``
+        returns a fresh :class:`~kvhal.eviction.EvictionPolicy` for a manager
+        of ``num_slots`` slots. A name offered by two plugins is an error
+        naming both; a result that is not such a mapping, or a factory that
+        returns something else, is a
+        :class:`~kvhal.errors.MalformedResultError` naming the plugin. Every
+        plugin's result is used (not first-result).
+    """

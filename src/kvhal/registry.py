@@ -44,6 +44,7 @@ ENV_ALLOW = "KVHAL_PLUGINS"
 ENV_BLOCK = "KVHAL_DISABLE_PLUGINS"
 ENV_NO_AUTOLOAD = "KVHAL_DISABLE_PLUGIN_AUTOLOAD"
 BUILTIN_DISTRIBUTION = "kvhal (built-in)"
+BUILTIN_POLICIES = "kvhal-policies"
 
 
 @dataclass
@@ -122,8 +123,14 @@ class PluginRegistry:
         self.pm.add_hookspecs(hookspecs)
         self.plugins: list[PluginInfo] = []
         from kvhal.cpu import CPUPlugin
+        from kvhal.eviction import BuiltinPolicies
 
         self.register(CPUPlugin(), "cpu", BUILTIN_DISTRIBUTION)
+        # Registered past allow/block: those lists choose devices, and a manager
+        # must always find its default policy.
+        policies = BuiltinPolicies()
+        self.pm.register(policies, name=BUILTIN_POLICIES)
+        self.plugins.append(PluginInfo(BUILTIN_POLICIES, BUILTIN_DISTRIBUTION, policies))
         if autoload:
             self._load_entry_points()
 

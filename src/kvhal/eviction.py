@@ -1,0 +1,298 @@
+"""Eviction policies: which offloaded block leaves when the host tier is full.
+
+A policy keeps its own compact bookkeeping over the manager's *slots*
+(integers ``0 .. num_slots - 1``), never over keys, so that a tracked block
+costs a few bytes in it. Policies come from the ``kvhal_eviction_policies``
+hook (:mod:`kvhal.hookspecs`): the built-in ``lru`` (the default, the same
+order as vLLM 0.32's LRU) and ``s3fifo`` are offered by :class:`BuiltinPolicies`,
+which :class:`~kvhal.registry.PluginRegistry` registers; any plugin can add
+more. :func:`create_policy` picks one by name.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections import OrderedDict, deque
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
+
+from kvhal.errors import MalformedResultError, PluginError, PolicyError, ValidationError
+from kvhal.hookspecs import hookimpl
+
+if TYPE_CHECKING:
+    from kvhal.registry import PluginRegistry
+
+PolicyFactory = Callable[[int], "EvictionPolicy"]
+HOOK = "kvhal_eviction_policies"
+DEFAULT_POLICY = "lru"
+
+
+class EvictionPolicy(abc.ABC):
+    """Recency/frequency bookkeeping over a manager's slots, and the choice of victims.
+
+    The manager calls, with slot ids it owns:
+
+    - :meth:`insert` when blocks enter (at ``prepare_store``, before their
+      bytes are written; they stay pinned until the store completes);
+    - :meth:`touch` when blocks are used;
+    - :meth:`remove` when blocks leave other than by :meth:`evict` (a failed store);
+    - :meth:`evict` to free room.
+
+    :param num_slots: the manager's slot count; every slot id is below it.
+    """
+
+    def __init__(self, num_slots: int) -> None:
+        self.num_slots = num_slots
+
+    @abc.abstractmethod
+    def insert(self, slots: Sequence[int], keys: Sequence[bytes]) -> None:
+        """``slots`` now hold ``keys`` (in order: the last one entered last)."""
+
+    @abc.abstractmethod
+    def touch(self, slots: Sequence[int]) -> None:
+        """``slots`` were used, the *first* one most recently: a prefix's head
+        serves every request that its tail serves, so it should outlive it
+        (vLLM's LRU orders a request's blocks the same way)."""
+
+    @abc.abstractmethod
+    def remove(self, slots: Sequence[int]) -> None:
+        """Forget ``slots`` (their store failed)."""
+
+    @abc.abstractmethod
+    def evict(self, n: int, pinned: Sequence[int]) -> list[int]:
+        """Choose and forget exactly ``n`` distinct slots none of which is pinned.
+
+        ``pinned[slot] != 0`` marks a slot that must stay: its store or a load
+        is in flight, or the caller protects it. The manager calls this only
+        when at least ``n`` unpinned slots are inserted.
+        """
+
+
+class LRUPolicy(EvictionPolicy):
+    """Least recently used first: a doubly linked list over slots in two int lists.
+
+    Slot ``num_slots`` is the list's sentinel: its successor is the least
+    recently used slot, its predecessor the most recent one. The lists hold
+    the manager's own slot int objects, so a tracked block costs 16 bytes here.
+    """
+
+    def __init__(self, num_slots: int) -> None:
+        super().__init__(num_slots)
+        self._nil = num_slots
+        self._prev = [num_slots] * (num_slots + 1)
+        self._next = [num_slots] * (num_slots + 1)
+
+    def insert(self, slots: Sequence[int], keys: Sequence[bytes]) -> None:
+        prev, nxt, nil = self._prev, self._next, self._nil
+        last = prev[nil]
+        for slot in slots:
+            prev[slot] = last
+            nxt[last] = slot
+            last = slot
+        nxt[last] = nil
+        prev[nil] = last
+
+    def touch(self, slots: Sequence[int]) -> None:
+        prev, nxt, nil = self._prev, self._next, self._nil
+        for slot in reversed(slots):
+            before, after = prev[slot], nxt[slot]
+            nxt[before] = after
+            prev[after] = before
+            last = prev[nil]
+            prev[slot] = last
+            nxt[last] = slot
+            nxt[slot] = nil
+            prev[nil] = slot
+
+    def remove(self, slots: Sequence[int]) -> None:
+        prev, nxt = self._prev, self._next
+        for slot in slots:
+            before, after = prev[slot], nxt[slot]
+            nxt[before] = after
+            prev[after] = before
+
+    def evict(self, n: int, pinned: Sequence[int]) -> list[int]:
+        prev, nxt, nil = self._prev, self._next, self._nil
+        victims: list[int] = []
+        slot = nxt[nil]
+        while len(victims) < n:
+            if slot == nil:
+                raise PolicyError(f"lru: found {len(victims)} unpinned slots, {n} asked for")
+            after = nxt[slot]
+            if not pinned[slot]:
+                before = prev[slot]
+                nxt[before] = after
+                prev[after] = before
+                victims.append(slot)
+            slot = after
+        return victims
+
+
+class S3FIFOPolicy(EvictionPolicy):
+    """S3-FIFO (Yang et al., SOSP 2023): a small probationary FIFO, a main
+    FIFO, and a ghost FIFO of recently evicted keys.
+
+    New blocks enter the small queue (10% of the slots), or the main queue
+    when their key is a ghost. A block leaving the small queue moves to main
+    if it was used more than once -- the storing request's own touch is the
+    first use -- else it is evicted and its key's hash becomes a ghost. Main
+    is a CLOCK-like FIFO with a 2-bit frequency. Pinned blocks are passed
+    over as if used. Ghosts are key hashes (a collision only misjudges
+    admission), at most as many as main's share of the slots.
+    """
+
+    SMALL_SHARE = 0.1
+
+    def __init__(self, num_slots: int) -> None:
+        super().__init__(num_slots)
+        self._small: deque[int] = deque()
+        self._main: deque[int] = deque()
+        self._queue = bytearray(num_slots)  # 0: none, 1: small, 2: main
+        self._freq = bytearray(num_slots)
+        self._key: list[bytes | None] = [None] * num_slots
+        self._small_target = max(1, int(num_slots * self.SMALL_SHARE))
+        self._ghost: OrderedDict[int, None] = OrderedDict()
+        self._ghost_limit = max(1, num_slots - self._small_target)
+
+    def insert(self, slots: Sequence[int], keys: Sequence[bytes]) -> None:
+        ghost = self._ghost
+        for slot, key in zip(slots, keys, strict=True):
+            self._key[slot] = key
+            self._freq[slot] = 0
+            h = hash(key)
+            if h in ghost:
+                del ghost[h]
+                self._main.append(slot)
+                self._queue[slot] = 2
+            else:
+                self._small.append(slot)
+                self._queue[slot] = 1
+
+    def touch(self, slots: Sequence[int]) -> None:
+        freq = self._freq
+        for slot in slots:
+            if freq[slot] < 3:
+                freq[slot] += 1
+
+    def remove(self, slots: Sequence[int]) -> None:
+        # O(queue length) each, but only failed stores come here.
+        for slot in slots:
+            (self._small if self._queue[slot] == 1 else self._main).remove(slot)
+            self._queue[slot] = 0
+            self._key[slot] = None
+
+    def evict(self, n: int, pinned: Sequence[int]) -> list[int]:
+        victims = []
+        for _ in range(n):
+            from_small = len(self._small) >= self._small_target or not self._main
+            victim = self._evict_small(pinned) if from_small else self._evict_main(pinned)
+            if victim is None:  # the other queue holds the unpinned blocks
+                victim = self._evict_main(pinned) if from_small else self._evict_small(pinned)
+            if victim is None:
+                raise PolicyError(f"s3fifo: found {len(victims)} unpinned slots, {n} asked for")
+            victims.append(victim)
+        return victims
+
+    def _forget(self, slot: int) -> int:
+        self._queue[slot] = 0
+        self._key[slot] = None
+        return slot
+
+    def _evict_small(self, pinned: Sequence[int]) -> int | None:
+        small, freq = self._small, self._freq
+        while small:
+            slot = small.popleft()
+            if freq[slot] > 1 or pinned[slot]:
+                self._main.append(slot)
+                self._queue[slot] = 2
+                continue
+            self._ghost[hash(self._key[slot])] = None
+            if len(self._ghost) > self._ghost_limit:
+                self._ghost.popitem(last=False)
+            return self._forget(slot)
+        return None
+
+    def _evict_main(self, pinned: Sequence[int]) -> int | None:
+        main, freq = self._main, self._freq
+        # Four passes bring every unpinned frequency to zero.
+        for _ in range(4 * len(main) + 1):
+            if not main:
+                return None
+            slot = main.popleft()
+            if freq[slot] or pinned[slot]:
+                if freq[slot]:
+                    freq[slot] -= 1
+                main.append(slot)
+                continue
+            return self._forget(slot)
+        return None
+
+
+class BuiltinPolicies:
+    """The built-in plugin offering ``lru`` and ``s3fifo`` through the policy hook."""
+
+    @hookimpl
+    def kvhal_eviction_policies(self) -> Mapping[str, PolicyFactory]:
+        return {"lru": LRUPolicy, "s3fifo": S3FIFOPolicy}
+
+
+def _offers(registry: PluginRegistry) -> dict[str, tuple[PolicyFactory, str, str | None]]:
+    """Policy name -> (factory, plugin, distribution), checked."""
+    distributions = {p.name: p.distribution for p in registry.plugins}
+    found: dict[str, tuple[PolicyFactory, str, str | None]] = {}
+    for impl in registry.pm.hook.kvhal_eviction_policies.get_hookimpls():
+        plugin = impl.plugin_name
+        distribution = distributions.get(plugin)
+        result = impl.function()
+        if not isinstance(result, Mapping) or not all(
+            isinstance(k, str) and callable(v) for k, v in result.items()
+        ):
+            raise MalformedResultError(
+                plugin, distribution, HOOK, f"returned {result!r:.80}; expected a mapping of name to factory"
+            )
+        for name, factory in result.items():
+            if name in found:
+                other = found[name][1]
+                raise PluginError(plugin, distribution, HOOK, f"offers policy {name!r}, as {other!r} does")
+            found[name] = (factory, plugin, distribution)
+    return found
+
+
+def available_policies(registry: PluginRegistry) -> dict[str, PolicyFactory]:
+    """Every policy the registry's plugins offer, by name.
+
+    :raises MalformedResultError: a plugin answered with something other than
+        a mapping of names to factories.
+    :raises PluginError: two plugins offer the same name.
+    """
+    return {name: offer[0] for name, offer in _offers(registry).items()}
+
+
+def create_policy(name: str, num_slots: int, registry: PluginRegistry | None = None) -> EvictionPolicy:
+    """A fresh policy ``name`` for ``num_slots`` slots, from ``registry``'s plugins.
+
+    :param registry: where to look; by default a :class:`~kvhal.registry.PluginRegistry`
+        with the installed plugins.
+    :raises ValidationError: no plugin offers ``name`` (the message lists those known).
+    :raises MalformedResultError: its factory returned something else than an
+        :class:`EvictionPolicy` (names the plugin).
+    """
+    if registry is None:
+        from kvhal.registry import PluginRegistry
+
+        registry = PluginRegistry()
+    offers = _offers(registry)
+    if name not in offers:
+        raise ValidationError(
+            "policy", f"unknown eviction policy {name!r}; known: {', '.join(sorted(offers)) or 'none'}"
+        )
+    factory, plugin, distribution = offers[name]
+    policy = factory(num_slots)
+    if not isinstance(policy, EvictionPolicy):
+        raise MalformedResultError(
+            plugin,
+            distribution,
+            HOOK,
+            f"factory of {name!r} returned {type(policy).__name__}; expected an EvictionPolicy",
+        )
+    return policy

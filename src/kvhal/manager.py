@@ -1,0 +1,346 @@
+"""The offloading manager: which blocks the host tier holds, and which may be read.
+
+kvhal's own API, stable whatever vLLM's manager API is (it changed twice in
+2026): ``lookup``, ``prepare_load``/``complete_load``, ``touch``,
+``prepare_store``/``complete_store``, ``take_events`` -- the primitives of
+vLLM's first offloading manager (PR #20075). It runs where the engine
+schedules (vLLM's scheduler process) and never touches KV bytes: it hands
+out slots, and the :class:`~kvhal.transfer.TransferEngine` moves the bytes.
+
+Keys are opaque ``bytes`` the manager never looks inside: a block hash plus
+the KV cache group (vLLM 0.32's ``OffloadKey`` is the hash followed by the
+group index in 4 bytes). Every group shares one pool of equal slots -- vLLM
+makes page sizes equal across KV cache groups, so a block of a full-attention
+group and one of a sliding-window group take one slot each -- and so groups
+need no logic here beyond their keys being different.
+
+A block is *storing* from ``prepare_store`` until ``complete_store``, then
+*ready*; only ready blocks are found by ``lookup`` and loaded. Blocks being
+stored or loaded are never evicted (vLLM PR #20075's race). Memory: per
+tracked block one dict entry (key -> slot) and a few list cells (slot -> key,
+slot -> state, the policy's links), about 100 bytes; the slot int objects
+come from the :class:`~kvhal.host_tier.SlotPool` and are shared.
+"""
+
+from __future__ import annotations
+
+import enum
+import sys
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvhal.errors import BlockStateError, PolicyError, ValidationError
+from kvhal.eviction import DEFAULT_POLICY, EvictionPolicy, create_policy
+from kvhal.host_tier import SlotPool
+
+if TYPE_CHECKING:
+    from kvhal.registry import PluginRegistry
+
+#: ``_refs[slot]`` of a block whose store is in flight; ``0`` is ready and
+#: idle, ``k > 0`` is ready with ``k`` loads in flight.
+STORING = -1
+
+
+class BlockState(str, enum.Enum):
+    """Where a key stands in a manager."""
+
+    ABSENT = "absent"
+    STORING = "storing"
+    READY = "ready"
+
+
+@dataclass(frozen=True, slots=True)
+class StorePlan:
+    """What :meth:`OffloadingManager.prepare_store` decided.
+
+    :param keys: the keys to store, in the order given (already present ones skipped).
+    :param slots: the host slot of each key in ``keys``.
+    :param evicted: keys evicted to make room; they are no longer loadable.
+    """
+
+    keys: list[bytes]
+    slots: list[int]
+    evicted: list[bytes]
+
+
+@dataclass(frozen=True, slots=True)
+class OffloadEvent:
+    """A change of what the host tier holds, for KV-event consumers.
+
+    ``removed=False``: ``keys`` became loadable (a successful ``complete_store``).
+    ``removed=True``: ``keys`` left (evicted, or their store failed).
+    """
+
+    keys: list[bytes]
+    removed: bool
+
+
+def _as_list(keys: Iterable[bytes]) -> list[bytes]:
+    return keys if isinstance(keys, list) else list(keys)
+
+
+class OffloadingManager:
+    """Tracks offloaded blocks in a fixed number of equal host slots.
+
+    :param slots: the slot count, or the :class:`~kvhal.host_tier.SlotPool`
+        to allocate from (a :class:`~kvhal.host_tier.HostTier`'s ``pool``
+        in a single process, so that the tier and the manager share one free list).
+    :param policy: an eviction policy name (``"lru"``, ``"s3fifo"``, or one a
+        plugin offers through ``kvhal_eviction_policies``) or a policy object.
+    :param registry: where named policies are looked up (default: the
+        installed plugins).
+    :param enable_events: record :class:`OffloadEvent` for :meth:`take_events`.
+    """
+
+    def __init__(
+        self,
+        slots: int | SlotPool,
+        policy: str | EvictionPolicy = DEFAULT_POLICY,
+        *,
+        registry: PluginRegistry | None = None,
+        enable_events: bool = False,
+    ) -> None:
+        self._pool = slots if isinstance(slots, SlotPool) else SlotPool(slots)
+        num_slots = self._pool.num_slots
+        if self._pool.num_free != num_slots:
+            raise ValidationError("slots", "the slot pool must be entirely free")
+        if isinstance(policy, str):
+            policy = create_policy(policy, num_slots, registry)
+        elif not isinstance(policy, EvictionPolicy):
+            raise ValidationError("policy", f"must be a name or an EvictionPolicy, got {policy!r:.60}")
+        self.policy = policy
+        self._slot_of: dict[bytes, int] = {}
+        self._key_of: list[bytes | None] = [None] * num_slots
+        self._refs: list[int] = [0] * num_slots
+        self._num_evictable = 0  # ready blocks without loads in flight
+        self._num_storing = 0
+        self._events: list[OffloadEvent] | None = [] if enable_events else None
+
+    # -- state ---------------------------------------------------------------
+
+    @property
+    def pool(self) -> SlotPool:
+        """The free list the manager allocates slots from."""
+        return self._pool
+
+    @property
+    def num_slots(self) -> int:
+        return self._pool.num_slots
+
+    @property
+    def num_free(self) -> int:
+        return self._pool.num_free
+
+    @property
+    def num_storing(self) -> int:
+        return self._num_storing
+
+    @property
+    def num_evictable(self) -> int:
+        return self._num_evictable
+
+    def __len__(self) -> int:
+        """Blocks tracked: storing or ready."""
+        return len(self._slot_of)
+
+    def state(self, key: bytes) -> BlockState:
+        slot = self._slot_of.get(key)
+        if slot is None:
+            return BlockState.ABSENT
+        return BlockState.STORING if self._refs[slot] == STORING else BlockState.READY
+
+    def loads_in_flight(self, key: bytes) -> int:
+        slot = self._slot_of.get(key)
+        return 0 if slot is None else max(self._refs[slot], 0)
+
+    def slot(self, key: bytes) -> int | None:
+        return self._slot_of.get(key)
+
+    # -- loads ---------------------------------------------------------------
+
+    def lookup(self, keys: Iterable[bytes]) -> int:
+        """How many of ``keys``, from the first, are ready: the loadable prefix.
+
+        A key that is unknown or still being stored ends the prefix.
+        """
+        get, refs = self._slot_of.get, self._refs
+        hits = 0
+        for key in keys:
+            slot = get(key)
+            if slot is None or refs[slot] < 0:
+                break
+            hits += 1
+        return hits
+
+    def _slots_of(self, keys: list[bytes], lowest: int, highest: int, needs: str) -> list[int]:
+        """The slots of ``keys``, each of whose state ``_refs`` lies in ``[lowest, highest]``."""
+        get, refs = self._slot_of.get, self._refs
+        slots = [get(key) for key in keys]
+        if slots and (
+            None in slots
+            or min(map(refs.__getitem__, slots)) < lowest  # type: ignore[arg-type]
+            or max(map(refs.__getitem__, slots)) > highest  # type: ignore[arg-type]
+        ):
+            for key, slot in zip(keys, slots, strict=True):
+                if slot is None or not lowest <= refs[slot] <= highest:
+                    if slot is None:
+                        state = "not offloaded"
+                    elif refs[slot] == STORING:
+                        state = "still being stored"
+                    else:
+                        state = f"ready with {refs[slot]} loads in flight"
+                    raise BlockStateError("keys", f"{key!r:.60} is {state}; {needs}")
+        return slots  # type: ignore[return-value]
+
+    def prepare_load(self, keys: Iterable[bytes]) -> list[int]:
+        """Protect ready ``keys`` from eviction until :meth:`complete_load`; their slots.
+
+        Counted per call: two loads of a key need two ``complete_load`` calls.
+
+        :raises BlockStateError: a key is absent or still being stored (nothing changed).
+        """
+        keys = _as_list(keys)
+        slots = self._slots_of(keys, 0, sys.maxsize, "only ready blocks can be loaded")
+        refs = self._refs
+        for slot in slots:
+            if refs[slot] == 0:
+                self._num_evictable -= 1
+            refs[slot] += 1
+        return slots
+
+    def complete_load(self, keys: Iterable[bytes]) -> None:
+        """End one load of each of ``keys`` (successful or not): they may be evicted again.
+
+        :raises BlockStateError: a key has no load in flight (nothing changed).
+        """
+        keys = _as_list(keys)
+        slots = self._slots_of(keys, 1, sys.maxsize, "complete_load needs a load in flight")
+        refs = self._refs
+        if len(set(slots)) != len(slots):
+            for slot, count in Counter(slots).items():
+                if refs[slot] < count:
+                    key = self._key_of[slot]
+                    raise BlockStateError(
+                        "keys", f"{key!r:.60} listed {count} times, {refs[slot]} loads in flight"
+                    )
+        for slot in slots:
+            refs[slot] -= 1
+            if refs[slot] == 0:
+                self._num_evictable += 1
+
+    def touch(self, keys: Iterable[bytes]) -> None:
+        """Mark ``keys`` used, the first most recently (a prefix's head outlives its tail).
+
+        Unknown keys are ignored (documented no-op): a request touches all its
+        blocks, offloaded or not.
+        """
+        get = self._slot_of.get
+        slots = [slot for slot in map(get, keys) if slot is not None]
+        if slots:
+            self.policy.touch(slots)
+
+    # -- stores --------------------------------------------------------------
+
+    def prepare_store(self, keys: Iterable[bytes]) -> StorePlan | None:
+        """Choose slots for the ``keys`` not yet tracked, evicting if needed.
+
+        Keys already tracked (storing or ready) are skipped, and are not
+        evicted to make room for the others. The stored keys are protected
+        until :meth:`complete_store`.
+
+        :return: the keys to store, their slots and the evicted keys; ``None``
+            (nothing changed) if not enough blocks can be evicted -- every
+            other one is being stored or loaded.
+        :raises ValidationError: a new key is not ``bytes`` (nothing changed).
+        """
+        keys = list(dict.fromkeys(keys))
+        slot_of = self._slot_of
+        new = [key for key in keys if key not in slot_of]
+        for key in new:
+            if not isinstance(key, bytes):
+                raise ValidationError("keys", f"keys are bytes; got {type(key).__name__} {key!r:.40}")
+        if not new:
+            return StorePlan([], [], [])
+        evicted = self._make_room(len(new) - self._pool.num_free, keys)
+        if evicted is None:
+            return None
+        slots = self._pool.allocate(len(new))
+        assert slots is not None  # room was made
+        key_of, refs = self._key_of, self._refs
+        for key, slot in zip(new, slots, strict=True):
+            slot_of[key] = slot
+            key_of[slot] = key
+            refs[slot] = STORING
+        self.policy.insert(slots, new)
+        self._num_storing += len(new)
+        return StorePlan(new, slots, evicted)
+
+    def _make_room(self, need: int, keys: list[bytes]) -> list[bytes] | None:
+        if need <= 0:
+            return []
+        refs, slot_of = self._refs, self._slot_of
+        # The call's own tracked blocks stay (vLLM does the same): pin them for the policy.
+        own = [slot_of[key] for key in keys if key in slot_of]
+        own = [slot for slot in own if refs[slot] == 0]
+        if need > self._num_evictable - len(own):
+            return None
+        for slot in own:
+            refs[slot] = 1
+        try:
+            victims = self.policy.evict(need, refs)
+        finally:
+            for slot in own:
+                refs[slot] = 0
+        key_of = self._key_of
+        if len(victims) != need or len(set(victims)) != need:
+            raise PolicyError(f"evict({need}) returned {len(victims)} slots, {len(set(victims))} distinct")
+        for slot in victims:
+            if not 0 <= slot < self.num_slots or key_of[slot] is None or refs[slot] != 0:
+                raise PolicyError(f"evict() chose slot {slot!r}, which is free, pinned or out of range")
+        evicted = [key_of[slot] for slot in victims]
+        for slot, key in zip(victims, evicted, strict=True):
+            del slot_of[key]
+            key_of[slot] = None
+        self._pool.free(victims)
+        self._num_evictable -= need
+        if self._events is not None:
+            self._events.append(OffloadEvent(evicted, removed=True))  # type: ignore[arg-type]
+        return evicted  # type: ignore[return-value]
+
+    def complete_store(self, keys: Iterable[bytes], success: bool = True) -> None:
+        """Finish the stores of ``keys``: ready to load, or (``success=False``) dropped
+        and their slots freed -- a failed store never becomes loadable.
+
+        :raises BlockStateError: a key is not being stored (unknown, or completed
+            already) or is listed twice (nothing changed).
+        """
+        keys = _as_list(keys)
+        slots = self._slots_of(keys, STORING, STORING, "complete_store needs a store in flight")
+        if len(set(slots)) != len(slots):
+            raise BlockStateError("keys", "a key is listed twice; each store completes once")
+        refs = self._refs
+        for slot in slots:
+            refs[slot] = 0
+        self._num_storing -= len(slots)
+        if success:
+            self._num_evictable += len(slots)
+        else:
+            key_of, slot_of = self._key_of, self._slot_of
+            for key, slot in zip(keys, slots, strict=True):
+                del slot_of[key]
+                key_of[slot] = None
+            self.policy.remove(slots)
+            self._pool.free(slots)
+        if self._events is not None and keys:
+            self._events.append(OffloadEvent(list(keys), removed=not success))
+
+    # -- events --------------------------------------------------------------
+
+    def take_events(self) -> list[OffloadEvent]:
+        """The events since the last call (empty unless ``enable_events``)."""
+        if not self._events:
+            return []
+        events, self._events = self._events, []
+        return events
