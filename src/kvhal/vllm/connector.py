@@ -1,0 +1,175 @@
+"""KVHALConnector: vLLM's KV connector for kvhal offloading, on whatever device vLLM runs.
+
+Users write::
+
+    kv_transfer_config={
+        "kv_connector": "KVHALConnector",
+        "kv_connector_module_path": "kvhal.vllm",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"cpu_bytes_to_use": 8 << 30},
+    }
+
+It implements ``KVConnectorBase_V1`` directly (docs/vllm-integration.md says
+why, rather than vLLM's ``OffloadingSpec`` plug point) and declares
+``SupportsHMA``, so hybrid models keep vLLM's hybrid KV cache manager.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.config import VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+    PromMetric,
+    PromMetricT,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvhal.vllm.config import ConnectorConfig
+from kvhal.vllm.metadata import KVHALMetadata, KVHALWorkerMetadata
+from kvhal.vllm.scheduler_side import SchedulerSide
+from kvhal.vllm.stats import KVHALPromMetrics, KVHALStats
+from kvhal.vllm.worker_side import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.distributed.kv_events import KVCacheEvent
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+
+class KVHALConnector(KVConnectorBase_V1, SupportsHMA):
+    """Offloads vLLM's KV cache to host memory through the kvhal device plugin for its device."""
+
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.config = ConnectorConfig.from_vllm(vllm_config, kv_cache_config)
+        self.scheduler_side = SchedulerSide(self.config) if role is KVConnectorRole.SCHEDULER else None
+        self.worker_side = WorkerSide(self.config) if role is KVConnectorRole.WORKER else None
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # A cache, not a hand-off: a dropped store is a future miss.
+        return False
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        # kvhal copies any layout the engine picks (copies follow real strides).
+        return None
+
+    # -- worker side ---------------------------------------------------------------
+
+    def _worker(self) -> WorkerSide:
+        assert self.worker_side is not None, "worker-side call on the scheduler-side connector"
+        return self.worker_side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._worker().register(kv_caches)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        self._worker().fence_stores()
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._connector_metadata
+        if isinstance(meta, KVHALMetadata):
+            self._worker().start_loads(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # loads complete within the step that starts them
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
+    ) -> None:
+        return None  # stores are whole blocks of every layer, submitted in wait_for_save
+
+    def wait_for_save(self) -> None:
+        meta = self._connector_metadata
+        if isinstance(meta, KVHALMetadata):
+            self._worker().start_stores(meta)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        finished, failed = self._worker().collect()
+        return KVConnectorTransferResults(finished_recving=finished, failed_recving=failed)
+
+    def build_connector_worker_meta(self) -> KVHALWorkerMetadata | None:
+        return self.worker_side.worker_meta() if self.worker_side is not None else None
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        side = self.worker_side or self.scheduler_side
+        return side.stats.take() if side is not None else None
+
+    def shutdown(self) -> None:
+        if self.worker_side is not None:
+            self.worker_side.shutdown()
+
+    # -- scheduler side ------------------------------------------------------------
+
+    def _scheduler(self) -> SchedulerSide:
+        assert self.scheduler_side is not None, "scheduler-side call on the worker-side connector"
+        return self.scheduler_side
+
+    def on_new_request(self, request: Request) -> None:
+        self._scheduler().track(request)
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self._scheduler().lookup(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        self._scheduler().after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self._scheduler().build_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._scheduler().on_output(connector_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler().request_finished(request)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler().request_finished(request)
+
+    def take_events(self) -> list[KVCacheEvent]:
+        return self._scheduler().take_events()
+
+    def reset_cache(self) -> bool | None:
+        return self._scheduler().reset()
+
+    # -- metrics -------------------------------------------------------------------
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KVHALStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        return KVHALPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

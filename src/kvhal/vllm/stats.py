@@ -1,0 +1,92 @@
+"""Connector statistics for vLLM's logger and Prometheus (``LLM.get_metrics()``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.config import VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+    PromMetric,
+    PromMetricT,
+)
+
+#: Counter name -> help text. Scheduler side: lookups and hits; worker side: bytes moved.
+COUNTERS = {
+    "lookup_tokens": "Prompt tokens kvhal was asked about (beyond the local prefix cache).",
+    "hit_tokens": "Prompt tokens kvhal offered to load from its host tier.",
+    "loaded_blocks": "Blocks copied from kvhal's host tier into the KV cache.",
+    "loaded_bytes": "Bytes copied from kvhal's host tier into the KV cache.",
+    "stored_blocks": "Blocks copied from the KV cache into kvhal's host tier.",
+    "stored_bytes": "Bytes copied from the KV cache into kvhal's host tier.",
+    "failed_loads": "Load jobs that failed (their tokens were recomputed).",
+    "failed_stores": "Store jobs that failed (their blocks never became loadable).",
+    "evicted_blocks": "Blocks evicted from kvhal's host tier.",
+    "store_skipped_blocks": "Blocks not stored because the host tier had no evictable room.",
+}
+
+
+@dataclass
+class KVHALStats(KVConnectorStats):
+    """Flat counters, summed across workers and steps."""
+
+    def __post_init__(self) -> None:
+        unknown = set(self.data) - set(COUNTERS)
+        if unknown:
+            raise ValueError(f"unknown kvhal counters {sorted(unknown)}")
+
+    def add(self, name: str, value: int) -> None:
+        if name not in COUNTERS:
+            raise KeyError(name)
+        if value:
+            self.data[name] = self.data.get(name, 0) + value
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVHALStats:
+        for name, value in other.data.items():
+            self.add(name, value)
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+    def take(self) -> KVHALStats | None:
+        """This interval's stats (or None), leaving this object empty."""
+        if self.is_empty():
+            return None
+        taken = KVHALStats(data=dict(self.data))
+        self.reset()
+        return taken
+
+
+class KVHALPromMetrics(KVConnectorPromMetrics):
+    """One Prometheus counter per :data:`COUNTERS` entry, named ``vllm:kvhal_<name>``."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters: dict[tuple[str, int], Any] = {}
+        for name, help_text in COUNTERS.items():
+            counter = self._counter_cls(
+                name=f"vllm:kvhal_{name}", documentation=help_text, labelnames=labelnames
+            )
+            for engine, values in per_engine_labelvalues.items():
+                self._counters[(name, engine)] = counter.labels(*values)
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for name, value in transfer_stats_data.items():
+            counter = self._counters.get((name, engine_idx))
+            if counter is not None and value:
+                counter.inc(value)
