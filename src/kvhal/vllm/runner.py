@@ -8,7 +8,8 @@ so tests, the demo and ``kvhal bench e2e`` describe what to do in a JSON spec
 Steps: ``generate`` (prompts as token ids; records tokens, timing, cached and
 kvhal-loaded tokens), ``reset`` (vLLM's prefix cache, optionally kvhal's),
 ``corrupt_host`` (overwrite kvhal's host tier with noise: the negative
-control, single-process engines only), ``metrics`` (``LLM.get_metrics()``).
+control), ``kvhal_state`` (what kvhal holds and has in flight; both
+single-process engines only), ``metrics`` (``LLM.get_metrics()``).
 """
 
 from __future__ import annotations
@@ -83,6 +84,23 @@ def _corrupt_host(seed: int) -> dict:
     return {"bytes": sum(b.numel() for b in buffers.values())}
 
 
+def _kvhal_state(llm: Any) -> dict:
+    """What kvhal holds and has in flight, on both sides (single-process engines only)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler_side
+    worker = get_kv_transfer_group().worker_side
+    manager = scheduler.manager
+    return {
+        "slots": manager.num_slots,
+        "free_slots": manager.num_free,
+        "blocks": len(manager),
+        "storing": manager.num_storing,
+        "scheduler_jobs_in_flight": scheduler.has_jobs_in_flight(),
+        "worker_jobs_in_flight": worker.jobs_in_flight,
+    }
+
+
 def _metrics(llm: Any, step: dict) -> dict:
     prefixes = tuple(
         step.get("prefixes", ("vllm:kvhal_", "vllm:external_prefix_cache", "vllm:prompt_tokens"))
@@ -119,6 +137,8 @@ def run(spec: dict) -> dict:
             record = _corrupt_host(step.get("seed", 0))
         elif op == "metrics":
             record = _metrics(llm, step)
+        elif op == "kvhal_state":
+            record = _kvhal_state(llm)
         else:
             raise ValueError(f"unknown step op {op!r}")
         result["steps"].append({"op": op, "name": step.get("name", op), **record})

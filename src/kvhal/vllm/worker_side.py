@@ -170,6 +170,10 @@ class WorkerSide:
         self._finished_loads, self._failed_loads = set(), set()
         return finished, failed
 
+    @property
+    def jobs_in_flight(self) -> int:
+        return len(self._running)
+
     def worker_meta(self) -> KVHALWorkerMetadata | None:
         if not self._succeeded and not self._failed:
             return None

