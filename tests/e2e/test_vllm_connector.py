@@ -34,7 +34,7 @@ def warm_round(model: str, batch: list[list[int]], kvhal: dict | None, **extra) 
     return run_scenario({"model": model, "kvhal": kvhal, "steps": steps, **extra})["steps"]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _baseline(model: str, batch_json: str, engine_json: str) -> tuple[tuple[int, ...], ...]:
     steps = [{"op": "generate", "prompts": json.loads(batch_json)}]
     result = run_scenario({"model": model, "kvhal": None, "steps": steps, "engine": json.loads(engine_json)})
