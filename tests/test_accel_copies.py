@@ -7,29 +7,13 @@ import torch
 
 from kvhal.accel.copies import EngineCopyHooks
 from kvhal.accel.engines import CopyJob, TorchCopyEngine
-from kvhal.accel.fakes import FakeStreamModule
+from kvhal.accel.fakes import FakeStreamModule, as_if_direction
 from kvhal.blocks import get_kv_from_block
 from kvhal.cache import allocate_dense_kv_cache
-from kvhal.copyplan import CopyPlan, Direction, plan_copy
+from kvhal.copyplan import Direction, plan_copy
 from kvhal.errors import TransferError
 from kvhal.geometry import KVGeometry
 from kvhal.layouts import BLHNC
-
-
-class AsIf(CopyPlan):
-    """A plan between host caches that reports another direction (no device here)."""
-
-    as_direction: Direction = Direction.D2H
-
-    @property
-    def direction(self) -> Direction:  # type: ignore[override]
-        return self.as_direction
-
-
-def as_if(plan: CopyPlan, direction: Direction) -> CopyPlan:
-    fake = AsIf(plan.src, plan.dst, plan.mapping, plan.runs, plan.families)
-    object.__setattr__(fake, "as_direction", direction)
-    return fake
 
 
 class Spy(TorchCopyEngine):
@@ -72,7 +56,7 @@ def test_the_copy_runs_inside_the_given_stream_and_the_event_follows_it(caches):
     module = FakeStreamModule()
     spy = Spy(module)
     plugin, stream = Plugin(module, spy), module.Stream()
-    event = plugin.kvhal_copy_blocks(as_if(plan_copy(*caches, [(1, 5)]), Direction.D2H), stream)
+    event = plugin.kvhal_copy_blocks(as_if_direction(plan_copy(*caches, [(1, 5)]), Direction.D2H), stream)
     assert spy.streams == [[stream]]
     assert event.inner.stream is stream
     assert plugin.kvhal_query_event(event) is True
@@ -82,7 +66,9 @@ def test_the_copy_runs_inside_the_given_stream_and_the_event_follows_it(caches):
 def test_a_failed_submission_is_reported_by_the_event(caches):
     module = FakeStreamModule()
     plugin = Plugin(module, Spy(module, fail=True))
-    event = plugin.kvhal_copy_blocks(as_if(plan_copy(*caches, [(1, 5)]), Direction.H2D), module.Stream())
+    event = plugin.kvhal_copy_blocks(
+        as_if_direction(plan_copy(*caches, [(1, 5)]), Direction.H2D), module.Stream()
+    )
     with pytest.raises(TransferError, match="driver said no"):
         plugin.kvhal_synchronize_event(event)
 
@@ -92,9 +78,9 @@ def test_a_load_reads_its_source_early_only_after_the_store_into_it_completed(ca
     spy = Spy(module)
     plugin, stream = Plugin(module, spy), module.Stream()
     src, host = caches
-    plugin.kvhal_copy_blocks(as_if(plan_copy(src, host, [(1, 5)]), Direction.D2H), stream)
-    load_same = as_if(plan_copy(host, src, [(5, 2)]), Direction.H2D)
-    load_other = as_if(plan_copy(host, src, [(6, 3)]), Direction.H2D)
+    plugin.kvhal_copy_blocks(as_if_direction(plan_copy(src, host, [(1, 5)]), Direction.D2H), stream)
+    load_same = as_if_direction(plan_copy(host, src, [(5, 2)]), Direction.H2D)
+    load_other = as_if_direction(plan_copy(host, src, [(6, 3)]), Direction.H2D)
     plugin.kvhal_copy_blocks(load_same, stream)
     plugin.kvhal_copy_blocks(load_other, stream)
     assert [j.source_early for j in spy.jobs] == [False, False, True]

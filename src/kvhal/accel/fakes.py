@@ -16,6 +16,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvhal.copyplan import CopyPlan, Direction
+
 _ids = itertools.count(1)
 
 
@@ -108,3 +110,24 @@ class FakeStreamModule:
     def complete_all(self) -> None:
         for event in self.events:
             event.done = True
+
+
+class _PlanAsIf(CopyPlan):
+    """A plan that reports a direction other than its caches' devices say."""
+
+    as_direction: Direction = Direction.D2H
+
+    @property
+    def direction(self) -> Direction:  # type: ignore[override]
+        return self.as_direction
+
+
+def as_if_direction(plan: CopyPlan, direction: Direction) -> CopyPlan:
+    """``plan`` (between host caches) presented as a ``direction`` copy.
+
+    Without a device both caches live in host memory; this lets a test drive
+    the store or load path of a plugin with them.
+    """
+    fake = _PlanAsIf(plan.src, plan.dst, plan.mapping, plan.runs, plan.families)
+    object.__setattr__(fake, "as_direction", direction)
+    return fake
