@@ -1,0 +1,104 @@
+"""kvhal-npu's plugin object (entry point ``npu`` in group ``kvhal.plugins``)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from types import ModuleType
+
+import torch
+
+from kvhal.accel.copies import EngineCopyHooks
+from kvhal.accel.engines import CopyEngine
+from kvhal.cache import KVCache
+from kvhal.descriptor import DeviceDescriptor, Refusal
+from kvhal.geometry import KVGeometry
+from kvhal.hookspecs import hookimpl
+from kvhal.layouts import KVLayout
+from kvhal_npu.allocation import allocate_aligned_kv_cache
+from kvhal_npu.engines import ASCEND_SWAP_BLOCKS_BATCH, ENGINE_ENV, npu_engine_factories, npu_engine_names
+from kvhal_npu.facts import NpuFacts, decide_npu, gather_npu_facts
+from kvhal_npu.host_memory import PinnedHostBuffers
+from kvhal_npu.layouts import npu_kv_layouts
+
+PIN_ENV = "KVHAL_PIN_HOST"
+
+
+class NPUPlugin(EngineCopyHooks):
+    """Ascend NPUs through torch_npu (``torch.npu``) and vllm-ascend's copy op.
+
+    Copies follow :mod:`kvhal.accel.copies`: enqueued on the given stream,
+    which ``Device.submit`` made wait for the compute stream in both
+    directions. (vllm-ascend's own native worker orders only stores after
+    compute, the state vLLM was in before #50696.)
+
+    :param facts: facts to decide on; gathered (importing torch_npu) when ``None``.
+    :param stream_module: ``torch.npu`` by default (tests pass a fake).
+    :param host: pinned host memory.
+    """
+
+    engine_env = ENGINE_ENV
+
+    def __init__(
+        self,
+        facts: NpuFacts | None = None,
+        stream_module: ModuleType | None = None,
+        host: PinnedHostBuffers | None = None,
+    ) -> None:
+        super().__init__()
+        self._facts = facts
+        self._module = stream_module
+        self._host = host
+
+    @property
+    def facts(self) -> NpuFacts:
+        if self._facts is None:
+            self._facts = gather_npu_facts()
+        return self._facts
+
+    def stream_module(self) -> ModuleType:
+        return self._module if self._module is not None else torch.npu  # type: ignore[attr-defined]
+
+    def engine_names(self) -> list[str]:
+        return npu_engine_names(self.facts, self.forced_engine())
+
+    def engine_factories(self) -> dict[str, Callable[[], CopyEngine]]:
+        return npu_engine_factories()
+
+    @hookimpl
+    def kvhal_probe(self) -> DeviceDescriptor | Refusal:
+        facts = self.facts
+        try:
+            engines = self.engine_names()
+        except ValueError as exc:
+            return Refusal(str(exc))
+        return decide_npu(facts, engines, batched=engines[0] == ASCEND_SWAP_BLOCKS_BATCH)
+
+    @hookimpl
+    def kvhal_kv_layouts(self, attention_backend: str | None) -> Sequence[KVLayout]:
+        return npu_kv_layouts(attention_backend)
+
+    @hookimpl
+    def kvhal_allocate_kv_cache(
+        self, geometry: KVGeometry, layout: KVLayout, device: torch.device
+    ) -> KVCache:
+        return allocate_aligned_kv_cache(geometry, layout, device)
+
+    def host(self) -> PinnedHostBuffers:
+        if self._host is None:
+            module = self.stream_module()
+            pin = os.environ.get(PIN_ENV, "").strip().lower() != "off"
+            self._host = PinnedHostBuffers(pin, drain=module.synchronize)
+        return self._host
+
+    @hookimpl
+    def kvhal_allocate_host_buffer(self, nbytes: int) -> torch.Tensor:
+        return self.host().allocate(nbytes)
+
+    @hookimpl
+    def kvhal_free_host_buffer(self, buffer: torch.Tensor) -> None:
+        self.host().free(buffer)
+
+    @hookimpl
+    def kvhal_host_buffer_is_pinned(self, buffer: torch.Tensor) -> bool:
+        return self.host().is_pinned(buffer)
