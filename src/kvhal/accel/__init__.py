@@ -15,5 +15,8 @@ Nothing here names a vendor: a plugin passes in its stream module
 - :mod:`kvhal.accel.torch_copy`: a plan executed with ``Tensor.copy_`` over
   byte views, the fallback that works on every torch device;
 - :mod:`kvhal.accel.engines`: an ordered chain of copy engines that falls back
-  to the next one while an engine has never worked.
+  to the next one while an engine has never worked;
+- :mod:`kvhal.accel.copies`: ``kvhal_copy_blocks`` over such a chain;
+- :mod:`kvhal.accel.fakes`: a CPU stand-in for a torch stream module, so a
+  plugin's logic can be tested without its device.
 """

@@ -171,3 +171,8 @@ def op_has_argument(op: object, name: str) -> bool:
     schema = getattr(getattr(op, "default", op), "_schema", None)
     arguments = getattr(schema, "arguments", None) or ()
     return any(getattr(a, "name", None) == name for a in arguments)
+
+
+def engine_details(engines: Sequence[str]) -> dict[str, str]:
+    """What ``kvhal devices`` shows about a plugin's copy engines (best first)."""
+    return {"copy_engine": engines[0], "copy_engine_fallbacks": ", ".join(engines[1:]) or "none"}

@@ -25,6 +25,7 @@ from types import ModuleType
 import torch
 
 from kvhal.accel.copies import EngineCopyHooks
+from kvhal.accel.host_buffers import HostBufferHooks
 from kvhal.cache import KVCache, allocate_dense_kv_cache
 from kvhal.descriptor import DeviceDescriptor, Refusal
 from kvhal.geometry import KVGeometry
@@ -35,7 +36,7 @@ from kvhal_cuda.facts import TorchFacts, gather_torch_facts
 from kvhal_cuda.host_memory import PIN_ENV, HostRegistrar, PinMode, pin_mode
 
 
-class TorchGpuPlugin(EngineCopyHooks):
+class TorchGpuPlugin(EngineCopyHooks, HostBufferHooks):
     """Every device hook over ``torch.cuda``, except ``kvhal_probe`` and ``kvhal_kv_layouts``.
 
     :param facts: facts to decide on; gathered from this process when ``None``.
@@ -93,25 +94,10 @@ class TorchGpuPlugin(EngineCopyHooks):
     ) -> KVCache:
         return allocate_dense_kv_cache(geometry, layout, device)
 
-    def registrar(self) -> HostRegistrar:
+    def host_buffers(self) -> HostRegistrar:
         if self._registrar is None:
             self._registrar = cudart_registrar(self.pin_mode(), self.stream_module())
         return self._registrar
-
-    @hookimpl
-    def kvhal_allocate_host_buffer(self, nbytes: int) -> torch.Tensor:
-        return self.registrar().allocate(nbytes)
-
-    @hookimpl
-    def kvhal_free_host_buffer(self, buffer: torch.Tensor) -> None:
-        self.registrar().free(buffer)
-
-    @hookimpl
-    def kvhal_host_buffer_is_pinned(self, buffer: torch.Tensor) -> bool:
-        registrar = self.registrar()
-        if registrar.owns(buffer):
-            return registrar.is_pinned(buffer)
-        return bool(buffer.is_pinned())
 
 
 def cudart_registrar(mode: PinMode, module: ModuleType) -> HostRegistrar:

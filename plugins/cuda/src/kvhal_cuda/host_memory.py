@@ -133,10 +133,13 @@ class HostRegistrar:
             return buffer.data_ptr() in self._buffers
 
     def is_pinned(self, buffer: torch.Tensor) -> bool:
-        """``True`` once this buffer's registration has finished and succeeded."""
+        """For its own buffers, ``True`` once registration has finished and succeeded;
+        for any other buffer, what torch says (``Tensor.is_pinned()``)."""
         with self._lock:
             record = self._buffers.get(buffer.data_ptr())
-        if record is None or record.registration is None or not record.registration.done():
+        if record is None:
+            return bool(buffer.is_pinned())
+        if record.registration is None or not record.registration.done():
             return False
         return (
             not record.registration.cancelled()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from kvhal.accel.engines import engine_details
 from kvhal.descriptor import Capability, DeviceDescriptor, Refusal
 from kvhal_cuda.facts import TorchFacts
 
@@ -29,21 +30,38 @@ def format_cuda_version(version: int | None) -> str:
     return f"{version // 1000}.{version % 1000 // 10}"
 
 
-def decide_cuda(
+def gpu_descriptor(
+    name: str,
+    vendor: str,
     facts: TorchFacts,
     *,
     pinned_host: bool,
     engines: list[str],
     batched: bool,
-    details: Mapping[str, str] | None = None,
-) -> DeviceDescriptor | Refusal:
-    """The CUDA probe's answer.
+    details: Mapping[str, str],
+) -> DeviceDescriptor:
+    """A present torch.cuda device (NVIDIA or AMD: both use torch device type ``"cuda"``).
 
-    :param facts: what torch and the machine say.
     :param pinned_host: host buffers will be registered (``KVHAL_PIN_HOST`` is not ``off``).
     :param engines: copy engines offered, best first.
     :param batched: the first engine sends a batch in one call.
+    :param details: vendor facts for ``kvhal devices``.
     """
+    return DeviceDescriptor(
+        name=name,
+        torch_device_type="cuda",
+        vendor=vendor,
+        capabilities=gpu_capabilities(pinned_host, batched),
+        priority=100,
+        device_count=facts.device_count,
+        details={"torch": facts.torch_version, **details, **engine_details(engines)},
+    )
+
+
+def decide_cuda(
+    facts: TorchFacts, *, pinned_host: bool, engines: list[str], batched: bool
+) -> DeviceDescriptor | Refusal:
+    """The CUDA probe's answer (arguments as for :func:`gpu_descriptor`)."""
     if facts.hip_version:
         return Refusal(
             f"torch {facts.torch_version} is a ROCm/HIP build (torch.version.hip={facts.hip_version}); "
@@ -59,19 +77,15 @@ def decide_cuda(
             f"no CUDA device visible (torch.cuda.device_count() is 0 with torch {facts.torch_version}, "
             f"CUDA {facts.cuda_version}; check the driver and CUDA_VISIBLE_DEVICES)"
         )
-    return DeviceDescriptor(
-        name="cuda",
-        torch_device_type="cuda",
-        vendor="nvidia",
-        capabilities=gpu_capabilities(pinned_host, batched),
-        priority=100,
-        device_count=facts.device_count,
+    return gpu_descriptor(
+        "cuda",
+        "nvidia",
+        facts,
+        pinned_host=pinned_host,
+        engines=engines,
+        batched=batched,
         details={
-            "torch": facts.torch_version,
             "torch.version.cuda": facts.cuda_version,
             "driver": format_cuda_version(facts.driver_version),
-            "copy_engine": engines[0],
-            "copy_engine_fallbacks": ", ".join(engines[1:]) or "none",
-            **(details or {}),
         },
     )

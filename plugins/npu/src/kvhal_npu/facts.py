@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvhal.accel.engines import engine_details
 from kvhal.descriptor import Capability, DeviceDescriptor, Refusal
 
 #: ``torch.ops._C_ascend.swap_blocks_batch(src_ptrs, dst_ptrs, sizes, int direction)``
@@ -89,8 +90,7 @@ def decide_npu(facts: NpuFacts, engines: list[str], batched: bool) -> DeviceDesc
         details={
             "torch": facts.torch_version,
             "torch_npu": str(facts.torch_npu_version),
-            "copy_engine": engines[0],
-            "copy_engine_fallbacks": ", ".join(engines[1:]) or "none",
             "kv_alignment": "2 MiB per layer and part (vllm-ascend _align_memory)",
+            **engine_details(engines),
         },
     )

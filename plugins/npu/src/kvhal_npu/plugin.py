@@ -10,6 +10,7 @@ import torch
 
 from kvhal.accel.copies import EngineCopyHooks
 from kvhal.accel.engines import CopyEngine
+from kvhal.accel.host_buffers import HostBufferHooks
 from kvhal.cache import KVCache
 from kvhal.descriptor import DeviceDescriptor, Refusal
 from kvhal.geometry import KVGeometry
@@ -24,7 +25,7 @@ from kvhal_npu.layouts import npu_kv_layouts
 PIN_ENV = "KVHAL_PIN_HOST"
 
 
-class NPUPlugin(EngineCopyHooks):
+class NPUPlugin(EngineCopyHooks, HostBufferHooks):
     """Ascend NPUs through torch_npu (``torch.npu``) and vllm-ascend's copy op.
 
     Copies follow :mod:`kvhal.accel.copies`: enqueued on the given stream,
@@ -84,21 +85,9 @@ class NPUPlugin(EngineCopyHooks):
     ) -> KVCache:
         return allocate_aligned_kv_cache(geometry, layout, device)
 
-    def host(self) -> PinnedHostBuffers:
+    def host_buffers(self) -> PinnedHostBuffers:
         if self._host is None:
             module = self.stream_module()
             pin = os.environ.get(PIN_ENV, "").strip().lower() != "off"
             self._host = PinnedHostBuffers(pin, drain=module.synchronize)
         return self._host
-
-    @hookimpl
-    def kvhal_allocate_host_buffer(self, nbytes: int) -> torch.Tensor:
-        return self.host().allocate(nbytes)
-
-    @hookimpl
-    def kvhal_free_host_buffer(self, buffer: torch.Tensor) -> None:
-        self.host().free(buffer)
-
-    @hookimpl
-    def kvhal_host_buffer_is_pinned(self, buffer: torch.Tensor) -> bool:
-        return self.host().is_pinned(buffer)

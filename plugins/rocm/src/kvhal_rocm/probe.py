@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from kvhal.descriptor import DeviceDescriptor, Refusal
 from kvhal_cuda.facts import TorchFacts
-from kvhal_cuda.probe import gpu_capabilities
+from kvhal_cuda.probe import gpu_descriptor
 from kvhal_rocm.batching import BatchPolicy
 from kvhal_rocm.versions import format_hip_version
 
@@ -32,19 +32,17 @@ def decide_rocm(
             f"no ROCm GPU visible (torch.cuda.device_count() is 0 with torch {facts.torch_version}, "
             f"HIP {facts.hip_version}; check the amdgpu driver and HIP_VISIBLE_DEVICES)"
         )
-    return DeviceDescriptor(
-        name="rocm",
-        torch_device_type="cuda",  # ROCm torch reuses the "cuda" device type
-        vendor="amd",
-        capabilities=gpu_capabilities(pinned_host, batched),
-        priority=100,
-        device_count=facts.device_count,
+    # ROCm torch reuses the "cuda" device type.
+    return gpu_descriptor(
+        "rocm",
+        "amd",
+        facts,
+        pinned_host=pinned_host,
+        engines=engines,
+        batched=batched,
         details={
-            "torch": facts.torch_version,
             "torch.version.hip": facts.hip_version,
             "hip_runtime": format_hip_version(facts.hip_runtime_version),
-            "copy_engine": engines[0],
-            "copy_engine_fallbacks": ", ".join(engines[1:]) or "none",
             "batch_min_bytes": str(policy.min_bytes),
             "batch_max_descriptors": str(policy.max_descriptors),
         },
