@@ -64,8 +64,9 @@ class TorchGpuPlugin(EngineCopyHooks, HostBufferHooks):
 
     # -- shared plumbing --------------------------------------------------------
 
-    @property
-    def facts(self) -> TorchFacts:
+    def machine_facts(self) -> TorchFacts:
+        """The facts decisions use, gathered on first use (a method, not a property:
+        older pluggy evaluates attributes while looking for hook implementations)."""
         if self._facts is None:
             self._facts = gather_torch_facts()
         return self._facts
@@ -78,7 +79,7 @@ class TorchGpuPlugin(EngineCopyHooks, HostBufferHooks):
 
     @hookimpl
     def kvhal_probe(self) -> DeviceDescriptor | Refusal:
-        facts = self.facts
+        facts = self.machine_facts()
         try:
             engines = self.engine_names()
             pinned_host = self.pin_mode() is not PinMode.OFF

@@ -23,10 +23,10 @@ class CUDAPlugin(TorchGpuPlugin):
     engine_env = ENGINE_ENV
 
     def engine_names(self) -> list[str]:
-        return cuda_engine_names(self.facts, self.forced_engine())
+        return cuda_engine_names(self.machine_facts(), self.forced_engine())
 
     def engine_factories(self) -> dict[str, Callable[[], CopyEngine]]:
-        return cuda_engine_factories(self.facts)
+        return cuda_engine_factories(self.machine_facts())
 
     def decide(self, facts: TorchFacts, engines: list[str], pinned_host: bool) -> DeviceDescriptor | Refusal:
         return decide_cuda(

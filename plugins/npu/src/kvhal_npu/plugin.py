@@ -51,8 +51,8 @@ class NPUPlugin(EngineCopyHooks, HostBufferHooks):
         self._module = stream_module
         self._host = host
 
-    @property
-    def facts(self) -> NpuFacts:
+    def machine_facts(self) -> NpuFacts:
+        """The facts decisions use, gathered (importing torch_npu) on first use."""
         if self._facts is None:
             self._facts = gather_npu_facts()
         return self._facts
@@ -61,14 +61,14 @@ class NPUPlugin(EngineCopyHooks, HostBufferHooks):
         return self._module if self._module is not None else torch.npu  # type: ignore[attr-defined]
 
     def engine_names(self) -> list[str]:
-        return npu_engine_names(self.facts, self.forced_engine())
+        return npu_engine_names(self.machine_facts(), self.forced_engine())
 
     def engine_factories(self) -> dict[str, Callable[[], CopyEngine]]:
         return npu_engine_factories()
 
     @hookimpl
     def kvhal_probe(self) -> DeviceDescriptor | Refusal:
-        facts = self.facts
+        facts = self.machine_facts()
         try:
             engines = self.engine_names()
         except ValueError as exc:

@@ -54,10 +54,10 @@ class ROCmPlugin(TorchGpuPlugin):
         return BatchPolicy.from_env(dict(os.environ))
 
     def engine_names(self) -> list[str]:
-        return rocm_engine_names(self.facts, self.forced_engine())
+        return rocm_engine_names(self.machine_facts(), self.forced_engine())
 
     def engine_factories(self) -> dict[str, Callable[[], CopyEngine]]:
-        facts, policy = self.facts, self.policy()
+        facts, policy = self.machine_facts(), self.policy()
 
         def runtime() -> native.RuntimeLibrary:
             lib = native.RuntimeLibrary.load("hip", facts.runtime_library or "libamdhip64.so")
