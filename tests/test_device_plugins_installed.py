@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from kvhal.cli import main as kvhal_main
 
@@ -25,6 +26,9 @@ def _needs_plugins():
         pytest.skip("the plugin distributions are not installed (scripts/setup.sh installs them)")
 
 
+@pytest.mark.skipif(
+    bool(torch.version.cuda or getattr(torch.version, "hip", None)), reason="checks the CPU-only set-up"
+)
 def test_kvhal_devices_lists_all_four_with_cpu_selected(capsys):
     assert kvhal_main(["devices", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kvhal.descriptor import Capability, DeviceDescriptor, Refusal
 from kvhal_cuda.facts import TorchFacts, gather_torch_facts
@@ -74,6 +75,7 @@ def test_format_cuda_version(version, text):
     assert format_cuda_version(version) == text
 
 
+@pytest.mark.skipif(bool(torch.version.cuda), reason="checks how a CPU-only torch is declined")
 def test_this_machine_declines_without_touching_a_device():
     facts = gather_torch_facts()
     assert facts.cuda_version is None and facts.device_count == 0

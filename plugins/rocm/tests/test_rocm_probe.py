@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kvhal.descriptor import Capability, DeviceDescriptor, Refusal
 from kvhal_cuda.facts import TorchFacts
@@ -51,9 +52,11 @@ def test_a_rocm_machine_is_described_with_the_cuda_device_type():
     assert d.details["batch_max_descriptors"] == "8192"
 
 
+@pytest.mark.skipif(bool(getattr(torch.version, "hip", None)), reason="a ROCm torch")
 def test_this_machine_declines():
     answer = ROCmPlugin().kvhal_probe()
-    assert isinstance(answer, Refusal) and "built without HIP" in answer.reason
+    expected = "CUDA build" if torch.version.cuda else "built without HIP"
+    assert isinstance(answer, Refusal) and expected in answer.reason
 
 
 def test_bad_batch_settings_decline_with_the_reason(monkeypatch):
