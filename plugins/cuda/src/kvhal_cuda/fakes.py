@@ -1,0 +1,106 @@
+"""Stand-ins for libcudart/libamdhip64 and the batch-copy entry points, for tests on a CPU.
+
+The fakes are real C function pointers (``ctypes.CFUNCTYPE`` callbacks) with
+the vendor signatures, so the ctypes marshalling in :mod:`kvhal_cuda.native`
+runs for real; they execute each copy with ``memmove`` on host memory and
+record what they were given.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvhal_cuda import native
+
+_MEMCPY_ASYNC_FN = ctypes.CFUNCTYPE(
+    ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p
+)
+_RUNTIME_VERSION_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_int))
+
+
+@dataclass
+class BatchCall:
+    """What one batched call received."""
+
+    count: int
+    src_access_order: int
+    num_attrs: int
+    attrs_idx0: int
+    stream: int
+    sizes: list[int]
+
+
+@dataclass
+class FakeVendorLibrary:
+    """A fake ``libcudart``/``libamdhip64`` (``prefix``) with a fake batch call.
+
+    :param fail_batch: error code every batched call returns (0: succeed).
+    :param fail_memcpy: error code every per-copy call returns (0: succeed).
+    :param version: what ``<prefix>RuntimeGetVersion`` reports.
+    """
+
+    prefix: str = "cuda"
+    fail_batch: int = 0
+    fail_memcpy: int = 0
+    version: int = 12080
+    batch_calls: list[BatchCall] = field(default_factory=list)
+    memcpy_calls: list[tuple[int, int, int, int, int]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._batch = native.BATCH_MEMCPY_FN(self._batch_impl)
+        setattr(self, f"{self.prefix}MemcpyAsync", _MEMCPY_ASYNC_FN(self._memcpy_impl))
+        setattr(self, f"{self.prefix}MemcpyBatchAsync", self._batch)
+        setattr(self, f"{self.prefix}RuntimeGetVersion", _RUNTIME_VERSION_FN(self._version_impl))
+
+    def batch_memcpy(self) -> native.BatchMemcpy:
+        """The batch entry point as :func:`kvhal_cuda.native.resolve_cu_memcpy_batch` returns one."""
+        return native.BatchMemcpy(self._batch, f"{self.prefix}MemcpyBatchAsync")
+
+    def runtime(self) -> native.RuntimeLibrary:
+        return native.RuntimeLibrary(self, self.prefix)
+
+    def _memcpy_impl(self, dst: int, src: int, nbytes: int, kind: int, stream: Any) -> int:
+        self.memcpy_calls.append((dst, src, nbytes, kind, stream or 0))
+        if self.fail_memcpy:
+            return self.fail_memcpy
+        ctypes.memmove(dst, src, nbytes)
+        return 0
+
+    def _version_impl(self, out: Any) -> int:
+        out[0] = self.version
+        return 0
+
+    def _batch_impl(
+        self,
+        dsts: int,
+        srcs: int,
+        sizes: int,
+        count: int,
+        attrs: int,
+        attrs_idxs: int,
+        num_attrs: int,
+        fail_idx: int,
+        stream: Any,
+    ) -> int:
+        def array(address: int) -> list[int]:
+            return list((ctypes.c_uint64 * count).from_address(address))
+
+        attr = native.MemcpyAttributes.from_address(attrs)
+        self.batch_calls.append(
+            BatchCall(
+                count=count,
+                src_access_order=attr.srcAccessOrder,
+                num_attrs=num_attrs,
+                attrs_idx0=ctypes.c_size_t.from_address(attrs_idxs).value,
+                stream=stream or 0,
+                sizes=array(sizes),
+            )
+        )
+        if self.fail_batch:
+            ctypes.c_size_t.from_address(fail_idx).value = count - 1
+            return self.fail_batch
+        for d, s, n in zip(array(dsts), array(srcs), array(sizes), strict=True):
+            ctypes.memmove(d, s, n)
+        return 0

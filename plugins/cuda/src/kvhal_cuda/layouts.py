@@ -1,0 +1,51 @@
+"""KV layouts of vLLM 0.32's CUDA attention backends.
+
+Values are the backends' ``supported_kv_cache_layouts()`` (first preferred).
+A backend that declares ``None`` accepts any layout; vLLM then prefers
+``_DEFAULT_LAYOUT_PREFERENCE`` (``vllm/v1/attention/backends/utils.py``), which
+:data:`ANY_LAYOUT` mirrors. Tests cross-check every table entry against the
+installed vLLM where the backend class imports without a GPU.
+"""
+
+from __future__ import annotations
+
+from kvhal.layouts import BHLNC, BLHNC, BLNHC, LBHNC, LBNHC, LHBNC, KVLayout
+
+#: vLLM 0.32's preference when no backend declares layouts (``utils.py:195``).
+ANY_LAYOUT: tuple[KVLayout, ...] = (LBNHC, LBHNC, BLNHC, BLHNC, BHLNC, LHBNC)
+
+#: ``get_flashinfer_layout_string`` has no name for LHBNC and asserts on it
+#: (``utils.py:175-190``), so FlashInfer's "any" excludes it.
+FLASHINFER_ANY: tuple[KVLayout, ...] = tuple(x for x in ANY_LAYOUT if x != LHBNC)
+#: FlashInfer's trtllm-gen kernels on compute capability 10.x (``flashinfer.py:604``).
+FLASHINFER_SM100: tuple[KVLayout, ...] = (LBHNC, BLHNC)
+
+#: Backends that declare a fixed set (backend name -> layouts, preferred first).
+CUDA_BACKEND_LAYOUTS: dict[str, tuple[KVLayout, ...]] = {
+    "FLASH_ATTN": ANY_LAYOUT,  # flash_attn.py:286 inherits None
+    "TRITON_ATTN": ANY_LAYOUT,  # triton_attn.py:282 inherits None
+    "FLEX_ATTENTION": (LBNHC,),  # flex_attention.py:130: only LBNHC's strides flatten (B, N)
+    "TURBOQUANT": (LBNHC,),  # turboquant_attn.py:160
+    # MLA backends inherit None from MLACommonBackend.
+    "FLASHMLA": ANY_LAYOUT,
+    "CUTLASS_MLA": ANY_LAYOUT,
+    "TRITON_MLA": ANY_LAYOUT,
+    "FLASHINFER_MLA": ANY_LAYOUT,
+    "FLASH_ATTN_MLA": ANY_LAYOUT,
+}
+
+
+def cuda_kv_layouts(attention_backend: str | None, capability_major: int | None) -> tuple[KVLayout, ...]:
+    """Layouts a CUDA device's attention kernels accept, preferred first.
+
+    :param attention_backend: vLLM's backend name, or ``None`` for the default kernels.
+    :param capability_major: the device's compute capability major (FlashInfer
+        changes its answer on 10.x), or ``None`` when unknown.
+    """
+    if attention_backend is None:
+        return ANY_LAYOUT
+    name = attention_backend.upper()
+    if name == "FLASHINFER":
+        return FLASHINFER_SM100 if capability_major == 10 else FLASHINFER_ANY
+    # Undeclared backends accept any layout, as vLLM treats them.
+    return CUDA_BACKEND_LAYOUTS.get(name, ANY_LAYOUT)

@@ -1,0 +1,113 @@
+"""Host buffers registered off the critical path: truthful pinned state, correct frees."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from kvhal_cuda.host_memory import PAGE, HostRegistrar, PinMode, map_zeroed, pin_mode
+
+
+@pytest.mark.parametrize(
+    "value, mode",
+    [(None, PinMode.ASYNC), ("", PinMode.ASYNC), ("SYNC", PinMode.SYNC), (" off ", PinMode.OFF)],
+)
+def test_pin_mode_from_the_environment(value, mode):
+    assert pin_mode(value) is mode
+
+
+def test_an_unknown_pin_mode_is_an_error():
+    with pytest.raises(ValueError, match="KVHAL_PIN_HOST='later'"):
+        pin_mode("later")
+
+
+@pytest.mark.parametrize("nbytes", [1, PAGE, 3 * PAGE + 17])
+def test_mapped_buffers_are_zeroed_page_aligned_and_exact(nbytes):
+    buffer = map_zeroed(nbytes)
+    assert buffer.numel() == nbytes and buffer.dtype == torch.int8
+    assert buffer.data_ptr() % PAGE == 0
+    assert int(buffer.abs().sum()) == 0
+    buffer.fill_(7)  # writable
+    assert int(buffer[-1]) == 7
+
+
+class FakeDriver:
+    def __init__(self, result: int = 0, gate: threading.Event | None = None) -> None:
+        self.result, self.gate = result, gate
+        self.registered: list[tuple[int, int]] = []
+        self.unregistered: list[int] = []
+        self.drained = 0
+
+    def register(self, address: int, nbytes: int) -> int:
+        if self.gate is not None:
+            self.gate.wait(5)
+        self.registered.append((address, nbytes))
+        return self.result
+
+    def unregister(self, address: int) -> int:
+        self.unregistered.append(address)
+        return 0
+
+    def drain(self) -> None:
+        self.drained += 1
+
+
+def registrar(driver: FakeDriver, mode: PinMode) -> HostRegistrar:
+    return HostRegistrar(driver.register, driver.unregister, mode, before_unregister=driver.drain)
+
+
+def test_async_registration_reports_unpinned_until_it_has_finished():
+    gate = threading.Event()
+    driver = FakeDriver(gate=gate)
+    host = registrar(driver, PinMode.ASYNC)
+    buffer = host.allocate(10_000)
+    assert host.owns(buffer) and host.is_pinned(buffer) is False
+    gate.set()
+    assert host.wait(buffer) is True and host.is_pinned(buffer) is True
+    assert driver.registered == [(buffer.data_ptr(), 3 * PAGE)]
+
+
+def test_sync_registration_is_done_on_return():
+    driver = FakeDriver()
+    host = registrar(driver, PinMode.SYNC)
+    assert host.is_pinned(host.allocate(PAGE)) is True
+
+
+def test_a_failed_registration_leaves_the_buffer_pageable_and_usable():
+    driver = FakeDriver(result=2)  # cudaErrorMemoryAllocation
+    host = registrar(driver, PinMode.SYNC)
+    buffer = host.allocate(PAGE)
+    assert host.is_pinned(buffer) is False
+    buffer.fill_(1)
+    host.free(buffer)
+    assert driver.unregistered == [] and driver.drained == 0
+
+
+def test_off_never_registers():
+    driver = FakeDriver()
+    host = registrar(driver, PinMode.OFF)
+    buffer = host.allocate(PAGE)
+    assert host.is_pinned(buffer) is False and driver.registered == []
+
+
+def test_free_waits_for_a_running_registration_then_drains_and_unregisters_once():
+    gate = threading.Event()
+    driver = FakeDriver(gate=gate)
+    host = registrar(driver, PinMode.ASYNC)
+    buffer = host.allocate(PAGE)
+    freer = threading.Thread(target=host.free, args=(buffer,))
+    freer.start()
+    gate.set()
+    freer.join(5)
+    assert driver.registered and driver.unregistered == [buffer.data_ptr()] and driver.drained == 1
+    host.free(buffer)  # a second free is a no-op
+    assert driver.unregistered == [buffer.data_ptr()]
+    assert not host.owns(buffer)
+
+
+def test_a_buffer_it_did_not_allocate_is_not_its_own():
+    host = registrar(FakeDriver(), PinMode.SYNC)
+    other = torch.zeros(16, dtype=torch.int8)
+    assert not host.owns(other) and host.is_pinned(other) is False

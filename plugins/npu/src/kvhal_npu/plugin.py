@@ -1,0 +1,93 @@
+"""kvhal-npu's plugin object (entry point ``npu`` in group ``kvhal.plugins``)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from types import ModuleType
+
+import torch
+
+from kvhal.accel.copies import EngineCopyHooks
+from kvhal.accel.engines import CopyEngine
+from kvhal.accel.host_buffers import HostBufferHooks
+from kvhal.cache import KVCache
+from kvhal.descriptor import DeviceDescriptor, Refusal
+from kvhal.geometry import KVGeometry
+from kvhal.hookspecs import hookimpl
+from kvhal.layouts import KVLayout
+from kvhal_npu.allocation import allocate_aligned_kv_cache
+from kvhal_npu.engines import ASCEND_SWAP_BLOCKS_BATCH, ENGINE_ENV, npu_engine_factories, npu_engine_names
+from kvhal_npu.facts import NpuFacts, decide_npu, gather_npu_facts
+from kvhal_npu.host_memory import PinnedHostBuffers
+from kvhal_npu.layouts import npu_kv_layouts
+
+PIN_ENV = "KVHAL_PIN_HOST"
+
+
+class NPUPlugin(EngineCopyHooks, HostBufferHooks):
+    """Ascend NPUs through torch_npu (``torch.npu``) and vllm-ascend's copy op.
+
+    Copies follow :mod:`kvhal.accel.copies`: enqueued on the given stream,
+    which ``Device.submit`` made wait for the compute stream in both
+    directions. (vllm-ascend's own native worker orders only stores after
+    compute, the state vLLM was in before #50696.)
+
+    :param facts: facts to decide on; gathered (importing torch_npu) when ``None``.
+    :param stream_module: ``torch.npu`` by default (tests pass a fake).
+    :param host: pinned host memory.
+    """
+
+    engine_env = ENGINE_ENV
+
+    def __init__(
+        self,
+        facts: NpuFacts | None = None,
+        stream_module: ModuleType | None = None,
+        host: PinnedHostBuffers | None = None,
+    ) -> None:
+        super().__init__()
+        self._facts = facts
+        self._module = stream_module
+        self._host = host
+
+    def machine_facts(self) -> NpuFacts:
+        """The facts decisions use, gathered (importing torch_npu) on first use."""
+        if self._facts is None:
+            self._facts = gather_npu_facts()
+        return self._facts
+
+    def stream_module(self) -> ModuleType:
+        return self._module if self._module is not None else torch.npu  # type: ignore[attr-defined]
+
+    def engine_names(self) -> list[str]:
+        return npu_engine_names(self.machine_facts(), self.forced_engine())
+
+    def engine_factories(self) -> dict[str, Callable[[], CopyEngine]]:
+        return npu_engine_factories()
+
+    @hookimpl
+    def kvhal_probe(self) -> DeviceDescriptor | Refusal:
+        facts = self.machine_facts()
+        try:
+            engines = self.engine_names()
+        except ValueError as exc:
+            return Refusal(str(exc))
+        return decide_npu(facts, engines, batched=engines[0] == ASCEND_SWAP_BLOCKS_BATCH)
+
+    @hookimpl
+    def kvhal_kv_layouts(self, attention_backend: str | None) -> Sequence[KVLayout]:
+        return npu_kv_layouts(attention_backend)
+
+    @hookimpl
+    def kvhal_allocate_kv_cache(
+        self, geometry: KVGeometry, layout: KVLayout, device: torch.device
+    ) -> KVCache:
+        return allocate_aligned_kv_cache(geometry, layout, device)
+
+    def host_buffers(self) -> PinnedHostBuffers:
+        if self._host is None:
+            module = self.stream_module()
+            pin = os.environ.get(PIN_ENV, "").strip().lower() != "off"
+            self._host = PinnedHostBuffers(pin, drain=module.synchronize)
+        return self._host

@@ -1,0 +1,22 @@
+"""Building blocks for plugins of accelerators that torch drives through streams and events.
+
+Nothing here names a vendor: a plugin passes in its stream module
+(``torch.cuda``, ``torch.npu``) and its copy calls. What lives here:
+
+- :mod:`kvhal.accel.descriptors`: a plan's byte descriptors, cut into
+  batches of bounded count or split by size;
+- :mod:`kvhal.accel.events`: events that report a failed copy as
+  :class:`~kvhal.errors.TransferError`;
+- :mod:`kvhal.accel.streams`: the seven stream and event hooks over a torch
+  stream module;
+- :mod:`kvhal.accel.host_writes`: which host bytes device copies may still be
+  writing, so that a load may let its source be read out of stream order only
+  when nothing can change it;
+- :mod:`kvhal.accel.torch_copy`: a plan executed with ``Tensor.copy_`` over
+  byte views, the fallback that works on every torch device;
+- :mod:`kvhal.accel.engines`: an ordered chain of copy engines that falls back
+  to the next one while an engine has never worked;
+- :mod:`kvhal.accel.copies`: ``kvhal_copy_blocks`` over such a chain;
+- :mod:`kvhal.accel.fakes`: a CPU stand-in for a torch stream module, so a
+  plugin's logic can be tested without its device.
+"""

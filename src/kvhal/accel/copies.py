@@ -1,0 +1,107 @@
+"""``kvhal_copy_blocks`` for torch stream devices, over an :class:`EngineChain`.
+
+The plugin supplies its stream module and engine chain; this hook
+
+1. enters ``stream`` (so ops and ``Tensor.copy_`` that use the current stream
+   enqueue there, and driver calls get ``stream``'s handle from the job);
+2. tells torch's caching allocator that ``stream`` uses the device caches;
+3. runs host-to-host copies on the CPU after draining ``stream``, and every
+   other copy on the engine chain, letting the source be read out of stream
+   order only for loads whose host source no unfinished store writes
+   (:mod:`kvhal.accel.host_writes`);
+4. records an event after the copy; a submission failure is carried by it.
+
+Ordering after compute is :meth:`kvhal.device.Device.submit`'s job: it makes
+``stream`` wait for the compute stream before calling the hook.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from kvhal.accel.descriptors import Descriptors
+from kvhal.accel.engines import CopyEngine, CopyJob, EngineChain, build_engines
+from kvhal.accel.events import CopyEvent
+from kvhal.accel.host_writes import PendingHostWrites, source_may_be_read_early
+from kvhal.accel.streams import TorchStreamHooks
+from kvhal.accel.torch_copy import torch_copy
+from kvhal.copyplan import CopyPlan, Direction
+from kvhal.hookspecs import hookimpl
+
+
+def keep_alive_on(plan: CopyPlan, stream: Any) -> None:
+    """Tell torch's caching allocator that ``stream`` uses the device caches' memory,
+    so freeing a cache while its copy is pending cannot hand the memory to other work."""
+    for cache in (plan.src, plan.dst):
+        if cache.device.type == "cpu":
+            continue
+        for tensor in cache.storage or tuple(v for parts in cache.layers for v in parts):
+            tensor.record_stream(stream)
+
+
+class EngineCopyHooks(TorchStreamHooks):
+    """The stream/event hooks plus ``kvhal_copy_blocks`` over an engine chain.
+
+    A plugin names its engines (:meth:`engine_names`, best first, a pure
+    decision) and says how to build each (:meth:`engine_factories`); the chain
+    is built, resolving vendor symbols, at the first copy.
+    """
+
+    #: The environment variable that forces one copy engine (no fallback).
+    engine_env: str = ""
+
+    def __init__(self) -> None:
+        self.host_writes = PendingHostWrites()
+        self._chain: EngineChain | None = None
+        self._chain_lock = threading.Lock()
+
+    def engine_names(self) -> list[str]:
+        """The copy engines this machine offers, best first (or the forced one)."""
+        raise NotImplementedError
+
+    def engine_factories(self) -> dict[str, Callable[[], CopyEngine]]:
+        """How to build each engine :meth:`engine_names` may name."""
+        raise NotImplementedError
+
+    def forced_engine(self) -> str | None:
+        return (os.environ.get(self.engine_env) or None) if self.engine_env else None
+
+    def engine_chain(self) -> EngineChain:
+        """The copy engines, built on first use."""
+        with self._chain_lock:
+            if self._chain is None:
+                engines = build_engines(
+                    self.engine_names(), self.engine_factories(), fallback=not self.forced_engine()
+                )
+                self._chain = EngineChain(engines)
+            return self._chain
+
+    @hookimpl
+    def kvhal_copy_blocks(self, plan: CopyPlan, stream: Any) -> CopyEvent:
+        module = self.stream_module()
+        descriptors = Descriptors.of(plan)
+        direction = plan.direction
+        error: BaseException | None = None
+        try:
+            with module.stream(stream):
+                keep_alive_on(plan, stream)
+                if direction is Direction.H2H:
+                    # A CPU memcpy runs outside any stream: let earlier copies on
+                    # this stream (perhaps into these buffers) finish first.
+                    stream.synchronize()
+                    torch_copy(plan.src, plan.dst, descriptors, non_blocking=False)
+                elif len(descriptors):
+                    early = source_may_be_read_early(direction, descriptors, self.host_writes)
+                    self.engine_chain().run(CopyJob(plan, descriptors, direction, stream, early))
+        except Exception as exc:  # reported through the event
+            error = exc
+        event = CopyEvent(module.Event())
+        event.record(stream)
+        if error is not None:
+            event.fail(error)
+        elif direction is Direction.D2H:
+            self.host_writes.add(descriptors, event.inner.query)
+        return event

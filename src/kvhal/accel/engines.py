@@ -1,0 +1,178 @@
+"""Copy engines and the chain that falls back from one to the next.
+
+A copy engine enqueues a job's descriptors on the job's stream with one
+vendor call or another (a batched driver call, a loop of async copies, a
+custom op, ``Tensor.copy_``). A plugin lists the engines its machine offers,
+best first (a pure decision it can unit-test), and an :class:`EngineChain`
+runs them: an engine that fails before it ever worked (a driver that lacks
+the symbol, an ABI that rejects the call) is dropped with a warning and the
+job runs on the next one; a failure of an engine that has worked is the
+copy's failure. Re-running a job is harmless: it writes the same bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from kvhal.accel.descriptors import Descriptors
+from kvhal.accel.torch_copy import torch_copy
+from kvhal.copyplan import CopyPlan, Direction
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CopyJob:
+    """One block copy, ready for an engine.
+
+    :param plan: the validated plan (its caches keep the memory alive).
+    :param descriptors: the byte descriptors to execute.
+    :param direction: host/device direction of the copy.
+    :param stream: the stream to enqueue on (the caller has entered it).
+    :param source_early: the source may be read out of stream order
+        (only ever true for loads whose host source nothing in flight writes).
+    """
+
+    plan: CopyPlan
+    descriptors: Descriptors
+    direction: Direction
+    stream: Any
+    source_early: bool = False
+
+
+class CopyEngine(Protocol):
+    """Enqueues a job's copies on its stream; raises if it could not."""
+
+    name: str
+    #: Whether a batch of descriptors goes to the device in one call.
+    batched: bool
+
+    def run(self, job: CopyJob) -> None: ...
+
+
+class TorchCopyEngine:
+    """``Tensor.copy_`` per descriptor over byte views: works wherever torch does."""
+
+    name = "torch.copy_"
+    batched = False
+
+    def run(self, job: CopyJob) -> None:
+        torch_copy(job.plan.src, job.plan.dst, job.descriptors)
+
+
+class SizeSplitEngine:
+    """Descriptors of at least ``min_bytes`` go to ``large``, the rest to ``small``.
+
+    For batched calls that lose to per-copy calls below a break-even size.
+    """
+
+    def __init__(self, large: CopyEngine, small: CopyEngine, min_bytes: int) -> None:
+        self.large, self.small, self.min_bytes = large, small, min_bytes
+        self.name = f"{large.name} (>= {min_bytes} B) + {small.name}"
+        self.batched = large.batched
+
+    def run(self, job: CopyJob) -> None:
+        large, small = job.descriptors.split_by_size(self.min_bytes)
+        for engine, part in ((self.large, large), (self.small, small)):
+            if len(part):
+                engine.run(CopyJob(job.plan, part, job.direction, job.stream, job.source_early))
+
+
+class EngineChain:
+    """Runs jobs on the first engine that works; see the module docstring."""
+
+    def __init__(self, engines: Sequence[CopyEngine]) -> None:
+        if not engines:
+            raise ValueError("an engine chain needs at least one engine")
+        self._engines = list(engines)
+        self._index = 0
+        self._proven: set[int] = set()
+        self._lock = threading.Lock()
+        self.dropped: list[tuple[str, str]] = []
+
+    @property
+    def active(self) -> CopyEngine:
+        return self._engines[self._index]
+
+    @property
+    def names(self) -> list[str]:
+        return [e.name for e in self._engines[self._index :]]
+
+    def run(self, job: CopyJob) -> None:
+        while True:
+            with self._lock:
+                index = self._index
+            engine = self._engines[index]
+            try:
+                engine.run(job)
+            except Exception as exc:
+                with self._lock:
+                    last = index == len(self._engines) - 1
+                    if index in self._proven or last:
+                        raise
+                    if self._index == index:
+                        self._index += 1
+                        reason = f"{type(exc).__name__}: {exc}"
+                        self.dropped.append((engine.name, reason))
+                        log.warning(
+                            "kvhal: copy engine %s failed before it ever worked (%s); using %s",
+                            engine.name,
+                            reason,
+                            self._engines[self._index].name,
+                        )
+                continue
+            with self._lock:
+                self._proven.add(index)
+            return
+
+
+def build_engines(
+    names: Sequence[str],
+    make: dict[str, Callable[[], CopyEngine]],
+    *,
+    fallback: bool = True,
+) -> list[CopyEngine]:
+    """Engines for ``names`` in order, skipping (with a warning) those that cannot be built.
+
+    With ``fallback=False`` (an engine forced by name) an engine that cannot be
+    built is an error instead.
+    """
+    engines: list[CopyEngine] = []
+    for name in names:
+        try:
+            engines.append(make[name]())
+        except Exception as exc:
+            if not fallback:
+                raise RuntimeError(f"copy engine {name} was forced but is unavailable: {exc}") from exc
+            log.warning("kvhal: copy engine %s is unavailable (%s: %s)", name, type(exc).__name__, exc)
+    if not engines:
+        engines.append(TorchCopyEngine())
+    return engines
+
+
+def apply_forced(names: list[str], forced: str | None, known: Sequence[str], env: str) -> list[str]:
+    """``names``, or only ``forced`` when one is given (named by ``env``).
+
+    :raises ValueError: ``forced`` is not one of ``known``.
+    """
+    if not forced:
+        return names
+    if forced not in known:
+        raise ValueError(f"{env}={forced!r} is not an engine; choose one of {', '.join(known)}")
+    return [forced]
+
+
+def op_has_argument(op: object, name: str) -> bool:
+    """Whether a torch custom op's schema (``op`` or its ``.default`` overload) has argument ``name``."""
+    schema = getattr(getattr(op, "default", op), "_schema", None)
+    arguments = getattr(schema, "arguments", None) or ()
+    return any(getattr(a, "name", None) == name for a in arguments)
+
+
+def engine_details(engines: Sequence[str]) -> dict[str, str]:
+    """What ``kvhal devices`` shows about a plugin's copy engines (best first)."""
+    return {"copy_engine": engines[0], "copy_engine_fallbacks": ", ".join(engines[1:]) or "none"}

@@ -1,0 +1,39 @@
+"""The three host-buffer hooks, over whatever allocates a plugin's host memory."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from kvhal.hookspecs import hookimpl
+
+
+class HostBuffers(Protocol):
+    """Allocates host buffers, says whether one is page-locked, and releases it."""
+
+    def allocate(self, nbytes: int) -> torch.Tensor: ...
+
+    def is_pinned(self, buffer: torch.Tensor) -> bool: ...
+
+    def free(self, buffer: torch.Tensor) -> None: ...
+
+
+class HostBufferHooks:
+    """``kvhal_allocate_host_buffer``, ``kvhal_free_host_buffer`` and
+    ``kvhal_host_buffer_is_pinned`` over :meth:`host_buffers`."""
+
+    def host_buffers(self) -> HostBuffers:
+        raise NotImplementedError
+
+    @hookimpl
+    def kvhal_allocate_host_buffer(self, nbytes: int) -> torch.Tensor:
+        return self.host_buffers().allocate(nbytes)
+
+    @hookimpl
+    def kvhal_free_host_buffer(self, buffer: torch.Tensor) -> None:
+        self.host_buffers().free(buffer)
+
+    @hookimpl
+    def kvhal_host_buffer_is_pinned(self, buffer: torch.Tensor) -> bool:
+        return self.host_buffers().is_pinned(buffer)
