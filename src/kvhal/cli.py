@@ -8,9 +8,10 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 
-from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
+from kvhal.bench.common import console as make_console
 from kvhal.registry import PluginRegistry, Selection
 
 #: ``kvhal bench NAME`` -> module with ``add_arguments(parser)`` and ``run(args) -> int``.
@@ -74,12 +75,12 @@ def cmd_devices(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
         return 0 if report["selected"] else 1
-    console = Console()
+    console = make_console()
     table = Table(title="kvhal device plugins")
     for column in ("plugin", "distribution", "status", "why", "priority", "capabilities"):
         table.add_column(column, overflow="fold")
     for row in report["plugins"]:
-        table.add_row(
+        cells = (
             row["plugin"],
             row.get("distribution") or "",
             row["status"],
@@ -87,15 +88,16 @@ def cmd_devices(args: argparse.Namespace) -> int:
             "" if row.get("priority") is None else str(row["priority"]),
             ", ".join(row.get("capabilities", [])),
         )
+        table.add_row(*(escape(cell) for cell in cells))  # reasons may contain [brackets]
     console.print(table)
     if report["selected"]:
-        console.print(f"selected: [bold]{report['selected']}[/bold] ({report['why']})")
+        console.print(f"selected: [bold]{escape(report['selected'])}[/bold] ({escape(report['why'])})")
         for row in report["plugins"]:
             if row["plugin"] == report["selected"] and row["details"]:
                 for key, value in row["details"].items():
-                    console.print(f"  {key}: {value}")
+                    console.print(f"  {escape(key)}: {escape(value)}")
         return 0
-    console.print(f"[red]no device selected[/red]: {report['error']}")
+    console.print(f"[red]no device selected[/red]: {escape(report['error'])}")
     return 1
 
 
