@@ -7,6 +7,7 @@ import importlib
 import json
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from rich.markup import escape
 from rich.table import Table
@@ -17,6 +18,7 @@ from kvhal.registry import PluginRegistry, Selection
 #: ``kvhal bench NAME`` -> module with ``add_arguments(parser)`` and ``run(args) -> int``.
 BENCHMARKS = {
     "copy": "kvhal.bench.copy",
+    "e2e": "kvhal.bench.e2e",
 }
 
 
@@ -105,6 +107,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return args.bench_run(args)
 
 
+def cmd_demo(args: argparse.Namespace) -> int:
+    """vLLM serving with kvhal on the auto-selected device: the TTFT table."""
+    from kvhal.bench import e2e
+
+    e2e.run_bench(args, e2e.DEMO_MODEL, "demo")
+    return 0
+
+
 def cmd_conformance(args: argparse.Namespace) -> int:
     try:
         runner = importlib.import_module("kvhal_conformance.cli")
@@ -135,6 +145,13 @@ def build_parser() -> argparse.ArgumentParser:
         module.add_arguments(bench_parser)
         run: Callable[[argparse.Namespace], int] = module.run
         bench_parser.set_defaults(func=cmd_bench, bench_run=run)
+
+    demo = sub.add_parser("demo", help="vLLM with kvhal on the auto-selected device: a TTFT table")
+    demo.add_argument("--prompt-len", type=int, default=1024)
+    demo.add_argument("--repeats", type=int, default=2)
+    demo.add_argument("--models", type=Path, default=Path.home() / ".cache" / "kvhal-bench-models")
+    demo.add_argument("--out", type=Path, default=Path("bench-results"))
+    demo.set_defaults(func=cmd_demo, no_throughput=True, rounds=0)
 
     conformance = sub.add_parser("conformance", help="run the conformance suite against a device plugin")
     conformance.add_argument(

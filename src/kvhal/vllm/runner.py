@@ -84,6 +84,18 @@ def _corrupt_host(seed: int) -> dict:
     return {"bytes": sum(b.numel() for b in buffers.values())}
 
 
+def _kvhal_device() -> dict | None:
+    """The device plugin the worker-side connector selected (single-process engines only)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    if not has_kv_transfer_group():
+        return None
+    worker = get_kv_transfer_group().worker_side
+    if worker is None or worker.device is None:
+        return None
+    return {"plugin": worker.device.plugin_name, "distribution": worker.device.distribution}
+
+
 def _kvhal_state(llm: Any) -> dict:
     """What kvhal holds and has in flight, on both sides (single-process engines only)."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
@@ -127,6 +139,7 @@ def run(spec: dict) -> dict:
     start = time.perf_counter()
     llm = LLM(model=spec["model"], **engine)
     result: dict[str, Any] = {"engine_start_seconds": time.perf_counter() - start, "steps": []}
+    result["kvhal_device"] = _kvhal_device() if spec.get("kvhal") is not None else None
     for step in spec["steps"]:
         op = step["op"]
         if op == "generate":
