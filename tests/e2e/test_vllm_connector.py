@@ -205,3 +205,31 @@ def test_engine_start_fails_naming_every_plugin(model):
     message = str(info.value)
     assert "device plugin 'tpu9' was asked for but is not available" in message
     assert "plugins found: cpu" in message
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_kv_events_reach_vllm_publisher_with_medium(model):
+    """kvhal's stores and evictions appear in vLLM's KV event stream as medium CPU."""
+    batch = prompts(3, LENGTH, seed=10)
+    steps = [{"op": "generate", "prompts": [p]} for p in batch]
+    steps += [{"op": "metrics"}, {"op": "kv_events"}]
+    result = run_scenario(
+        {
+            "model": model,
+            "kvhal": {"cpu_bytes_to_use": 8 * BLOCK_BYTES},  # room for 8 of the 18 blocks
+            "steps": steps,
+            "engine": {"disable_log_stats": False},
+            "kv_events_port": _free_port(),
+        }
+    )["steps"]
+    metrics, events = result[-2]["metrics"], result[-1]["events"]
+    assert events.get("BlockStored:CPU") == metrics["vllm:kvhal_stored_blocks"] > 0
+    assert events.get("BlockRemoved:CPU") == metrics["vllm:kvhal_evicted_blocks"] > 0
+    assert events.get("BlockStored:GPU", 0) > 0, "vLLM's own events should be there too"

@@ -9,7 +9,9 @@ Steps: ``generate`` (prompts as token ids; records tokens, timing, cached and
 kvhal-loaded tokens), ``reset`` (vLLM's prefix cache, optionally kvhal's),
 ``corrupt_host`` (overwrite kvhal's host tier with noise: the negative
 control), ``kvhal_state`` (what kvhal holds and has in flight; both
-single-process engines only), ``metrics`` (``LLM.get_metrics()``).
+single-process engines only), ``metrics`` (``LLM.get_metrics()``),
+``kv_events`` (KV events received from vLLM's ZMQ publisher, by type and
+medium; needs ``kv_events_port`` in the spec).
 """
 
 from __future__ import annotations
@@ -130,10 +132,54 @@ def _metrics(llm: Any, step: dict) -> dict:
     return {"metrics": found}
 
 
+class EventListener:
+    """Subscribes to vLLM's ZMQ KV-event publisher and counts events by medium and type."""
+
+    def __init__(self, port: int) -> None:
+        import threading
+
+        import zmq
+
+        self.socket = zmq.Context.instance().socket(zmq.SUB)
+        self.socket.setsockopt(zmq.SUBSCRIBE, b"")
+        self.socket.connect(f"tcp://127.0.0.1:{port}")
+        self.batches: list[bytes] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._listen, daemon=True)
+        self._thread.start()
+
+    def _listen(self) -> None:
+        while not self._stop.is_set():
+            if self.socket.poll(50):
+                self.batches.append(self.socket.recv_multipart()[-1])
+
+    def summary(self, settle: float) -> dict:
+        import msgspec
+        from vllm.distributed.kv_events import KVEventBatch
+
+        time.sleep(settle)  # the publisher sends from its own thread
+        decoder = msgspec.msgpack.Decoder(KVEventBatch)
+        counts: dict[str, int] = {}
+        for payload in list(self.batches):
+            for event in decoder.decode(payload).events:
+                key = f"{type(event).__name__}:{getattr(event, 'medium', None)}"
+                counts[key] = counts.get(key, 0) + len(getattr(event, "block_hashes", ()) or [None])
+        return {"events": counts}
+
+
 def run(spec: dict) -> dict:
     from vllm import LLM
 
     engine = {**ENGINE_DEFAULTS, **spec.get("engine", {})}
+    listener = None
+    if spec.get("kv_events_port"):
+        port = spec["kv_events_port"]
+        engine["kv_events_config"] = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{port}",
+        }
+        listener = EventListener(port)
     if spec.get("kvhal") is not None:
         engine["kv_transfer_config"] = kvhal_transfer_config(spec["kvhal"])
     start = time.perf_counter()
@@ -152,6 +198,9 @@ def run(spec: dict) -> dict:
             record = _metrics(llm, step)
         elif op == "kvhal_state":
             record = _kvhal_state(llm)
+        elif op == "kv_events":
+            assert listener is not None, "kv_events needs kv_events_port in the spec"
+            record = listener.summary(step.get("settle", 1.0))
         else:
             raise ValueError(f"unknown step op {op!r}")
         result["steps"].append({"op": op, "name": step.get("name", op), **record})
