@@ -16,6 +16,7 @@ from kvhal.registry import PluginRegistry, Selection
 #: ``kvhal bench NAME`` -> module with ``add_arguments(parser)`` and ``run(args) -> int``.
 BENCHMARKS = {
     "copy": "kvhal.bench.copy",
+    "manager": "kvhal.bench.manager",
 }
 
 

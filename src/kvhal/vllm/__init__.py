@@ -1,0 +1,1 @@
+"""vLLM adapter: every vLLM import in kvhal lives in this package."""
