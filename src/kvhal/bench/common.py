@@ -7,6 +7,7 @@ import json
 import os
 import platform
 import subprocess
+import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -36,3 +37,14 @@ def write_outputs(folder: Path, name: str, result: dict) -> tuple[Path, Path]:
     json_path = folder / f"{name}.json"
     json_path.write_text(json.dumps(result, indent=2, default=str))
     return json_path, folder / f"{name}.png"
+
+
+def result_header(benchmark: str) -> dict:
+    """What every benchmark's JSON starts with: its name, the command, the machine."""
+    invoked = sys.argv and "kvhal" in os.path.basename(sys.argv[0])
+    return {
+        "benchmark": benchmark,
+        "command": "kvhal " + " ".join(sys.argv[1:]) if invoked else f"kvhal bench {benchmark}",
+        "machine": machine_info(),
+        "python": platform.python_version(),
+    }
