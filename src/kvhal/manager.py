@@ -18,6 +18,8 @@ A block is *storing* from ``prepare_store`` until ``complete_store``, then
 *ready*; only ready blocks are found by ``lookup`` and loaded. Blocks being
 stored or loaded are never evicted (vLLM PR #20075's race).
 
+Not thread-safe: like vLLM's scheduler, one thread calls it.
+
 Memory per tracked block (the 128-byte budget; vLLM 0.32's manager takes
 about 500): the key index, 16-24 bytes natively (:mod:`kvhal.keyindex`),
 4 bytes of state (``array('i')``), the free list's 4 bytes and 1 taken byte,
@@ -160,6 +162,13 @@ class OffloadingManager:
     def slot(self, key: bytes) -> int | None:
         return self._index.get(key)
 
+    def _slots(self, keys: Iterable[bytes]) -> list[int | None]:
+        """Each key's slot or None, in one call to the index."""
+        try:
+            return self._index.slots(keys)
+        except TypeError as exc:  # an unhashable key, or keys not iterable
+            raise ValidationError("keys", f"must be an iterable of bytes keys: {exc}") from None
+
     # -- loads ---------------------------------------------------------------
 
     def lookup(self, keys: Iterable[bytes]) -> int:
@@ -168,7 +177,7 @@ class OffloadingManager:
         A key that is unknown or still being stored ends the prefix.
         """
         # Whole-list C calls instead of a loop per key: the index answers for all keys.
-        slots = self._index.slots(keys)
+        slots = self._slots(keys)
         try:
             hits = slots.index(None)
         except ValueError:
@@ -181,7 +190,7 @@ class OffloadingManager:
     def _slots_of(self, keys: list[bytes], lowest: int, highest: int, needs: str) -> list[int]:
         """The slots of ``keys``, each of whose state ``_refs`` lies in ``[lowest, highest]``."""
         refs = self._refs
-        slots = self._index.slots(keys)
+        slots = self._slots(keys)
         if not slots:
             return slots  # type: ignore[return-value]
         states = None if None in slots else list(map(refs.__getitem__, slots))
@@ -244,7 +253,7 @@ class OffloadingManager:
         Unknown keys are ignored (documented no-op): a request touches all its
         blocks, offloaded or not.
         """
-        slots = [slot for slot in self._index.slots(keys) if slot is not None]
+        slots = [slot for slot in self._slots(keys) if slot is not None]
         if slots:
             self.policy.touch(slots)
 
@@ -263,7 +272,7 @@ class OffloadingManager:
         :raises ValidationError: a new key is not ``bytes`` (nothing changed).
         """
         keys = _as_list(keys)
-        present = self._index.slots(keys)
+        present = self._slots(keys)
         new = [key for key, slot in zip(keys, present, strict=True) if slot is None]
         if len(new) > 1:
             new = list(dict.fromkeys(new))
