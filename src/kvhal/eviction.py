@@ -239,7 +239,10 @@ class BuiltinPolicies:
 
 def _offers(registry: PluginRegistry) -> dict[str, tuple[PolicyFactory, str, str | None]]:
     """Policy name -> (factory, plugin, distribution), checked."""
+    from kvhal.registry import BUILTIN_DISTRIBUTION, BUILTIN_POLICIES
+
     distributions = {p.name: p.distribution for p in registry.plugins}
+    distributions[BUILTIN_POLICIES] = BUILTIN_DISTRIBUTION
     found: dict[str, tuple[PolicyFactory, str, str | None]] = {}
     for impl in registry.pm.hook.kvhal_eviction_policies.get_hookimpls():
         plugin = impl.plugin_name
