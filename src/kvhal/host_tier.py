@@ -93,6 +93,10 @@ class SlotPool:
     def is_free(self, slot: int) -> bool:
         return not self._taken[slot]
 
+    def are_taken(self, ids: Iterable[int]) -> bool:
+        """Whether every slot in ``ids`` (each in range) is allocated."""
+        return all(map(self._taken.__getitem__, ids))
+
 
 class HostTier:
     """One pinned host buffer from the device plugin, cut into ``slot_bytes`` slots.

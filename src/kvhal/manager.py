@@ -322,12 +322,11 @@ class OffloadingManager:
         """A policy that evicts a block in use would let a copy overwrite it: refuse."""
         if len(victims) != need or len(set(victims)) != need:
             raise PolicyError(f"evict({need}) returned {len(victims)} slots, {len(set(victims))} distinct")
-        taken = self._pool._taken
         if (
             min(victims) < 0
             or max(victims) >= self.num_slots
             or any(map(self._refs.__getitem__, victims))
-            or not all(map(taken.__getitem__, victims))
+            or not self._pool.are_taken(victims)
         ):
             raise PolicyError(f"evict() chose a slot that is free, pinned or out of range: {victims[:8]}")
 
