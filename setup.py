@@ -1,4 +1,5 @@
-"""Builds the CPU plugin's optional native copy kernel; everything else is in pyproject.toml."""
+"""Builds kvhal's optional native parts (the CPU plugin's copy kernel, the manager's key
+index); everything else is in pyproject.toml."""
 
 from setuptools import Extension, setup
 
@@ -10,6 +11,13 @@ setup(
             extra_compile_args=["-O3"],
             # Without a compiler kvhal still installs; the CPU plugin then copies with ctypes.
             optional=True,
-        )
+        ),
+        Extension(
+            "kvhal._keyindex",
+            ["src/kvhal/_keyindex.c"],
+            extra_compile_args=["-O2"],
+            # Without a compiler the manager indexes keys with a dict (more memory per block).
+            optional=True,
+        ),
     ]
 )

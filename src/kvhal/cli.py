@@ -19,6 +19,7 @@ from kvhal.registry import PluginRegistry, Selection
 BENCHMARKS = {
     "copy": "kvhal.bench.copy",
     "e2e": "kvhal.bench.e2e",
+    "manager": "kvhal.bench.manager",
 }
 
 

@@ -69,11 +69,12 @@ class EvictionPolicy(abc.ABC):
 
 
 class LRUPolicy(EvictionPolicy):
-    """Least recently used first: a doubly linked list over slots in two int lists.
+    """Least recently used first: a doubly linked list over slots.
 
     Slot ``num_slots`` is the list's sentinel: its successor is the least
-    recently used slot, its predecessor the most recent one. The lists hold
-    the manager's own slot int objects, so a tracked block costs 16 bytes here.
+    recently used slot, its predecessor the most recent one. Plain lists, 16
+    bytes a slot: they hold the slot pool's shared int objects, and reading an
+    ``array`` would box an int on every access (4x slower here).
     """
 
     def __init__(self, num_slots: int) -> None:
@@ -238,7 +239,10 @@ class BuiltinPolicies:
 
 def _offers(registry: PluginRegistry) -> dict[str, tuple[PolicyFactory, str, str | None]]:
     """Policy name -> (factory, plugin, distribution), checked."""
+    from kvhal.registry import BUILTIN_DISTRIBUTION, BUILTIN_POLICIES
+
     distributions = {p.name: p.distribution for p in registry.plugins}
+    distributions[BUILTIN_POLICIES] = BUILTIN_DISTRIBUTION
     found: dict[str, tuple[PolicyFactory, str, str | None]] = {}
     for impl in registry.pm.hook.kvhal_eviction_policies.get_hookimpls():
         plugin = impl.plugin_name

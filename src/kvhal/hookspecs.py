@@ -6,6 +6,9 @@ implement the *device hooks* below. kvhal calls a device hook only on the one
 device plugin it selected, plus any non-device plugin that wraps the hook (a
 ``hookwrapper``/``wrapper`` impl, say to trace or to inject faults).
 
+Any plugin, device or not, may also offer eviction policies (the last hook,
+``kvhal_eviction_policies``); it is no device hook.
+
 Every device hook is required: a device plugin that lacks one is refused at
 selection with :class:`~kvhal.errors.MissingHookError` naming the plugin and
 the hook. Results are checked; a malformed one raises

@@ -37,14 +37,15 @@ def _positive_int(argument: str, value: object) -> int:
 class SlotPool:
     """A free list over ``num_slots`` equal slots: O(1) per slot; a double free is an error.
 
-    The slot ids handed out are the same int objects for the pool's lifetime,
-    so holders (the manager's dict, a policy's lists) share them instead of
-    allocating new ones.
+    :attr:`ids` holds one int object per slot, and every slot id handed out
+    is that object: the manager's index and its policy's lists share them
+    instead of each allocating their own (36 bytes a slot, once).
     """
 
     def __init__(self, num_slots: int) -> None:
         self.num_slots = _positive_int("num_slots", num_slots)
-        self._free = list(range(num_slots - 1, -1, -1))  # popped from the end: 0, 1, 2, ...
+        self.ids: tuple[int, ...] = tuple(range(num_slots))
+        self._free = list(reversed(self.ids))  # popped from the end: 0, 1, 2, ...
         self._taken = bytearray(num_slots)
 
     @property
@@ -79,13 +80,22 @@ class SlotPool:
             if not taken[slot] or slot in seen:
                 raise ValidationError("ids", f"slot {slot} is already free (double free)")
             seen.add(slot)
+        self._release(ids)
+
+    def _release(self, ids: list[int]) -> None:
+        """Free ``ids`` known to be taken and distinct (the manager's checked victims)."""
+        taken, canonical = self._taken, self.ids
         for slot in ids:
             taken[slot] = 0
         # Descending, so that the next allocation pops a freed run in ascending order.
-        self._free.extend(sorted(ids, reverse=True))
+        self._free.extend([canonical[slot] for slot in sorted(ids, reverse=True)])
 
     def is_free(self, slot: int) -> bool:
         return not self._taken[slot]
+
+    def are_taken(self, ids: Iterable[int]) -> bool:
+        """Whether every slot in ``ids`` (each in range) is allocated."""
+        return all(map(self._taken.__getitem__, ids))
 
 
 class HostTier:

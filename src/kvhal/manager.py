@@ -16,10 +16,14 @@ need no logic here beyond their keys being different.
 
 A block is *storing* from ``prepare_store`` until ``complete_store``, then
 *ready*; only ready blocks are found by ``lookup`` and loaded. Blocks being
-stored or loaded are never evicted (vLLM PR #20075's race). Memory: per
-tracked block one dict entry (key -> slot) and a few list cells (slot -> key,
-slot -> state, the policy's links), about 100 bytes; the slot int objects
-come from the :class:`~kvhal.host_tier.SlotPool` and are shared.
+stored or loaded are never evicted (vLLM PR #20075's race).
+
+Not thread-safe: like vLLM's scheduler, one thread calls it.
+
+Memory per tracked block (the 128-byte budget; vLLM 0.32's manager takes
+about 500): the key index, 16-24 bytes natively (:mod:`kvhal.keyindex`),
+4 bytes of state (``array('i')``), the free list's 4 bytes and 1 taken byte,
+and the policy's own (LRU: 8 bytes of links).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from typing import TYPE_CHECKING
 from kvhal.errors import BlockStateError, PolicyError, ValidationError
 from kvhal.eviction import DEFAULT_POLICY, EvictionPolicy, create_policy
 from kvhal.host_tier import SlotPool
+from kvhal.keyindex import KeyIndex
 
 if TYPE_CHECKING:
     from kvhal.registry import PluginRegistry
@@ -111,9 +116,8 @@ class OffloadingManager:
         elif not isinstance(policy, EvictionPolicy):
             raise ValidationError("policy", f"must be a name or an EvictionPolicy, got {policy!r:.60}")
         self.policy = policy
-        self._slot_of: dict[bytes, int] = {}
-        self._key_of: list[bytes | None] = [None] * num_slots
-        self._refs: list[int] = [0] * num_slots
+        self._index = KeyIndex(self._pool.ids)
+        self._refs = [0] * num_slots  # a list: 8 bytes a slot, faster than array("i") here
         self._num_evictable = 0  # ready blocks without loads in flight
         self._num_storing = 0
         self._events: list[OffloadEvent] | None = [] if enable_events else None
@@ -143,20 +147,27 @@ class OffloadingManager:
 
     def __len__(self) -> int:
         """Blocks tracked: storing or ready."""
-        return len(self._slot_of)
+        return len(self._index)
 
     def state(self, key: bytes) -> BlockState:
-        slot = self._slot_of.get(key)
+        slot = self._index.get(key)
         if slot is None:
             return BlockState.ABSENT
         return BlockState.STORING if self._refs[slot] == STORING else BlockState.READY
 
     def loads_in_flight(self, key: bytes) -> int:
-        slot = self._slot_of.get(key)
+        slot = self._index.get(key)
         return 0 if slot is None else max(self._refs[slot], 0)
 
     def slot(self, key: bytes) -> int | None:
-        return self._slot_of.get(key)
+        return self._index.get(key)
+
+    def _slots(self, keys: Iterable[bytes]) -> list[int | None]:
+        """Each key's slot or None, in one call to the index."""
+        try:
+            return self._index.slots(keys)
+        except TypeError as exc:  # an unhashable key, or keys not iterable
+            raise ValidationError("keys", f"must be an iterable of bytes keys: {exc}") from None
 
     # -- loads ---------------------------------------------------------------
 
@@ -165,24 +176,25 @@ class OffloadingManager:
 
         A key that is unknown or still being stored ends the prefix.
         """
-        get, refs = self._slot_of.get, self._refs
-        hits = 0
-        for key in keys:
-            slot = get(key)
-            if slot is None or refs[slot] < 0:
-                break
-            hits += 1
+        # Whole-list C calls instead of a loop per key: the index answers for all keys.
+        slots = self._slots(keys)
+        try:
+            hits = slots.index(None)
+        except ValueError:
+            hits = len(slots)
+        states = list(map(self._refs.__getitem__, slots[:hits]))
+        if states and min(states) < 0:
+            hits = next(i for i, state in enumerate(states) if state < 0)
         return hits
 
     def _slots_of(self, keys: list[bytes], lowest: int, highest: int, needs: str) -> list[int]:
         """The slots of ``keys``, each of whose state ``_refs`` lies in ``[lowest, highest]``."""
-        get, refs = self._slot_of.get, self._refs
-        slots = [get(key) for key in keys]
-        if slots and (
-            None in slots
-            or min(map(refs.__getitem__, slots)) < lowest  # type: ignore[arg-type]
-            or max(map(refs.__getitem__, slots)) > highest  # type: ignore[arg-type]
-        ):
+        refs = self._refs
+        slots = self._slots(keys)
+        if not slots:
+            return slots  # type: ignore[return-value]
+        states = None if None in slots else list(map(refs.__getitem__, slots))
+        if states is None or min(states) < lowest or max(states) > highest:
             for key, slot in zip(keys, slots, strict=True):
                 if slot is None or not lowest <= refs[slot] <= highest:
                     if slot is None:
@@ -203,11 +215,13 @@ class OffloadingManager:
         """
         keys = _as_list(keys)
         slots = self._slots_of(keys, 0, sys.maxsize, "only ready blocks can be loaded")
-        refs = self._refs
+        refs, pinned = self._refs, 0
         for slot in slots:
-            if refs[slot] == 0:
-                self._num_evictable -= 1
-            refs[slot] += 1
+            state = refs[slot]
+            refs[slot] = state + 1
+            if not state:
+                pinned += 1
+        self._num_evictable -= pinned
         return slots
 
     def complete_load(self, keys: Iterable[bytes]) -> None:
@@ -221,14 +235,17 @@ class OffloadingManager:
         if len(set(slots)) != len(slots):
             for slot, count in Counter(slots).items():
                 if refs[slot] < count:
-                    key = self._key_of[slot]
+                    key = self._index.key(slot)
                     raise BlockStateError(
                         "keys", f"{key!r:.60} listed {count} times, {refs[slot]} loads in flight"
                     )
+        freed = 0
         for slot in slots:
-            refs[slot] -= 1
-            if refs[slot] == 0:
-                self._num_evictable += 1
+            state = refs[slot] - 1
+            refs[slot] = state
+            if not state:
+                freed += 1
+        self._num_evictable += freed
 
     def touch(self, keys: Iterable[bytes]) -> None:
         """Mark ``keys`` used, the first most recently (a prefix's head outlives its tail).
@@ -236,8 +253,7 @@ class OffloadingManager:
         Unknown keys are ignored (documented no-op): a request touches all its
         blocks, offloaded or not.
         """
-        get = self._slot_of.get
-        slots = [slot for slot in map(get, keys) if slot is not None]
+        slots = [slot for slot in self._slots(keys) if slot is not None]
         if slots:
             self.policy.touch(slots)
 
@@ -255,35 +271,36 @@ class OffloadingManager:
             other one is being stored or loaded.
         :raises ValidationError: a new key is not ``bytes`` (nothing changed).
         """
-        keys = list(dict.fromkeys(keys))
-        slot_of = self._slot_of
-        new = [key for key in keys if key not in slot_of]
-        for key in new:
-            if not isinstance(key, bytes):
-                raise ValidationError("keys", f"keys are bytes; got {type(key).__name__} {key!r:.40}")
+        keys = _as_list(keys)
+        present = self._slots(keys)
+        new = [key for key, slot in zip(keys, present, strict=True) if slot is None]
+        if len(new) > 1:
+            new = list(dict.fromkeys(new))
+        if not all(map(bytes.__instancecheck__, new)):
+            bad = next(key for key in new if not isinstance(key, bytes))
+            raise ValidationError("keys", f"keys are bytes; got {type(bad).__name__} {bad!r:.40}")
         if not new:
             return StorePlan([], [], [])
-        evicted = self._make_room(len(new) - self._pool.num_free, keys)
+        evicted = self._make_room(len(new) - self._pool.num_free, present)
         if evicted is None:
             return None
         slots = self._pool.allocate(len(new))
         assert slots is not None  # room was made
-        key_of, refs = self._key_of, self._refs
-        for key, slot in zip(new, slots, strict=True):
-            slot_of[key] = slot
-            key_of[slot] = key
+        self._index.add(new, slots)
+        refs = self._refs
+        for slot in slots:
             refs[slot] = STORING
         self.policy.insert(slots, new)
         self._num_storing += len(new)
         return StorePlan(new, slots, evicted)
 
-    def _make_room(self, need: int, keys: list[bytes]) -> list[bytes] | None:
+    def _make_room(self, need: int, present: list[int | None]) -> list[bytes] | None:
+        """Evict ``need`` blocks, none of the call's own ``present`` ones; None if impossible."""
         if need <= 0:
             return []
-        refs, slot_of = self._refs, self._slot_of
+        refs = self._refs
         # The call's own tracked blocks stay (vLLM does the same): pin them for the policy.
-        own = [slot_of[key] for key in keys if key in slot_of]
-        own = [slot for slot in own if refs[slot] == 0]
+        own = {slot for slot in present if slot is not None and refs[slot] == 0}
         if need > self._num_evictable - len(own):
             return None
         for slot in own:
@@ -293,21 +310,25 @@ class OffloadingManager:
         finally:
             for slot in own:
                 refs[slot] = 0
-        key_of = self._key_of
-        if len(victims) != need or len(set(victims)) != need:
-            raise PolicyError(f"evict({need}) returned {len(victims)} slots, {len(set(victims))} distinct")
-        for slot in victims:
-            if not 0 <= slot < self.num_slots or key_of[slot] is None or refs[slot] != 0:
-                raise PolicyError(f"evict() chose slot {slot!r}, which is free, pinned or out of range")
-        evicted = [key_of[slot] for slot in victims]
-        for slot, key in zip(victims, evicted, strict=True):
-            del slot_of[key]
-            key_of[slot] = None
-        self._pool.free(victims)
+        self._check_victims(victims, need)
+        evicted = self._index.remove(victims)
+        self._pool._release(victims)
         self._num_evictable -= need
         if self._events is not None:
             self._events.append(OffloadEvent(evicted, removed=True))  # type: ignore[arg-type]
         return evicted  # type: ignore[return-value]
+
+    def _check_victims(self, victims: list[int], need: int) -> None:
+        """A policy that evicts a block in use would let a copy overwrite it: refuse."""
+        if len(victims) != need or len(set(victims)) != need:
+            raise PolicyError(f"evict({need}) returned {len(victims)} slots, {len(set(victims))} distinct")
+        if (
+            min(victims) < 0
+            or max(victims) >= self.num_slots
+            or any(map(self._refs.__getitem__, victims))
+            or not self._pool.are_taken(victims)
+        ):
+            raise PolicyError(f"evict() chose a slot that is free, pinned or out of range: {victims[:8]}")
 
     def complete_store(self, keys: Iterable[bytes], success: bool = True) -> None:
         """Finish the stores of ``keys``: ready to load, or (``success=False``) dropped
@@ -327,12 +348,9 @@ class OffloadingManager:
         if success:
             self._num_evictable += len(slots)
         else:
-            key_of, slot_of = self._key_of, self._slot_of
-            for key, slot in zip(keys, slots, strict=True):
-                del slot_of[key]
-                key_of[slot] = None
+            self._index.remove(slots)
             self.policy.remove(slots)
-            self._pool.free(slots)
+            self._pool._release(slots)
         if self._events is not None and keys:
             self._events.append(OffloadEvent(list(keys), removed=not success))
 

@@ -126,11 +126,9 @@ class PluginRegistry:
         from kvhal.eviction import BuiltinPolicies
 
         self.register(CPUPlugin(), "cpu", BUILTIN_DISTRIBUTION)
-        # Registered past allow/block: those lists choose devices, and a manager
-        # must always find its default policy.
-        policies = BuiltinPolicies()
-        self.pm.register(policies, name=BUILTIN_POLICIES)
-        self.plugins.append(PluginInfo(BUILTIN_POLICIES, BUILTIN_DISTRIBUTION, policies))
+        # Past allow/block (they choose devices: a manager must always find its
+        # default policy), and not listed in self.plugins, the plugins found.
+        self.pm.register(BuiltinPolicies(), name=BUILTIN_POLICIES)
         if autoload:
             self._load_entry_points()
 

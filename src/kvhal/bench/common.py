@@ -44,3 +44,14 @@ def console() -> Console:
     """A console wide enough for benchmark tables when output is not a terminal (CI logs, files)."""
     width = None if sys.stdout.isatty() else 160
     return Console(width=width)
+
+
+def result_header(benchmark: str) -> dict:
+    """What every benchmark's JSON starts with: its name, the command, the machine."""
+    invoked = sys.argv and "kvhal" in os.path.basename(sys.argv[0])
+    return {
+        "benchmark": benchmark,
+        "command": "kvhal " + " ".join(sys.argv[1:]) if invoked else f"kvhal bench {benchmark}",
+        "machine": machine_info(),
+        "python": platform.python_version(),
+    }

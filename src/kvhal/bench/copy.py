@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import platform
 import statistics
 import sys
 import time
@@ -25,7 +24,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from kvhal.bench.common import console as make_console
-from kvhal.bench.common import machine_info, write_outputs
+from kvhal.bench.common import result_header, write_outputs
 from kvhal.cache import KVCache, dense_kv_cache
 from kvhal.device import Device
 from kvhal.geometry import KVGeometry
@@ -324,17 +323,12 @@ def run(args: argparse.Namespace) -> int:
     checks = check_targets(rows)
     print_table(console, device, rows, checks)
     result = {
-        "benchmark": "copy",
-        "command": "kvhal " + " ".join(sys.argv[1:])
-        if sys.argv and "kvhal" in sys.argv[0]
-        else "kvhal bench copy",
+        **result_header("copy"),
         "device": {
             "plugin": device.plugin_name,
             "distribution": device.distribution,
             "details": dict(device.descriptor.details),
         },
-        "machine": machine_info(),
-        "python": platform.python_version(),
         "rows": rows,
         "targets": checks,
     }

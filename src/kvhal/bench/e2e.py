@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from kvhal.bench.common import console as make_console
-from kvhal.bench.common import machine_info, write_outputs
+from kvhal.bench.common import result_header, write_outputs
 from kvhal.scenario import run_scenario
 from kvhal.tiny_models import BENCH_MODEL, TinyLlama
 
@@ -228,10 +227,8 @@ def run_bench(args: argparse.Namespace, recipe: TinyLlama, name: str) -> dict[st
             f"target {check['target']}: {'met' if check['met'] else 'MISSED'} ({check['value']:.3f})"
         )
     result = {
-        "benchmark": name,
-        "command": "kvhal " + " ".join(sys.argv[1:]),
+        **result_header(name),
         "model": {"recipe": recipe.tag, "parameters": recipe.parameters},
-        "machine": machine_info(),
         "kvhal_device": device,
         "ttft": timing["rows"],
         "throughput": rate,
