@@ -40,7 +40,7 @@ def test_ready_only_after_successful_complete_store(manager):
     assert manager.state(b) is BlockState.ABSENT
     assert manager.lookup([a, b]) == 1
     assert manager.num_free == 3  # b's slot came back
-    assert manager.take_events() == [OffloadEvent([a], removed=False), OffloadEvent([b], removed=True)]
+    assert manager.take_events() == [OffloadEvent([a], removed=False)]  # b was never announced
 
 
 def test_lookup_is_the_ready_prefix(manager):

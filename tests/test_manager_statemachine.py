@@ -99,8 +99,8 @@ class ManagerMachine(RuleBasedStateMachine):
             else:
                 del self.state[k]
                 self.order.remove(k)
-        if keys:
-            self.events.append(OffloadEvent(keys, removed=not success))
+        if keys and success:  # a failed store was never announced: no event
+            self.events.append(OffloadEvent(keys, removed=False))
 
     @rule(key=st.sampled_from(UNIVERSE))
     def complete_store_refused(self, key: bytes) -> None:

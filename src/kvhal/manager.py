@@ -75,7 +75,8 @@ class OffloadEvent:
     """A change of what the host tier holds, for KV-event consumers.
 
     ``removed=False``: ``keys`` became loadable (a successful ``complete_store``).
-    ``removed=True``: ``keys`` left (evicted, or their store failed).
+    ``removed=True``: loadable ``keys`` left (evicted). A failed store makes no
+    event: its keys were never announced, so a consumer has nothing to forget.
     """
 
     keys: list[bytes]
@@ -351,8 +352,8 @@ class OffloadingManager:
             self._index.remove(slots)
             self.policy.remove(slots)
             self._pool._release(slots)
-        if self._events is not None and keys:
-            self._events.append(OffloadEvent(list(keys), removed=not success))
+        if self._events is not None and keys and success:
+            self._events.append(OffloadEvent(list(keys), removed=False))
 
     # -- events --------------------------------------------------------------
 
