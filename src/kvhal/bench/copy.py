@@ -38,6 +38,8 @@ QUICK_CHUNKS_KIB = (4, 16, 64, 1024)
 QUICK_BATCHES = (64,)
 #: Head size 64 with K and V packed (C = 128), 16 tokens a block, bf16: 4 KiB per head.
 HEAD_SIZE, BLOCK_SIZE, DTYPE = 64, 16, torch.bfloat16
+#: Every cache holds a little more than one batch; four caches and two plain buffers stay in memory.
+MAX_BATCH_BYTES = 1 << 30
 #: Targets from the issue, checked on every run.
 TARGET_CROSS_VS_MEMCPY, TARGET_CROSS_BLOCK_MIN = 0.90, 64 * KiB
 TARGET_CROSS_VS_SEPARATE, TARGET_SEPARATE_CHUNK_MAX = 2.0, 16 * KiB
@@ -142,7 +144,15 @@ def measure(
         for chunk_kib in chunks_kib:
             for batch in batches:
                 chunk = chunk_kib * KiB
-                geometry = geometry_for(chunk, num_layers, num_blocks=2 * batch)
+                if batch * num_layers * chunk > MAX_BATCH_BYTES:
+                    console.print(
+                        f"skipped {chunk_kib} KiB x {num_layers} layers x {batch} blocks: "
+                        f"over {MAX_BATCH_BYTES >> 20} MiB a batch"
+                    )
+                    progress.advance(task)
+                    continue
+                # a few spare blocks, so the random ids are scattered, not a permutation of all
+                geometry = geometry_for(chunk, num_layers, num_blocks=batch + batch // 4 + 4)
                 nbytes = batch * geometry.block_bytes
                 progress.update(task, description=f"{chunk_kib} KiB x {num_layers} layers x {batch} blocks")
                 separate = Case(device, geometry, LBHNC, batch, rng)
