@@ -8,7 +8,8 @@ cd "$(dirname "$0")/.."
 VENV=${KVHAL_VENV:-.venv}
 PY=${PYTHON:-python3}
 
-stamp_input=$(cat pyproject.toml setup.py plugins/*/pyproject.toml conformance/pyproject.toml scripts/setup.sh 2>/dev/null | sha256sum | cut -c1-16)
+# Files that do not exist yet (plugins, conformance) must not fail the pipeline under pipefail.
+stamp_input=$( (cat pyproject.toml setup.py plugins/*/pyproject.toml conformance/pyproject.toml scripts/setup.sh 2>/dev/null || true) | sha256sum | cut -c1-16)
 stamp="$VENV/.kvhal-setup-$stamp_input"
 if [ -f "$stamp" ] && [ "${KVHAL_FORCE_SETUP:-0}" != 1 ]; then
   exit 0
