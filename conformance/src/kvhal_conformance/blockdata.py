@@ -37,13 +37,23 @@ def fill(cache: KVCache, seed: int) -> Snapshot:
     return tuple(written)
 
 
+def clear(cache: KVCache) -> Snapshot:
+    """Zero ``cache``; return its (zero) contents. Cheaper than :func:`fill` for big caches."""
+    g = cache.geometry
+    for views in cache.layers:
+        for view in views:
+            view.zero_()
+    int_type = _INT_OF_SIZE[g.itemsize]
+    return tuple(torch.zeros((g.num_layers, *g.layer_shape(p)), dtype=int_type) for p in range(g.num_parts))
+
+
 def read(cache: KVCache, block_ids: Sequence[int] | np.ndarray | None = None) -> Snapshot:
     """The cache's contents (or only ``block_ids``') as ``[L, B, H, N, C]`` integers per part."""
     parts = []
     for part in range(cache.geometry.num_parts):
         layers = [views[part] for views in cache.layers]
         if block_ids is not None:
-            index = torch.as_tensor(np.asarray(block_ids, dtype=np.int64), device=cache.device)
+            index = torch.as_tensor(np.ascontiguousarray(block_ids, dtype=np.int64), device=cache.device)
             layers = [view.index_select(0, index) for view in layers]
         parts.append(torch.stack([bits(view).cpu() for view in layers]))
     return tuple(parts)
@@ -51,7 +61,7 @@ def read(cache: KVCache, block_ids: Sequence[int] | np.ndarray | None = None) ->
 
 def take(snapshot: Snapshot, block_ids: Sequence[int] | np.ndarray) -> Snapshot:
     """Blocks ``block_ids`` of a snapshot, in that order."""
-    index = torch.as_tensor(np.asarray(block_ids, dtype=np.int64))
+    index = torch.as_tensor(np.ascontiguousarray(block_ids, dtype=np.int64))
     return tuple(part.index_select(1, index) for part in snapshot)
 
 

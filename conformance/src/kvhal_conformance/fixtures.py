@@ -50,9 +50,11 @@ def kvhal_rng(kvhal_seed: int) -> np.random.Generator:
 
 
 @pytest.fixture(scope="session")
-def kvhal_busy(kvhal_device: Device, kvhal_sizes: Sizes) -> Busy:
+def kvhal_busy(kvhal_device: Device, kvhal_sizes: Sizes) -> Iterator[Busy]:
     """Scratch caches that keep a stream busy for a measured minimum time."""
-    return Busy(kvhal_device, kvhal_device.kv_layouts()[0], kvhal_sizes.scratch_bytes)
+    busy = Busy(kvhal_device, kvhal_device.kv_layouts()[0], kvhal_sizes.scratch_bytes)
+    yield busy
+    kvhal_device.free_host_cache(busy.dst)
 
 
 @pytest.fixture

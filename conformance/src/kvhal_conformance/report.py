@@ -13,7 +13,7 @@ import torch
 import kvhal
 import kvhal_conformance
 from kvhal_conformance.results import FAIL, SKIP, TestResult, by_contract, contract_status, verdict
-from kvhal_conformance.settings import Settings
+from kvhal_conformance.settings import MiB, Settings
 from kvhal_conformance.target import Target
 
 
@@ -155,12 +155,13 @@ def _throughput_lines(throughput: dict[str, Any]) -> list[str]:
         "against a plain torch copy of the same bytes between a device tensor and a host buffer, "
         "measured alternately in the same run.",
         "",
-        "| Direction | Layout | Bytes | Descriptors | Plugin GiB/s | torch GiB/s | Ratio | Floor | Status |",
+        "| Direction | Layout | Copied | Descriptors | Plugin GiB/s | torch GiB/s | Ratio | Floor | Status |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for direction, m in throughput.items():
         lines.append(
-            f"| {direction} | {m['layout']} | {m['bytes']} | {m['descriptors']} | {m['plugin_gib_s']:.2f} | "
+            f"| {direction} | {m['layout']} | {m['bytes'] / MiB:.0f} MiB in {m['blocks']} blocks | "
+            f"{m['descriptors']} | {m['plugin_gib_s']:.2f} | "
             f"{m['torch_gib_s']:.2f} | {m['ratio']:.2f} | {m['floor']} | {m['status']} |"
         )
     return lines

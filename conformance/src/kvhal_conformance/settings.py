@@ -18,8 +18,9 @@ class Sizes:
 
     :param busy_seconds: how long a stream is kept busy (sized from a measured copy) when
         a check needs work still running, e.g. to see an event incomplete.
-    :param scratch_bytes: the scratch caches that keep streams busy and carry the big copy
-        whose event is watched.
+    :param scratch_bytes: the scratch caches whose copies keep streams busy.
+    :param watched_bytes: the copy whose event is watched while it runs: 64-byte pieces, so
+        that it takes a while on any device without needing much memory.
     :param large_batch: blocks in the "large batch" copies (one descriptor or more each).
     :param throughput_bytes: bytes moved per throughput measurement.
     :param throughput_repeats: measurements per side (the fastest counts).
@@ -27,6 +28,7 @@ class Sizes:
 
     busy_seconds: float
     scratch_bytes: int
+    watched_bytes: int
     large_batch: int
     throughput_bytes: int
     throughput_repeats: int
@@ -35,6 +37,7 @@ class Sizes:
 FULL = Sizes(
     busy_seconds=0.25,
     scratch_bytes=64 * MiB,
+    watched_bytes=64 * MiB,
     large_batch=2048,
     throughput_bytes=256 * MiB,
     throughput_repeats=7,
@@ -42,6 +45,7 @@ FULL = Sizes(
 QUICK = Sizes(
     busy_seconds=0.06,
     scratch_bytes=16 * MiB,
+    watched_bytes=32 * MiB,
     large_batch=512,
     throughput_bytes=32 * MiB,
     throughput_repeats=5,

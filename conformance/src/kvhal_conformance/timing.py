@@ -11,7 +11,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import pytest
@@ -21,6 +21,9 @@ from kvhal.cache import KVCache
 from kvhal.device import Device
 from kvhal.geometry import KVGeometry
 from kvhal.layouts import KVLayout
+from kvhal_conformance import blockdata
+
+T = TypeVar("T")
 
 #: A synchronize that takes longer than this is reported as a hang.
 WAIT_LIMIT_S = 120.0
@@ -28,14 +31,27 @@ WAIT_LIMIT_S = 120.0
 MAX_BUSY_COPIES = 5000
 
 
-def wait(device: Device, event: Any, what: str, limit_s: float = WAIT_LIMIT_S) -> None:
-    """``device.synchronize_event(event)``, failing (not hanging) after ``limit_s``."""
+def wait(
+    device: Device,
+    event: Any,
+    what: str,
+    limit_s: float = WAIT_LIMIT_S,
+    then: Callable[[], T] | None = None,
+) -> T | None:
+    """``device.synchronize_event(event)``, failing (not hanging) after ``limit_s``.
+
+    ``then`` runs on the waiting thread the moment synchronize returns (no second thread
+    wake-up in between); its result is returned.
+    """
     done = threading.Event()
     raised: list[BaseException] = []
+    result: list[T] = []
 
     def run() -> None:
         try:
             device.synchronize_event(event)
+            if then is not None:
+                result.append(then())
         except BaseException as exc:  # re-raised on the caller's thread
             raised.append(exc)
         finally:
@@ -46,6 +62,7 @@ def wait(device: Device, event: Any, what: str, limit_s: float = WAIT_LIMIT_S) -
         pytest.fail(f"kvhal_synchronize_event did not return within {limit_s:.0f} s ({what})")
     if raised:
         raise raised[0]
+    return result[0] if result else None
 
 
 def poll(
@@ -64,7 +81,7 @@ def poll(
             return
         if time.perf_counter() > deadline:
             pytest.fail(f"kvhal_query_event still reports incomplete after {limit_s:.0f} s ({what})")
-        time.sleep(0.0005)
+        time.sleep(0.0002)
 
 
 def settle(device: Device) -> None:
@@ -129,14 +146,19 @@ class Busy:
         geometry = scratch_geometry(nbytes)
         self.src: KVCache = device.allocate_kv_cache(geometry, layout)
         self.dst: KVCache = device.allocate_host_cache(geometry, layout, geometry.num_blocks)
+        self.src_data = blockdata.fill(self.src, seed=0x5EED)
         ids = np.arange(geometry.num_blocks)
         self.plan = device.plan_copy(self.src, self.dst, np.stack([ids, ids], axis=1))
         baseline = TorchCopy(device, geometry.total_bytes)
         self.copy_seconds = baseline.seconds("d2h")
         baseline.free()
+        settle(device)
 
     def occupy(self, stream: Any, seconds: float) -> tuple[Any, float]:
-        """Submit copies to ``stream`` for at least ``seconds``; (last event, seconds of work)."""
+        """Submit copies to ``stream`` for at least ``seconds``; (last event, seconds of work).
+
+        The copies only read ``src`` and rewrite ``dst``: other checks may read ``src`` meanwhile.
+        """
         count = min(MAX_BUSY_COPIES, max(1, math.ceil(seconds / self.copy_seconds)))
         event = None
         for _ in range(count):
