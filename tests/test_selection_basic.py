@@ -10,7 +10,9 @@ def test_cpu_selected_when_alone(registry):
 def test_copy_round_trip_smoke(cpu):
     import torch
 
-    g = kvhal.KVGeometry(num_layers=2, num_blocks=8, block_size=4, num_kv_heads=2, head_size=8, dtype=torch.float32)
+    g = kvhal.KVGeometry(
+        num_layers=2, num_blocks=8, block_size=4, num_kv_heads=2, head_size=8, dtype=torch.float32
+    )
     cache = cpu.allocate_kv_cache(g)
     for layer in cache.layers:
         layer[0].copy_(torch.randn_like(layer[0]))

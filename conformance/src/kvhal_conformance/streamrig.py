@@ -4,8 +4,8 @@ The copies watched here move 64-byte pieces, hundreds of thousands of them, so
 that each takes long enough to be caught half done on any device (a fast bulk
 copy would be over before a check could look). Every verdict rests on data: an
 event reported complete while bytes of its copy are missing (and arrive later),
-or a later copy reading what an earlier one had not written yet. When bytes never arrive, the copy itself is wrong, and the
-failure says so instead of blaming the events.
+or a later copy reading what an earlier one had not written yet. When bytes never
+arrive, the copy itself is wrong, and the failure says so instead of blaming the events.
 """
 
 from __future__ import annotations
