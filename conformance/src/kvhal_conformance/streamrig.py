@@ -11,6 +11,7 @@ arrive, the copy itself is wrong, and the failure says so instead of blaming the
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +24,7 @@ from kvhal.device import Device
 from kvhal.geometry import KVGeometry
 from kvhal_conformance import blockdata
 from kvhal_conformance.copycheck import mapped_problems
-from kvhal_conformance.timing import Busy, settle
+from kvhal_conformance.timing import Busy, settle, wait
 
 SAMPLES = 16
 COPY_WRONG = "the copy itself is wrong (see the copies contract)"
@@ -64,6 +65,8 @@ class Rig:
     watched_data: blockdata.Snapshot
     chain_in: CopyPlan
     chain_out: CopyPlan
+    chain_end_to_end: np.ndarray
+    watched_s: float = 0.0
     busy_s: float = 0.0
     watched_before: blockdata.Snapshot = ()
     host_data: blockdata.Snapshot = ()
@@ -99,11 +102,12 @@ class Rig:
         ok = blockdata.blocks_equal(got, blockdata.take(self.watched_data, rows[:, 0])).numpy()
         return rows[~ok, 1]
 
-    def _arrives(self) -> bool:
-        """Whether the watched copy's sampled blocks are all written within a generous time."""
-        deadline = time.perf_counter() + 5.0 + 20 * self.busy_s
+    def _arrives(self, done: Callable[[], bool], limit_s: float | None = None) -> bool:
+        """Whether ``done()`` turns true within a generous time (work still landing)."""
+        limit_s = 0.5 + 10 * self.busy_s + 4 * self.watched_s if limit_s is None else limit_s
+        deadline = time.perf_counter() + limit_s
         while time.perf_counter() < deadline:
-            if not len(self.watched_missing()):
+            if done():
                 return True
             time.sleep(0.005)
         return False
@@ -116,7 +120,7 @@ class Rig:
         missing = self.watched_missing() if missing is None else missing
         if not len(missing):
             return
-        if self._arrives():
+        if self._arrives(lambda: not len(self.watched_missing())):
             pytest.fail(f"{when}, " + tail.format(ids=blockdata.id_list(missing)))
         pytest.fail(
             f"{when}, but the copy never delivered its blocks: {COPY_WRONG}: " + self.watched_problems()
@@ -124,9 +128,7 @@ class Rig:
 
     def watched_problems(self) -> str:
         after = blockdata.read(self.watched.dst)
-        return "; ".join(
-            mapped_problems(self.watched.mapping, self.busy.src_data, self.watched_before, after)
-        )
+        return "; ".join(mapped_problems(self.watched.mapping, self.watched_data, self.watched_before, after))
 
     # -- the chained copies -------------------------------------------------
 
@@ -136,8 +138,22 @@ class Rig:
         got = blockdata.read(self.chain_out.dst, rows[:, 1])
         return not bool(blockdata.blocks_equal(got, blockdata.take(self.chain_before, rows[:, 1])).all())
 
+    def _chain_arrived(self) -> bool:
+        src_ids, dst_ids = self.chain_end_to_end.T
+        got = blockdata.read(self.chain_out.dst, dst_ids)
+        return bool(blockdata.blocks_equal(got, blockdata.take(self.host_data, src_ids)).all())
+
     def expect_chain(self, what: str, order_violation: str) -> None:
-        """Fail unless ``chain_out`` read exactly what ``chain_in`` wrote; say which went wrong."""
+        """Fail unless ``chain_out``, whose event was synchronized, read exactly what ``chain_in``
+        wrote; say which went wrong."""
+        if self._chain_arrived():
+            return
+        if self._arrives(self._chain_arrived):
+            pytest.fail(
+                f"{what}: kvhal_synchronize_event returned for the last copy's event, but its blocks were "
+                "written only later: the event kvhal_copy_blocks returns must complete only after every "
+                "byte is written"
+            )
         middle = blockdata.read(self.chain_in.dst)
         first = mapped_problems(self.chain_in.mapping, self.host_data, self.middle_before, middle)
         if first:
@@ -156,11 +172,10 @@ class Rig:
                 "first copy wrote them"
             )
         second = mapped_problems(self.chain_out.mapping, middle, self.chain_before, out)
-        if second:
-            pytest.fail(
-                f"{what}: the device->host copy is wrong ({COPY_WRONG}, or it read blocks while the first "
-                "copy was writing them): " + "; ".join(second)
-            )
+        pytest.fail(
+            f"{what}: the device->host copy is wrong ({COPY_WRONG}, or it read blocks while the first "
+            "copy was writing them): " + "; ".join(second)
+        )
 
 
 def piece_geometry(nbytes: int) -> KVGeometry:
@@ -182,14 +197,22 @@ def make_rig(device: Device, busy: Busy, watched_bytes: int) -> Rig:
     middle = device.allocate_kv_cache(small, layout)
     host_out = device.allocate_host_cache(small, layout, small.num_blocks)
     ids = np.arange(small.num_blocks)
-    return Rig(
+    rig = Rig(
         device,
         busy,
         watched=device.plan_copy(watched_src, watched_dst, reversed_pairs(big.num_blocks)),
         watched_data=watched_data,
         chain_in=device.plan_copy(host_in, middle, reversed_pairs(small.num_blocks)),
         chain_out=device.plan_copy(middle, host_out, np.stack([ids, ids], axis=1)),
+        chain_end_to_end=reversed_pairs(small.num_blocks),  # host_in block i ends in host_out n-1-i
     )
+    # How long the watched copy takes (until its bytes are there, whatever its event says), to
+    # know how long to wait for late bytes; and no check may start while it still writes.
+    start = time.perf_counter()
+    wait(device, rig.submit(rig.watched, device.create_stream()), "a first copy of 64-byte pieces")
+    rig._arrives(lambda: not len(rig.watched_missing()), limit_s=2.0)
+    rig.watched_s = time.perf_counter() - start
+    return rig
 
 
 def free_rig(rig: Rig) -> None:

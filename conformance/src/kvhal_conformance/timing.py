@@ -21,7 +21,6 @@ from kvhal.cache import KVCache
 from kvhal.device import Device
 from kvhal.geometry import KVGeometry
 from kvhal.layouts import KVLayout
-from kvhal_conformance import blockdata
 
 T = TypeVar("T")
 
@@ -146,7 +145,6 @@ class Busy:
         geometry = scratch_geometry(nbytes)
         self.src: KVCache = device.allocate_kv_cache(geometry, layout)
         self.dst: KVCache = device.allocate_host_cache(geometry, layout, geometry.num_blocks)
-        self.src_data = blockdata.fill(self.src, seed=0x5EED)
         ids = np.arange(geometry.num_blocks)
         self.plan = device.plan_copy(self.src, self.dst, np.stack([ids, ids], axis=1))
         baseline = TorchCopy(device, geometry.total_bytes)
