@@ -30,10 +30,12 @@ def fill(cache: KVCache, seed: int) -> Snapshot:
     gen = torch.Generator().manual_seed(seed)
     written = []
     for part in range(g.num_parts):
-        values = torch.randn((g.num_layers, *g.layer_shape(part)), generator=gen).to(g.dtype)
-        for layer, views in enumerate(cache.layers):
-            views[part].copy_(values[layer].to(cache.device))
-        written.append(bits(values))
+        snapshot = torch.empty((g.num_layers, *g.layer_shape(part)), dtype=_INT_OF_SIZE[g.itemsize])
+        for layer, views in enumerate(cache.layers):  # a layer at a time: no float32 copy of it all
+            values = torch.randn(g.layer_shape(part), generator=gen).to(g.dtype)
+            views[part].copy_(values.to(cache.device))
+            snapshot[layer] = bits(values)
+        written.append(snapshot)
     return tuple(written)
 
 
