@@ -58,3 +58,12 @@ def test_writes_outside_the_mapping_and_source_changes_are_named() -> None:
     message = problems([(0, 0)], [10, 1, 2, 99, 4, 5], src_after=[0, 11, 12, 13, 14, 15])
     assert "dst blocks [3] are not in the mapping but were written" in message
     assert "src blocks [0] changed: a copy must only read its source" in message
+
+
+def test_every_device_hook_has_a_contract() -> None:
+    """A hook added to the hookspecs fails here until the suite checks it."""
+    from kvhal.hookspecs import DEVICE_HOOKS
+    from kvhal_conformance.contracts import CONTRACTS
+
+    covered = {hook for contract in CONTRACTS for hook in contract.hooks}
+    assert set(DEVICE_HOOKS) <= covered, sorted(set(DEVICE_HOOKS) - covered)

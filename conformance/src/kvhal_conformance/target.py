@@ -52,6 +52,8 @@ class Target:
     def find(cls, name: str, plugin_specs: tuple[str, ...] = ()) -> Target:
         """Find plugin ``name``; an unknown name or an unloadable spec is a usage error."""
         if plugin_specs:
+            if name == "cpu":
+                raise pytest.UsageError("--kvhal-plugin: name it with another --kvhal-device; 'cpu' is built in")
             # Only the given objects (and the built-in CPU plugin): installed ones stay out.
             registry = PluginRegistry(autoload=False, allow={"cpu", name}, block=())
             for spec in plugin_specs:
