@@ -53,7 +53,7 @@ class Target:
         """Find plugin ``name``; an unknown name or an unloadable spec is a usage error."""
         if plugin_specs:
             if name == "cpu":
-                raise pytest.UsageError("--kvhal-plugin: name it with another --kvhal-device; 'cpu' is built in")
+                raise pytest.UsageError("--kvhal-plugin: 'cpu' is built in; choose another --kvhal-device")
             # Only the given objects (and the built-in CPU plugin): installed ones stay out.
             registry = PluginRegistry(autoload=False, allow={"cpu", name}, block=())
             for spec in plugin_specs:
