@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvhal.hookspecs import DEVICE_HOOKS
+
 
 @dataclass(frozen=True)
 class Contract:
@@ -54,16 +56,7 @@ CONTRACTS: tuple[Contract, ...] = (
     Contract(
         "streams_events",
         "Streams and events",
-        (
-            "kvhal_create_stream",
-            "kvhal_current_stream",
-            "kvhal_create_event",
-            "kvhal_record_event",
-            "kvhal_query_event",
-            "kvhal_synchronize_event",
-            "kvhal_stream_wait_event",
-            "kvhal_copy_blocks",
-        ),
+        (*(hook for hook in DEVICE_HOOKS if hook.endswith(("_stream", "_event"))), "kvhal_copy_blocks"),
         "an event is not complete before its work and is complete after; work on one stream "
         "stays ordered; a stream waits for another's event; copies run on the stream given "
         "(and asynchronously when copy.async is declared)",

@@ -24,7 +24,7 @@ from kvhal.device import Device
 from kvhal.geometry import KVGeometry
 from kvhal_conformance import blockdata
 from kvhal_conformance.copycheck import mapped_problems
-from kvhal_conformance.timing import Busy, settle, wait
+from kvhal_conformance.timing import Busy, poll, settle, wait
 
 SAMPLES = 16
 COPY_WRONG = "the copy itself is wrong (see the copies contract)"
@@ -68,6 +68,7 @@ class Rig:
     chain_end_to_end: np.ndarray
     watched_s: float = 0.0
     busy_s: float = 0.0
+    started: float = 0.0
     watched_before: blockdata.Snapshot = ()
     host_data: blockdata.Snapshot = ()
     middle_before: blockdata.Snapshot = ()
@@ -91,6 +92,15 @@ class Rig:
 
     def submit(self, plan: CopyPlan, stream: Any) -> Any:
         return self.device.submit(plan, stream, after_compute=False)
+
+    def watched_after_busy(self, seed: int, seconds: float) -> tuple[Any, Any]:
+        """Reset, keep a new stream busy for ``seconds`` (from ``self.started``), then submit
+        the watched copy to it: (the stream, the copy's event)."""
+        self.reset(seed)
+        stream = self.device.create_stream()
+        self.started = time.perf_counter()
+        self.occupy(stream, seconds)
+        return stream, self.submit(self.watched, stream)
 
     # -- the watched copy ---------------------------------------------------
 
@@ -137,6 +147,20 @@ class Rig:
         rows = sample_rows(self.chain_out.mapping)
         got = blockdata.read(self.chain_out.dst, rows[:, 1])
         return not bool(blockdata.blocks_equal(got, blockdata.take(self.chain_before, rows[:, 1])).all())
+
+    def expect_chain_after(
+        self, earlier: Any, last: Any, what: str, started_early: str, read_early: str
+    ) -> None:
+        """Watch ``chain_out`` (event ``last``), which must follow the work of event ``earlier``:
+        fail if it writes before ``earlier`` completes, or if it did not read what ``chain_in`` wrote."""
+
+        def not_started() -> None:
+            if self.chain_changed() and not self.device.query_event(earlier):
+                pytest.fail(f"{what}: {started_early}")
+
+        poll(self.device, earlier, "the work a copy must follow", while_pending=not_started)
+        wait(self.device, last, "the last of two chained copies")
+        self.expect_chain(what, read_early)
 
     def _chain_arrived(self) -> bool:
         src_ids, dst_ids = self.chain_end_to_end.T

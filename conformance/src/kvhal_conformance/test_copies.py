@@ -9,6 +9,7 @@ unchanged.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -66,161 +67,105 @@ def make_mapping(kind: str, rng: np.random.Generator, n_src: int, n_dst: int) ->
     return pairs.astype(np.int64)
 
 
-def copy_and_check(
-    device: Device,
-    host_cache: HostCache,
-    geometry: KVGeometry,
-    layout: KVLayout,
-    direction: str,
-    mapping: np.ndarray,
-    seed: int,
-    what: str,
-    host_blocks: int = HOST_BLOCKS,
-) -> None:
-    """Copy ``mapping`` between a fresh device cache and a host cache; check every byte."""
-    on_device = device.allocate_kv_cache(geometry, layout)
-    on_host = host_cache(geometry, layout, host_blocks)
-    src, dst = (on_device, on_host) if direction == "d2h" else (on_host, on_device)
-    src_before, dst_before = blockdata.fill(src, seed), blockdata.fill(dst, seed + 1)
-    context = f"kvhal_copy_blocks ({direction}, {describe(layout, geometry)}, {what})"
-    event = device.copy_blocks(src, dst, mapping)
-    wait(device, event, context)
-    assert device.query_event(event), (
-        f"{context}: kvhal_query_event reports a synchronized copy's event incomplete"
-    )
-    problems = copy_problems(mapping, src_before, blockdata.read(src), dst_before, blockdata.read(dst))
-    assert not problems, f"{context}: " + "; ".join(problems) + ". " + blockdata.mapping_preview(mapping)
+@dataclass
+class Copier:
+    """Runs checked copies: a fresh device cache and host cache each, every byte compared."""
+
+    target: Target
+    device: Device
+    host_cache: HostCache
+    rng: np.random.Generator
+    seed: int
+
+    def layout(self, kind: str) -> KVLayout:
+        return layout_of_kind(self.target, self.device, kind)
+
+    def mapping(self, kind: str, direction: str) -> np.ndarray:
+        sides = (DEVICE_BLOCKS, HOST_BLOCKS) if direction == "d2h" else (HOST_BLOCKS, DEVICE_BLOCKS)
+        return make_mapping(kind, self.rng, *sides)
+
+    def check(
+        self,
+        geometry: KVGeometry,
+        layout: KVLayout,
+        direction: str,
+        mapping: np.ndarray,
+        what: str,
+        host_blocks: int = HOST_BLOCKS,
+    ) -> None:
+        """Copy ``mapping`` between a new device cache and a new host cache; check every byte."""
+        device = self.device
+        on_device = device.allocate_kv_cache(geometry, layout)
+        on_host = self.host_cache(geometry, layout, host_blocks)
+        src, dst = (on_device, on_host) if direction == "d2h" else (on_host, on_device)
+        src_before, dst_before = blockdata.fill(src, self.seed), blockdata.fill(dst, self.seed + 1)
+        context = f"kvhal_copy_blocks ({direction}, {describe(layout, geometry)}, {what})"
+        event = device.copy_blocks(src, dst, mapping)
+        wait(device, event, context)
+        assert device.query_event(event), (
+            f"{context}: kvhal_query_event reports a synchronized copy incomplete"
+        )
+        problems = copy_problems(mapping, src_before, blockdata.read(src), dst_before, blockdata.read(dst))
+        assert not problems, f"{context}: " + "; ".join(problems) + ". " + blockdata.mapping_preview(mapping)
 
 
-def _sides(direction: str) -> tuple[int, int]:
-    return (DEVICE_BLOCKS, HOST_BLOCKS) if direction == "d2h" else (HOST_BLOCKS, DEVICE_BLOCKS)
+@pytest.fixture
+def copier(
+    kvhal_target: Target,
+    kvhal_device: Device,
+    kvhal_host_cache: HostCache,
+    kvhal_rng: np.random.Generator,
+    kvhal_seed: int,
+) -> Copier:
+    return Copier(kvhal_target, kvhal_device, kvhal_host_cache, kvhal_rng, kvhal_seed)
 
 
 @pytest.mark.parametrize("layout_kind", LAYOUT_KINDS)
 @pytest.mark.parametrize("direction", DIRECTIONS)
 @pytest.mark.parametrize("kind", MAPPINGS)
-def test_mapping(
-    kvhal_target: Target,
-    kvhal_device: Device,
-    kvhal_host_cache: HostCache,
-    kvhal_rng: np.random.Generator,
-    kvhal_seed: int,
-    kind: str,
-    direction: str,
-    layout_kind: str,
-) -> None:
+def test_mapping(copier: Copier, kind: str, direction: str, layout_kind: str) -> None:
     """Random, empty, one-block, last-block, non-contiguous, coalescable and fan-out mappings copy exactly."""
-    layout = layout_of_kind(kvhal_target, kvhal_device, layout_kind)
-    mapping = make_mapping(kind, kvhal_rng, *_sides(direction))
-    copy_and_check(
-        kvhal_device,
-        kvhal_host_cache,
-        small_geometry(),
-        layout,
-        direction,
-        mapping,
-        kvhal_seed,
-        f"mapping '{kind}'",
-    )
+    layout = copier.layout(layout_kind)
+    copier.check(small_geometry(), layout, direction, copier.mapping(kind, direction), f"mapping '{kind}'")
 
 
 @pytest.mark.parametrize("layout_kind", LAYOUT_KINDS)
 @pytest.mark.parametrize("direction", DIRECTIONS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_dtype(
-    kvhal_target: Target,
-    kvhal_device: Device,
-    kvhal_host_cache: HostCache,
-    kvhal_rng: np.random.Generator,
-    kvhal_seed: int,
-    dtype: str,
-    direction: str,
-    layout_kind: str,
-) -> None:
+def test_dtype(copier: Copier, dtype: str, direction: str, layout_kind: str) -> None:
     """bf16, fp16, fp32 (required) and fp8 (when declared) caches copy bit for bit."""
-    require_dtype(kvhal_target, DTYPES[dtype])
-    layout = layout_of_kind(kvhal_target, kvhal_device, layout_kind)
-    mapping = make_mapping("random", kvhal_rng, *_sides(direction))
+    require_dtype(copier.target, DTYPES[dtype])
+    layout = copier.layout(layout_kind)
     geometry = small_geometry(DTYPES[dtype])
-    copy_and_check(
-        kvhal_device, kvhal_host_cache, geometry, layout, direction, mapping, kvhal_seed, "random mapping"
-    )
+    copier.check(geometry, layout, direction, copier.mapping("random", direction), "random mapping")
 
 
 @pytest.mark.parametrize("layout_kind", LAYOUT_KINDS)
 @pytest.mark.parametrize("direction", DIRECTIONS)
-def test_split_kv(
-    kvhal_target: Target,
-    kvhal_device: Device,
-    kvhal_host_cache: HostCache,
-    kvhal_rng: np.random.Generator,
-    kvhal_seed: int,
-    direction: str,
-    layout_kind: str,
-) -> None:
+def test_split_kv(copier: Copier, direction: str, layout_kind: str) -> None:
     """Caches kept as a (K, V) pair per layer copy both parts (when kv.split is declared)."""
-    require_format(kvhal_target, KVFormat.SPLIT)
-    layout = layout_of_kind(kvhal_target, kvhal_device, layout_kind)
-    mapping = make_mapping("random", kvhal_rng, *_sides(direction))
+    require_format(copier.target, KVFormat.SPLIT)
+    layout = copier.layout(layout_kind)
     geometry = small_geometry(kv_format=KVFormat.SPLIT)
-    copy_and_check(
-        kvhal_device, kvhal_host_cache, geometry, layout, direction, mapping, kvhal_seed, "random mapping"
-    )
+    copier.check(geometry, layout, direction, copier.mapping("random", direction), "random mapping")
 
 
 @pytest.mark.parametrize("layout_kind", LAYOUT_KINDS)
 @pytest.mark.parametrize("direction", DIRECTIONS)
-def test_large_batch(
-    kvhal_target: Target,
-    kvhal_device: Device,
-    kvhal_host_cache: HostCache,
-    kvhal_rng: np.random.Generator,
-    kvhal_seed: int,
-    kvhal_sizes: Sizes,
-    direction: str,
-    layout_kind: str,
-) -> None:
+def test_large_batch(copier: Copier, kvhal_sizes: Sizes, direction: str, layout_kind: str) -> None:
     """Every block of a large cache, scattered on the device side, copies in one batch."""
-    layout = layout_of_kind(kvhal_target, kvhal_device, layout_kind)
+    layout = copier.layout(layout_kind)
     n = kvhal_sizes.large_batch
-    geometry = KVGeometry(
-        num_layers=2, num_blocks=n, block_size=4, num_kv_heads=1, head_size=8, dtype=DTYPES["bf16"]
-    )
-    scattered, packed = kvhal_rng.permutation(n), np.arange(n)
+    geometry = small_geometry(num_blocks=n, num_layers=2)
+    scattered, packed = copier.rng.permutation(n), np.arange(n)
     pairs = (scattered, packed) if direction == "d2h" else (packed, scattered)
-    mapping = np.stack(pairs, axis=1).astype(np.int64)
-    copy_and_check(
-        kvhal_device,
-        kvhal_host_cache,
-        geometry,
-        layout,
-        direction,
-        mapping,
-        kvhal_seed,
-        f"{n} blocks",
-        host_blocks=n,
-    )
+    copier.check(geometry, layout, direction, np.stack(pairs, axis=1), f"{n} blocks", host_blocks=n)
 
 
 @pytest.mark.parametrize("direction", DIRECTIONS)
-def test_every_offered_layout(
-    kvhal_target: Target,
-    kvhal_device: Device,
-    kvhal_host_cache: HostCache,
-    kvhal_rng: np.random.Generator,
-    kvhal_seed: int,
-    direction: str,
-) -> None:
+def test_every_offered_layout(copier: Copier, direction: str) -> None:
     """A random mapping copies exactly in every layout kvhal_kv_layouts(None) offers."""
-    for layout in offered_layouts(kvhal_target, kvhal_device):
-        mapping = make_mapping("random", kvhal_rng, *_sides(direction))
-        copy_and_check(
-            kvhal_device,
-            kvhal_host_cache,
-            small_geometry(),
-            layout,
-            direction,
-            mapping,
-            kvhal_seed,
-            "random mapping",
+    for layout in offered_layouts(copier.target, copier.device):
+        copier.check(
+            small_geometry(), layout, direction, copier.mapping("random", direction), "random mapping"
         )

@@ -53,13 +53,9 @@ def test_event_on_idle_stream_completes(kvhal_device: Device) -> None:
 def test_event_not_complete_before_its_work(rig: Rig, kvhal_sizes: Sizes, kvhal_seed: int) -> None:
     """A copy's event is incomplete while the copy cannot have finished, and complete after it."""
     device = rig.device
-    rig.reset(kvhal_seed)
-    stream = device.create_stream()
-    start = time.perf_counter()
-    rig.occupy(stream, kvhal_sizes.busy_seconds)
-    event = rig.submit(rig.watched, stream)
+    _, event = rig.watched_after_busy(kvhal_seed, kvhal_sizes.busy_seconds)
     if device.query_event(event):
-        elapsed = time.perf_counter() - start
+        elapsed = time.perf_counter() - rig.started
         rig.expect_watched_written(
             "kvhal_query_event reported a copy's event complete right after submission"
         )
@@ -76,10 +72,7 @@ def test_event_not_complete_before_its_work(rig: Rig, kvhal_sizes: Sizes, kvhal_
 def test_synchronize_waits_for_copy(rig: Rig, kvhal_sizes: Sizes, kvhal_seed: int) -> None:
     """kvhal_synchronize_event returns only when every byte of the copy is written."""
     device = rig.device
-    rig.reset(kvhal_seed)
-    stream = device.create_stream()
-    rig.occupy(stream, kvhal_sizes.busy_seconds)
-    event = rig.submit(rig.watched, stream)
+    _, event = rig.watched_after_busy(kvhal_seed, kvhal_sizes.busy_seconds)
     missing = wait(device, event, "a copy's event", then=rig.watched_missing)
     rig.expect_watched_written("kvhal_synchronize_event returned for a copy's event", missing=missing)
 
@@ -87,10 +80,7 @@ def test_synchronize_waits_for_copy(rig: Rig, kvhal_sizes: Sizes, kvhal_seed: in
 def test_event_recorded_after_copy_follows_it(rig: Rig, kvhal_sizes: Sizes, kvhal_seed: int) -> None:
     """An event recorded on a stream after a copy on it completes only after that copy."""
     device = rig.device
-    rig.reset(kvhal_seed)
-    stream = device.create_stream()
-    rig.occupy(stream, kvhal_sizes.busy_seconds)
-    copied = rig.submit(rig.watched, stream)
+    stream, copied = rig.watched_after_busy(kvhal_seed, kvhal_sizes.busy_seconds)
     event = device.create_event()
     device.record_event(event, stream)
     poll(device, event, "an event recorded after a copy")
@@ -109,20 +99,14 @@ def test_stream_keeps_work_in_order(rig: Rig, kvhal_sizes: Sizes, kvhal_seed: in
     stream = device.create_stream()
     earlier = rig.occupy(stream, kvhal_sizes.busy_seconds)
     rig.submit(rig.chain_in, stream)
-    last = rig.submit(rig.chain_out, stream)
-
-    def not_started_early() -> None:
-        if rig.chain_changed() and not device.query_event(earlier):
-            pytest.fail(
-                "kvhal_copy_blocks: a copy wrote its destination while copies submitted earlier to the same "
-                "stream were still incomplete: work on one stream must run in submission order"
-            )
-
-    poll(device, earlier, "copies keeping a stream busy", while_pending=not_started_early)
-    wait(device, last, "the last of a chain of copies on one stream")
-    rig.expect_chain(
+    rig.expect_chain_after(
+        earlier,
+        rig.submit(rig.chain_out, stream),
         "kvhal_copy_blocks: a host->device copy then a device->host copy of the same blocks on one stream",
-        "the second read the device blocks before the first wrote them: work on one stream must run in order",
+        started_early="a copy wrote its destination while copies submitted earlier to the same stream were "
+        "still incomplete: work on one stream must run in submission order",
+        read_early="the second read the device blocks before the first wrote them: work on one stream must "
+        "run in order",
     )
 
 
@@ -134,21 +118,13 @@ def test_stream_waits_for_event(rig: Rig, kvhal_sizes: Sizes, kvhal_seed: int) -
     rig.occupy(a, kvhal_sizes.busy_seconds)
     written = rig.submit(rig.chain_in, a)
     device.stream_wait_event(b, written)
-    read = rig.submit(rig.chain_out, b)
-
-    def waiting() -> None:
-        if rig.chain_changed() and not device.query_event(written):
-            pytest.fail(
-                "kvhal_stream_wait_event: a copy on stream B wrote its destination before the event on "
-                "stream A that B waits for completed"
-            )
-
-    poll(device, written, "a copy on stream A", while_pending=waiting)
-    wait(device, read, "a copy on stream B")
-    rig.expect_chain(
+    rig.expect_chain_after(
+        written,
+        rig.submit(rig.chain_out, b),
         "kvhal_stream_wait_event: stream B waited for the event of a host->device copy on stream A, then "
         "copied those blocks device->host",
-        "B's copy read the device blocks before A's copy wrote them",
+        started_early="B's copy wrote its destination before the event on A that B waits for completed",
+        read_early="B's copy read the device blocks before A's copy wrote them",
     )
 
 
