@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -69,4 +70,6 @@ def pytest_args(argv: Sequence[str]) -> list[str]:
 
 def main(argv: Sequence[str]) -> int:
     """Run the suite; pytest's exit code (0: every contract passed or was skipped)."""
+    if os.getcwd() not in sys.path:  # --plugin MODULE may live here, as with `python -m pytest`
+        sys.path.insert(0, os.getcwd())
     return int(pytest.main(pytest_args(argv)))

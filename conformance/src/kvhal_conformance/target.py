@@ -24,9 +24,9 @@ def load_object(spec: str) -> object:
         obj: Any = importlib.import_module(module_name)
         for part in attr.split("."):
             obj = getattr(obj, part)
-    except (ImportError, AttributeError) as exc:
+        return obj() if isinstance(obj, type) else obj
+    except Exception as exc:  # not importable, no such attribute, or its constructor raised
         raise pytest.UsageError(f"--kvhal-plugin {spec!r}: {type(exc).__name__}: {exc}") from exc
-    return obj() if isinstance(obj, type) else obj
 
 
 @dataclass
