@@ -27,7 +27,7 @@ from kvhal.errors import (
     ValidationError,
 )
 from kvhal.geometry import KVFormat, KVGeometry
-from kvhal.layouts import KVLayout
+from kvhal.layouts import LOGICAL_DIMS, KVLayout
 
 HOST_ALIGNMENT = 4096
 #: dtypes every device plugin must copy; others need a ``dtype.*`` capability.
@@ -123,6 +123,15 @@ class Device:
                         MalformedResultError,
                         hook,
                         f"returned {item!r} ({type(item).__name__}); expected KVLayout",
+                    )
+                # A KVLayout built around its own validation (object.__new__, a subclass) is
+                # still refused: copies and allocation trust the stride order.
+                if sorted(item.stride_order) != list(range(len(LOGICAL_DIMS))):
+                    raise self._error(
+                        MalformedResultError,
+                        hook,
+                        f"returned a stride order that is not a permutation: layout {item.name!r} has "
+                        f"{tuple(item.stride_order)} over {LOGICAL_DIMS}",
                     )
             self._layouts[attention_backend] = tuple(result)
         return self._layouts[attention_backend]

@@ -1,0 +1,138 @@
+"""The pytest plugin (entry point ``pytest11``): options, the plugin under test, the report.
+
+It is loaded by every pytest run in an environment where kvhal-conformance is
+installed, so it does nothing unless ``--kvhal-device`` is given: the suite's
+own tests then skip, saying how to run them, and no other test is touched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from kvhal_conformance import report as report_module
+from kvhal_conformance.contracts import Contract, contract_of_module
+from kvhal_conformance.results import FAIL, TestResult, by_contract, contract_status, record
+from kvhal_conformance.settings import Settings, add_options
+from kvhal_conformance.target import Target
+
+pytest_plugins = ["kvhal_conformance.fixtures"]
+
+NO_DEVICE_REASON = (
+    "kvhal conformance suite: name the device plugin to test with --kvhal-device NAME "
+    "(or run `kvhal conformance --device NAME`)"
+)
+
+
+@dataclass
+class State:
+    """The run's settings, the plugin under test (found on first use), and outcomes."""
+
+    settings: Settings
+    results: dict[str, TestResult] = field(default_factory=dict)
+    report_paths: tuple[Path, ...] = ()
+    _target: Target | None = None
+
+    def target(self) -> Target:
+        if self._target is None:
+            assert self.settings.device is not None
+            self._target = Target.find(self.settings.device, self.settings.plugins)
+        return self._target
+
+    @property
+    def found(self) -> Target | None:
+        return self._target
+
+
+STATE = pytest.StashKey[State]()
+
+
+def state_of(config: pytest.Config) -> State:
+    return config.stash[STATE]
+
+
+def contract_of(item: pytest.Item) -> Contract | None:
+    module = getattr(item, "module", None)
+    return contract_of_module(module.__name__) if module is not None else None
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    add_options(parser)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.stash[STATE] = State(Settings.from_config(config))
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    settings = state_of(config).settings
+    if settings.device is None:
+        return []
+    sizes = "quick" if settings.quick else "full"
+    return [
+        f"kvhal conformance: device plugin {settings.device!r}, {sizes} sizes, seed {settings.seed}, "
+        f"throughput floor {settings.throughput_floor}"
+    ]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    ours = [item for item in items if contract_of(item) is not None]
+    if not ours:
+        return
+    state = state_of(config)
+    if state.settings.device is None:
+        for item in ours:
+            item.add_marker(pytest.mark.skip(reason=NO_DEVICE_REASON))
+        return
+    state.target()  # an unknown plugin name is a usage error, before any test runs
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    report = yield
+    contract = contract_of(item)
+    state = state_of(item.config)
+    if contract is not None and state.settings.device is not None:
+        record(state.results, item, contract, call, report)
+    return report
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    state = state_of(session.config)
+    folder = state.settings.report_dir
+    if folder is None or not state.results:
+        return
+    built = report_module.build(state.settings, state.found, state.results)
+    state.report_paths = report_module.write(built, Path(folder))
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+    state = state_of(config)
+    if not state.results:
+        return
+    write = terminalreporter.write_line
+    terminalreporter.section(f"kvhal conformance: plugin {state.settings.device!r}")
+    for contract, tests in by_contract(state.results):
+        status = contract_status(tests)
+        failed = [t for t in tests if t.outcome == FAIL]
+        write(
+            f"{contract.title:<20} {status:<8} ({len(tests)} tests)",
+            red=status == FAIL,
+            green=status == "pass",
+        )
+        for test in failed[:3]:
+            write(f"    {test.name}: {test.message.splitlines()[0] if test.message else ''}"[:400])
+    target = state.found
+    if target is not None:
+        for direction, m in target.metrics.get("throughput", {}).items():
+            write(
+                f"throughput {direction}: plugin {m['plugin_gib_s']:.2f} GiB/s, torch {m['torch_gib_s']:.2f} "
+                f"GiB/s, ratio {m['ratio']:.2f} (floor {m['floor']})"
+            )
+    for path in state.report_paths:
+        write(f"report: {path}")

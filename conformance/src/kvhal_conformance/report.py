@@ -1,0 +1,177 @@
+"""The report a vendor publishes with a release: JSON for tools, Markdown for people."""
+
+from __future__ import annotations
+
+import json
+import platform
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import kvhal
+import kvhal_conformance
+from kvhal_conformance.results import FAIL, SKIP, TestResult, by_contract, contract_status, verdict
+from kvhal_conformance.settings import MiB, Settings
+from kvhal_conformance.target import Target
+
+
+def build(settings: Settings, target: Target | None, results: dict[str, TestResult]) -> dict[str, Any]:
+    groups = by_contract(results)
+    d = target.descriptor if target else None
+    return {
+        "suite": {"name": "kvhal-conformance", "version": kvhal_conformance.__version__},
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "verdict": verdict(groups),
+        "plugin": {
+            "name": settings.device,
+            "distribution": target.info.distribution if target else None,
+            "version": target.version if target else None,
+            "bound": bool(target and target.device),
+            "error": target.error if target else None,
+        },
+        "device": None
+        if d is None
+        else {
+            "name": d.name,
+            "vendor": d.vendor,
+            "torch_device_type": d.torch_device_type,
+            "capabilities": sorted(d.capabilities),
+            "priority": d.priority,
+            "device_count": d.device_count,
+            "details": dict(d.details),
+        },
+        "environment": {
+            "torch": torch.__version__,
+            "kvhal": kvhal.__version__,
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+        },
+        "run": {
+            "sizes": "quick" if settings.quick else "full",
+            "seed": settings.seed,
+            "throughput_floor": settings.throughput_floor,
+        },
+        "contracts": [
+            {
+                "id": contract.id,
+                "title": contract.title,
+                "checks": contract.checks,
+                "status": contract_status(tests),
+                "counts": {o: sum(t.outcome == o for t in tests) for o in ("pass", FAIL, SKIP)},
+                "tests": [
+                    {
+                        "name": t.name,
+                        "checks": t.doc,
+                        "outcome": t.outcome,
+                        "message": t.message,
+                        "duration_s": round(t.duration_s, 4),
+                    }
+                    for t in tests
+                ],
+            }
+            for contract, tests in groups
+        ],
+        "throughput": target.metrics.get("throughput", {}) if target else {},
+    }
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def to_markdown(report: dict[str, Any]) -> str:
+    plugin, device, env, run = report["plugin"], report["device"], report["environment"], report["run"]
+    counts = [c["status"] for c in report["contracts"]]
+    lines = [
+        f"# kvhal conformance: plugin `{plugin['name']}`",
+        "",
+        f"**Verdict: {report['verdict'].upper()}**: {len(counts)} contracts, "
+        + ", ".join(f"{counts.count(s)} {s}" for s in ("pass", "fail", "skip", "not run") if counts.count(s)),
+        "",
+        "| | |",
+        "|---|---|",
+        f"| Plugin | `{plugin['name']}`, distribution {plugin['distribution'] or 'unknown'}, "
+        f"version {plugin['version'] or 'unknown'} |",
+    ]
+    if device:
+        lines += [
+            f"| Device | {device['name']} (vendor {device['vendor']}, torch device type "
+            f"`{device['torch_device_type']}`, {device['device_count']} visible, "
+            f"priority {device['priority']}) |",
+            f"| Capabilities | {', '.join(f'`{c}`' for c in device['capabilities']) or 'none'} |",
+        ]
+    lines += [
+        f"| torch | {env['torch']} |",
+        f"| kvhal | {env['kvhal']} (suite {report['suite']['name']} {report['suite']['version']}) |",
+        f"| Python, platform | {env['python']}, {env['platform']} |",
+        f"| Date | {report['date']} |",
+        f"| Run | {run['sizes']} sizes, seed {run['seed']}, throughput floor {run['throughput_floor']} |",
+        "",
+    ]
+    if plugin["error"]:
+        lines += [f"The plugin could not be bound: {_cell(plugin['error'])}", ""]
+    lines += [
+        "## Contracts",
+        "",
+        "| Contract | Status | Pass | Fail | Skip | Checks |",
+        "|---|---|---|---|---|---|",
+    ]
+    for c in report["contracts"]:
+        n = c["counts"]
+        lines.append(
+            f"| {c['title']} | **{c['status']}** | {n['pass']} | {n['fail']} | {n['skip']} "
+            f"| {_cell(c['checks'])} |"
+        )
+    lines += _throughput_lines(report["throughput"])
+    failures = [(c, t) for c in report["contracts"] for t in c["tests"] if t["outcome"] == FAIL]
+    if failures:
+        lines += ["", "## Failures", ""]
+        for c, t in failures:
+            lines += [f"- **{c['title']}** `{t['name']}`: {_cell(t['message'])}"]
+    skips: dict[str, list[str]] = {}
+    for c in report["contracts"]:
+        for t in c["tests"]:
+            if t["outcome"] == SKIP:
+                skips.setdefault(t["message"], []).append(f"`{t['name']}`")
+    if skips:
+        lines += ["", "## Skipped", ""]
+        lines += [f"- {_cell(reason)}: {', '.join(names)}" for reason, names in skips.items()]
+    if device and device["details"]:
+        lines += ["", "## Device details", ""]
+        lines += [f"- {key}: {_cell(value)}" for key, value in device["details"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def _throughput_lines(throughput: dict[str, Any]) -> list[str]:
+    if not throughput:
+        return []
+    lines = [
+        "",
+        "## Throughput",
+        "",
+        "Fastest of several block copies through kvhal (validation, the plugin's copy, its event) "
+        "against a plain torch copy of the same bytes between a device tensor and a host buffer, "
+        "measured alternately in the same run.",
+        "",
+        "| Direction | Layout | Copied | Descriptors | Plugin GiB/s | torch GiB/s | Ratio | Floor | Status |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for direction, m in throughput.items():
+        lines.append(
+            f"| {direction} | {m['layout']} | {m['bytes'] / MiB:.0f} MiB in {m['blocks']} blocks | "
+            f"{m['descriptors']} | {m['plugin_gib_s']:.2f} | "
+            f"{m['torch_gib_s']:.2f} | {m['ratio']:.2f} | {m['floor']} | {m['status']} |"
+        )
+    return lines
+
+
+def write(report: dict[str, Any], folder: Path) -> tuple[Path, Path]:
+    """Write ``NAME.json`` and ``NAME.md`` (NAME: the plugin's) into ``folder``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    name = str(report["plugin"]["name"])
+    json_path, md_path = folder / f"{name}.json", folder / f"{name}.md"
+    json_path.write_text(json.dumps(report, indent=2) + "\n")
+    md_path.write_text(to_markdown(report))
+    return json_path, md_path

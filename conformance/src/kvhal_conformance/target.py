@@ -1,0 +1,133 @@
+"""The plugin under test: how the suite finds it, binds it, and calls its raw hooks."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+import kvhal
+from kvhal.descriptor import Capability, DeviceDescriptor
+from kvhal.device import Device
+from kvhal.errors import KVHALError
+from kvhal.registry import BUILTIN_DISTRIBUTION, PluginInfo, PluginRegistry
+
+
+def load_object(spec: str) -> object:
+    """``module:attr`` (attr may be dotted) -> the object; a class is instantiated."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise pytest.UsageError(f"--kvhal-plugin {spec!r}: expected MODULE:ATTR")
+    try:
+        obj: Any = importlib.import_module(module_name)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+        return obj() if isinstance(obj, type) else obj
+    except Exception as exc:  # not importable, no such attribute, or its constructor raised
+        raise pytest.UsageError(f"--kvhal-plugin {spec!r}: {type(exc).__name__}: {exc}") from exc
+
+
+@dataclass
+class Target:
+    """The device plugin named by ``--kvhal-device``, found and (if it can be) bound.
+
+    :param registry: holds the plugin (and the built-in CPU plugin).
+    :param info: the plugin as the registry found it.
+    :param descriptor: what its probe returned, when it returned a descriptor.
+    :param device: the bound :class:`~kvhal.device.Device`, or None when binding failed.
+    :param error: why binding failed (a missing hook, a refusal, a load error), naming the plugin.
+    :param metrics: measurements the tests leave for the report (throughput).
+    """
+
+    registry: PluginRegistry
+    info: PluginInfo
+    descriptor: DeviceDescriptor | None
+    device: Device | None
+    error: str | None
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def find(cls, name: str, plugin_specs: tuple[str, ...] = ()) -> Target:
+        """Find plugin ``name``; an unknown name or an unloadable spec is a usage error."""
+        if plugin_specs:
+            if name == "cpu":
+                raise pytest.UsageError("--kvhal-plugin: 'cpu' is built in; choose another --kvhal-device")
+            # Only the given objects (and the built-in CPU plugin): installed ones stay out.
+            registry = PluginRegistry(autoload=False, allow={"cpu", name}, block=())
+            for spec in plugin_specs:
+                obj = load_object(spec)
+                version = getattr(importlib.import_module(spec.partition(":")[0]), "__version__", None)
+                distribution = f"{spec} (--kvhal-plugin)" + (f" {version}" if version else "")
+                registry.register(obj, name, distribution)
+        else:
+            registry = PluginRegistry()
+        matches = [p for p in registry.plugins if p.name == name]
+        if not matches:
+            known = ", ".join(sorted(p.name for p in registry.plugins)) or "none"
+            raise pytest.UsageError(f"--kvhal-device {name!r}: no such kvhal plugin; plugins found: {known}")
+        info = matches[-1]
+        if info.blocked_by:
+            raise pytest.UsageError(f"--kvhal-device {name!r}: plugin not loaded ({info.blocked_by})")
+        outcome = registry.probe(info)
+        try:
+            device = registry.select(name)
+        except KVHALError as exc:
+            return cls(registry, info, outcome.descriptor, None, str(exc))
+        return cls(registry, info, device.descriptor, device, None)
+
+    # -- naming ---------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        return self.info.name
+
+    @property
+    def label(self) -> str:
+        """``plugin 'NAME' (distribution ...)`` as kvhal's errors write it."""
+        where = f"plugin {self.name!r}"
+        return where + (f" (distribution {self.info.distribution})" if self.info.distribution else "")
+
+    @property
+    def version(self) -> str | None:
+        """The plugin's version: its distribution's, or kvhal's for the built-in one."""
+        dist = self.info.distribution
+        if dist == BUILTIN_DISTRIBUTION:
+            return kvhal.__version__
+        if dist and " " in dist and "--kvhal-plugin" not in dist:
+            return dist.rsplit(" ", 1)[1]
+        return None
+
+    # -- what tests use -------------------------------------------------------
+
+    def require_device(self) -> Device:
+        """The bound device, or fail the calling test with why it could not be bound."""
+        if self.device is None:
+            pytest.fail(f"{self.label} could not be bound, nothing else can be checked: {self.error}")
+        return self.device
+
+    def declares(self, capability: Capability | str) -> bool:
+        return self.descriptor is not None and self.descriptor.supports(capability)
+
+    def require(self, capability: Capability | str) -> None:
+        """Skip the calling test, naming the capability, unless the plugin declares it."""
+        self.require_device()
+        value = capability.value if isinstance(capability, Capability) else capability
+        if not self.declares(value):
+            pytest.skip(f"capability {value} not declared by plugin {self.name!r}")
+
+    def caller(self, hook: str) -> Any:
+        """Hook ``hook`` of this plugin alone (plus non-device wrappers), without kvhal's checks."""
+        others = [
+            p.plugin for p in self.registry.device_plugins() if p.plugin is not None and p is not self.info
+        ]
+        return self.registry.pm.subset_hook_caller(hook, remove_plugins=others)
+
+    def call(self, hook: str, **kwargs: Any) -> Any:
+        """Call :meth:`caller`; an exception fails the calling test, naming plugin and hook."""
+        try:
+            return self.caller(hook)(**kwargs)
+        except Exception as exc:
+            args = ", ".join(f"{k}={v!r:.60}" for k, v in kwargs.items())
+            pytest.fail(f"{self.label} hook {hook}({args}) raised {type(exc).__name__}: {exc}")

@@ -1,0 +1,81 @@
+"""Contract: host memory (``kvhal_allocate_host_buffer``, ``kvhal_host_buffer_is_pinned``,
+``kvhal_free_host_buffer``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvhal.descriptor import Capability
+from kvhal.device import HOST_ALIGNMENT, Device
+from kvhal_conformance.target import Target
+
+ALLOCATE, IS_PINNED, FREE = (
+    "kvhal_allocate_host_buffer",
+    "kvhal_host_buffer_is_pinned",
+    "kvhal_free_host_buffer",
+)
+SIZES = (1, 4096, 4097, (1 << 20) + 3)
+
+
+@pytest.mark.parametrize("nbytes", SIZES)
+def test_host_buffer_is_flat_zeroed_aligned(kvhal_target: Target, kvhal_device: Device, nbytes: int) -> None:
+    """A host buffer is a flat CPU byte tensor of at least the size asked for, zeroed and 4 KiB-aligned."""
+    buffer = kvhal_target.call(ALLOCATE, nbytes=nbytes)
+    where = f"{ALLOCATE}(nbytes={nbytes})"
+    assert isinstance(buffer, torch.Tensor), (
+        f"{where} returned {type(buffer).__name__}; expected a torch.Tensor"
+    )
+    assert buffer.device.type == "cpu", (
+        f"{where} returned a tensor on {buffer.device}; expected host (cpu) memory"
+    )
+    assert buffer.dim() == 1 and buffer.element_size() == 1, (
+        f"{where} returned a {buffer.dtype} tensor of shape {tuple(buffer.shape)}; "
+        "expected a flat int8/uint8 tensor"
+    )
+    assert buffer.numel() >= nbytes, f"{where} returned {buffer.numel()} bytes"
+    assert buffer.data_ptr() % HOST_ALIGNMENT == 0, (
+        f"{where} returned address {buffer.data_ptr():#x}, not {HOST_ALIGNMENT}-byte aligned"
+    )
+    nonzero = int(buffer.count_nonzero())
+    assert nonzero == 0, f"{where} returned a buffer with {nonzero} non-zero bytes; expected zeroed memory"
+    kvhal_target.call(FREE, buffer=buffer)
+
+
+def test_host_buffers_are_independent(kvhal_device: Device) -> None:
+    """Two live host buffers do not share memory."""
+    nbytes = 1 << 16
+    a, b = kvhal_device.allocate_host_buffer(nbytes), kvhal_device.allocate_host_buffer(nbytes)
+    a[:nbytes].fill_(1)
+    b[:nbytes].fill_(2)
+    assert bool((a[:nbytes] == 1).all()), f"{ALLOCATE}: writing one buffer changed another: buffers overlap"
+    for buffer in (a, b):
+        kvhal_device.free_host_buffer(buffer)
+
+
+def test_is_pinned_answers_bool(kvhal_target: Target, kvhal_device: Device) -> None:
+    """kvhal_host_buffer_is_pinned answers True or False for its own buffers and for plain tensors."""
+    buffer = kvhal_device.allocate_host_buffer(4096)
+    for what, tensor in (
+        ("one of its buffers", buffer),
+        ("a plain torch tensor", torch.zeros(4096, dtype=torch.uint8)),
+    ):
+        answer = kvhal_target.call(IS_PINNED, buffer=tensor)
+        assert isinstance(answer, bool), f"{IS_PINNED}({what}) returned {answer!r}; expected a bool"
+    kvhal_device.free_host_buffer(buffer)
+
+
+@pytest.mark.parametrize("nbytes", (4096, 16 << 20))
+def test_host_buffers_are_pinned(kvhal_target: Target, kvhal_device: Device, nbytes: int) -> None:
+    """With host.pinned declared, every host buffer is pinned (or registered) and a plain tensor is not."""
+    kvhal_target.require(Capability.PINNED_HOST)
+    buffer = kvhal_device.allocate_host_buffer(nbytes)
+    assert kvhal_device.host_buffer_is_pinned(buffer), (
+        f"plugin {kvhal_target.name!r} declares {Capability.PINNED_HOST.value} but {IS_PINNED} says a "
+        f"{nbytes}-byte buffer from {ALLOCATE} is not pinned"
+    )
+    plain = torch.zeros(nbytes, dtype=torch.uint8)
+    assert not kvhal_device.host_buffer_is_pinned(plain), (
+        f"{IS_PINNED} says a plain (never pinned or registered) torch tensor is pinned"
+    )
+    kvhal_device.free_host_buffer(buffer)

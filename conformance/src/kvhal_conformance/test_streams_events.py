@@ -1,0 +1,145 @@
+"""Contract: streams and events (``kvhal_create_stream`` ... ``kvhal_stream_wait_event``),
+and that ``kvhal_copy_blocks`` runs on the stream it is given.
+
+Checks that need work still running first put a measured minimum of copies on
+a stream (:class:`~kvhal_conformance.timing.Busy`). Verdicts rest on data
+(:mod:`kvhal_conformance.streamrig`); the one timing check allows a factor of four.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from kvhal.descriptor import Capability
+from kvhal.device import Device
+from kvhal_conformance.settings import Sizes
+from kvhal_conformance.streamrig import WRONG_STREAM, Rig, free_rig, make_rig
+from kvhal_conformance.target import Target
+from kvhal_conformance.timing import Busy, poll, wait
+
+#: An event seen complete sooner than its work's measured minimum divided by this is a violation.
+TIMING_SLACK = 4.0
+
+
+@pytest.fixture(scope="module")
+def rig(kvhal_device: Device, kvhal_busy: Busy, kvhal_sizes: Sizes) -> Iterator[Rig]:
+    made = make_rig(kvhal_device, kvhal_busy, kvhal_sizes.watched_bytes)
+    yield made
+    free_rig(made)
+
+
+def test_new_event_is_complete(kvhal_device: Device) -> None:
+    """A new, unrecorded event queries complete and synchronizes at once."""
+    event = kvhal_device.create_event()
+    assert kvhal_device.query_event(event), "kvhal_query_event: a new, unrecorded event must report complete"
+    wait(kvhal_device, event, "a new, unrecorded event", limit_s=10)
+
+
+def test_event_on_idle_stream_completes(kvhal_device: Device) -> None:
+    """An event recorded on a new stream, or on the compute stream, with no work completes."""
+    for name, stream in (("a new stream", kvhal_device.create_stream()), ("the compute stream", None)):
+        stream = kvhal_device.current_stream() if stream is None else stream
+        event = kvhal_device.create_event()
+        kvhal_device.record_event(event, stream)
+        wait(kvhal_device, event, f"an event recorded on {name} with no work", limit_s=30)
+        assert kvhal_device.query_event(event), (
+            f"kvhal_query_event: a synchronized event on {name} reports incomplete"
+        )
+
+
+def test_event_not_complete_before_its_work(rig: Rig, kvhal_sizes: Sizes, kvhal_seed: int) -> None:
+    """A copy's event is incomplete while the copy cannot have finished, and complete after it."""
+    device = rig.device
+    _, event = rig.watched_after_busy(kvhal_seed, kvhal_sizes.busy_seconds)
+    if device.query_event(event):
+        elapsed = time.perf_counter() - rig.started
+        rig.expect_watched_written(
+            "kvhal_query_event reported a copy's event complete right after submission"
+        )
+        assert elapsed * TIMING_SLACK >= rig.busy_s, (
+            f"kvhal_query_event reported a copy's event complete {elapsed * 1e3:.1f} ms after submission, "
+            f"queued behind work that takes at least {rig.busy_s * 1e3:.0f} ms (plain torch copies of the "
+            "same bytes, measured in this run): an event must not be complete before its work"
+        )
+    poll(device, event, "a copy's event")
+    rig.expect_watched_written("kvhal_query_event reported a copy's event complete")
+    wait(device, event, "a copy's event")
+
+
+def test_synchronize_waits_for_copy(rig: Rig, kvhal_sizes: Sizes, kvhal_seed: int) -> None:
+    """kvhal_synchronize_event returns only when every byte of the copy is written."""
+    device = rig.device
+    _, event = rig.watched_after_busy(kvhal_seed, kvhal_sizes.busy_seconds)
+    missing = wait(device, event, "a copy's event", then=rig.watched_missing)
+    rig.expect_watched_written("kvhal_synchronize_event returned for a copy's event", missing=missing)
+
+
+def test_event_recorded_after_copy_follows_it(rig: Rig, kvhal_sizes: Sizes, kvhal_seed: int) -> None:
+    """An event recorded on a stream after a copy on it completes only after that copy."""
+    device = rig.device
+    stream, copied = rig.watched_after_busy(kvhal_seed, kvhal_sizes.busy_seconds)
+    event = device.create_event()
+    device.record_event(event, stream)
+    poll(device, event, "an event recorded after a copy")
+    rig.expect_watched_written(
+        "an event recorded with kvhal_record_event on the copy's stream after the copy completed",
+        WRONG_STREAM,
+    )
+    wait(device, copied, "a copy's event")
+
+
+def test_stream_keeps_work_in_order(rig: Rig, kvhal_sizes: Sizes, kvhal_seed: int) -> None:
+    """Copies on one stream run in submission order: a later copy neither starts before
+    earlier work completes nor misses what an earlier copy wrote."""
+    device = rig.device
+    rig.reset(kvhal_seed)
+    stream = device.create_stream()
+    earlier = rig.occupy(stream, kvhal_sizes.busy_seconds)
+    rig.submit(rig.chain_in, stream)
+    rig.expect_chain_after(
+        earlier,
+        rig.submit(rig.chain_out, stream),
+        "kvhal_copy_blocks: a host->device copy then a device->host copy of the same blocks on one stream",
+        started_early="a copy wrote its destination while copies submitted earlier to the same stream were "
+        "still incomplete: work on one stream must run in submission order",
+        read_early="the second read the device blocks before the first wrote them: work on one stream must "
+        "run in order",
+    )
+
+
+def test_stream_waits_for_event(rig: Rig, kvhal_sizes: Sizes, kvhal_seed: int) -> None:
+    """After kvhal_stream_wait_event(B, event of a copy on A), B's copies see what A's copy wrote."""
+    device = rig.device
+    rig.reset(kvhal_seed)
+    a, b = device.create_stream(), device.create_stream()
+    rig.occupy(a, kvhal_sizes.busy_seconds)
+    written = rig.submit(rig.chain_in, a)
+    device.stream_wait_event(b, written)
+    rig.expect_chain_after(
+        written,
+        rig.submit(rig.chain_out, b),
+        "kvhal_stream_wait_event: stream B waited for the event of a host->device copy on stream A, then "
+        "copied those blocks device->host",
+        started_early="B's copy wrote its destination before the event on A that B waits for completed",
+        read_early="B's copy read the device blocks before A's copy wrote them",
+    )
+
+
+def test_copies_are_asynchronous(kvhal_target: Target, rig: Rig, kvhal_sizes: Sizes) -> None:
+    """With copy.async declared, kvhal_copy_blocks returns long before its copies finish."""
+    kvhal_target.require(Capability.ASYNC_COPY)
+    device = rig.device
+    stream = device.create_stream()
+    start = time.perf_counter()
+    event = rig.occupy(stream, kvhal_sizes.busy_seconds)
+    submitted = time.perf_counter() - start
+    wait(device, event, "copies keeping a stream busy")
+    total = time.perf_counter() - start
+    assert submitted < total / 2, (
+        f"plugin {kvhal_target.name!r} declares {Capability.ASYNC_COPY.value}, but submitting copies took "
+        f"{submitted * 1e3:.0f} ms of the {total * 1e3:.0f} ms until they completed: kvhal_copy_blocks "
+        "must return without waiting for the copy"
+    )

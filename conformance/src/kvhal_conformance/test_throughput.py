@@ -1,0 +1,93 @@
+"""Contract: copy throughput, relative to a plain torch copy of the same bytes in the same run.
+
+The plugin's block copy (through kvhal: validation, the plugin's copy, its
+event) and ``dst.copy_(src)`` between a device tensor and one of the plugin's
+host buffers are timed alternately, the fastest of several each. The ratio is
+reported; below the floor (``--kvhal-throughput-floor``) the contract fails.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvhal.descriptor import Capability
+from kvhal.device import Device
+from kvhal.geometry import KVGeometry
+from kvhal_conformance import blockdata
+from kvhal_conformance.settings import Settings
+from kvhal_conformance.target import Target
+from kvhal_conformance.timing import TorchCopy, fastest, wait
+
+GiB = 1 << 30
+SAMPLED = 64
+
+
+@pytest.mark.parametrize("direction", ("d2h", "h2d"))
+def test_throughput(
+    kvhal_target: Target,
+    kvhal_device: Device,
+    kvhal_settings: Settings,
+    kvhal_rng: np.random.Generator,
+    direction: str,
+) -> None:
+    """Copying a batch of whole blocks (256 KiB each, scattered on the device) reaches the
+    floor times a plain torch copy."""
+    device, sizes = kvhal_device, kvhal_settings.sizes
+    layouts = device.kv_layouts()
+    cross = [x for x in layouts if x.is_cross_layer] if kvhal_target.declares(Capability.CROSS_LAYER) else []
+    layout = cross[0] if cross else next(x for x in layouts if not x.is_cross_layer)
+    g = KVGeometry(
+        num_layers=8, num_blocks=1, block_size=16, num_kv_heads=8, head_size=64, dtype=torch.bfloat16
+    )
+    g = g.with_num_blocks(max(8, sizes.throughput_bytes // g.block_bytes))
+    on_device = device.allocate_kv_cache(g, layout)
+    on_host = device.allocate_host_cache(g, layout, g.num_blocks)
+    scattered, packed = kvhal_rng.permutation(g.num_blocks), np.arange(g.num_blocks)
+    if direction == "d2h":
+        src, dst, mapping = on_device, on_host, np.stack([scattered, packed], axis=1)
+    else:
+        src, dst, mapping = on_host, on_device, np.stack([packed, scattered], axis=1)
+    src_data = blockdata.fill(src, seed=7)
+    plan = device.plan_copy(src, dst, mapping)
+    stream = device.create_stream()
+    baseline = TorchCopy(device, plan.num_bytes)
+
+    def plugin_copy() -> None:
+        wait(device, device.submit(plan, stream), f"throughput {direction}")
+
+    plugin_s = torch_s = float("inf")
+    for _ in range(sizes.throughput_repeats):  # alternate, so both see the same machine load
+        plugin_s = min(plugin_s, fastest(plugin_copy, 1))
+        torch_s = min(torch_s, fastest(lambda: baseline.run(direction), 1))
+    baseline.free()
+    rows = mapping[np.linspace(0, len(mapping) - 1, SAMPLED).astype(int)]
+    arrived = blockdata.blocks_equal(
+        blockdata.read(dst, rows[:, 1]), blockdata.take(src_data, rows[:, 0])
+    ).numpy()
+    device.free_host_cache(on_host)
+    assert arrived.all(), (
+        f"kvhal_copy_blocks ({direction}, throughput run): sampled dst blocks "
+        f"{blockdata.id_list(rows[~arrived, 1])} do not hold their source blocks: a wrong copy is "
+        "not measured"
+    )
+
+    plugin_gib_s, torch_gib_s = plan.num_bytes / plugin_s / GiB, plan.num_bytes / torch_s / GiB
+    ratio, floor = plugin_gib_s / torch_gib_s, kvhal_settings.throughput_floor
+    kvhal_target.metrics.setdefault("throughput", {})[direction] = {
+        "layout": str(layout),
+        "bytes": plan.num_bytes,
+        "blocks": plan.num_blocks,
+        "descriptors": plan.num_descriptors,
+        "plugin_gib_s": round(plugin_gib_s, 3),
+        "torch_gib_s": round(torch_gib_s, 3),
+        "ratio": round(ratio, 3),
+        "floor": floor,
+        "status": "pass" if ratio >= floor else "fail",
+    }
+    assert ratio >= floor, (
+        f"kvhal_copy_blocks {direction}: {plugin_gib_s:.2f} GiB/s is {ratio:.2f}x a plain torch copy "
+        f"of the same {plan.num_bytes >> 20} MiB ({torch_gib_s:.2f} GiB/s, same run); the floor is {floor}x "
+        "(--kvhal-throughput-floor)"
+    )

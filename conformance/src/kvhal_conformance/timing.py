@@ -1,0 +1,164 @@
+"""Waiting without hanging, plain-torch copy baselines, and keeping a stream busy.
+
+Checks that need work still running (an event seen incomplete, a copy that
+must wait) size that work from a plain torch copy measured in the same run,
+so they hold on a fast accelerator and on a loaded shared machine alike.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import numpy as np
+import pytest
+import torch
+
+from kvhal.cache import KVCache
+from kvhal.device import Device
+from kvhal.geometry import KVGeometry
+from kvhal.layouts import KVLayout
+
+T = TypeVar("T")
+
+#: A synchronize that takes longer than this is reported as a hang.
+WAIT_LIMIT_S = 120.0
+#: At most this many copies keep a stream busy, however fast one copy is.
+MAX_BUSY_COPIES = 5000
+
+
+def wait(
+    device: Device,
+    event: Any,
+    what: str,
+    limit_s: float = WAIT_LIMIT_S,
+    then: Callable[[], T] | None = None,
+) -> T | None:
+    """``device.synchronize_event(event)``, failing (not hanging) after ``limit_s``.
+
+    ``then`` runs on the waiting thread the moment synchronize returns (no second thread
+    wake-up in between); its result is returned.
+    """
+    done = threading.Event()
+    raised: list[BaseException] = []
+    result: list[T] = []
+
+    def run() -> None:
+        try:
+            device.synchronize_event(event)
+            if then is not None:
+                result.append(then())
+        except BaseException as exc:  # re-raised on the caller's thread
+            raised.append(exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="kvhal-conformance-wait", daemon=True).start()
+    if not done.wait(limit_s):
+        pytest.fail(f"kvhal_synchronize_event did not return within {limit_s:.0f} s ({what})")
+    if raised:
+        raise raised[0]
+    return result[0] if result else None
+
+
+def poll(
+    device: Device,
+    event: Any,
+    what: str,
+    while_pending: Callable[[], None] | None = None,
+    limit_s: float = WAIT_LIMIT_S,
+) -> None:
+    """Query ``event`` until complete, calling ``while_pending`` before each query."""
+    deadline = time.perf_counter() + limit_s
+    while True:
+        if while_pending is not None:
+            while_pending()
+        if device.query_event(event):
+            return
+        if time.perf_counter() > deadline:
+            pytest.fail(f"kvhal_query_event still reports incomplete after {limit_s:.0f} s ({what})")
+        time.sleep(0.0002)
+
+
+def settle(device: Device) -> None:
+    """Wait until work already on the compute stream (tensor writes by torch) is done."""
+    marker = device.create_event()
+    device.record_event(marker, device.current_stream())
+    wait(device, marker, "waiting for the compute stream")
+
+
+def fastest(fn: Callable[[], None], repeats: int) -> float:
+    """Seconds of the fastest of ``repeats`` runs of ``fn`` (after one warm-up run)."""
+    fn()
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+class TorchCopy:
+    """A plain torch copy of ``nbytes`` between a device tensor and one of the plugin's
+    host buffers: the baseline plugin copies are compared with."""
+
+    def __init__(self, device: Device, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self.device = device
+        self.on_device = torch.ones(nbytes, dtype=torch.uint8, device=device.torch_device)
+        self.buffer = device.allocate_host_buffer(nbytes)
+        self.host = self.buffer[:nbytes].view(torch.uint8)
+
+    def run(self, direction: str) -> None:
+        src, dst = (self.on_device, self.host) if direction == "d2h" else (self.host, self.on_device)
+        dst.copy_(src)
+        dst[-1].item()  # a blocking read: the copy is complete on any device
+
+    def seconds(self, direction: str, repeats: int = 3) -> float:
+        return fastest(lambda: self.run(direction), repeats)
+
+    def free(self) -> None:
+        del self.host
+        self.device.free_host_buffer(self.buffer)
+
+
+def scratch_geometry(nbytes: int) -> KVGeometry:
+    """A bf16 geometry of about ``nbytes``: 4 layers, 16 tokens, 8 heads of 64."""
+    g = KVGeometry(
+        num_layers=4, num_blocks=1, block_size=16, num_kv_heads=8, head_size=64, dtype=torch.bfloat16
+    )
+    return g.with_num_blocks(max(8, nbytes // g.block_bytes))
+
+
+class Busy:
+    """Keeps a stream busy for at least a known time with device->host copies.
+
+    One copy of the scratch cache takes no less than a plain torch copy of its bytes;
+    ``occupy`` submits enough of them for the time asked.
+    """
+
+    def __init__(self, device: Device, layout: KVLayout, nbytes: int) -> None:
+        self.device = device
+        geometry = scratch_geometry(nbytes)
+        self.src: KVCache = device.allocate_kv_cache(geometry, layout)
+        self.dst: KVCache = device.allocate_host_cache(geometry, layout, geometry.num_blocks)
+        ids = np.arange(geometry.num_blocks)
+        self.plan = device.plan_copy(self.src, self.dst, np.stack([ids, ids], axis=1))
+        baseline = TorchCopy(device, geometry.total_bytes)
+        self.copy_seconds = baseline.seconds("d2h")
+        baseline.free()
+        settle(device)
+
+    def occupy(self, stream: Any, seconds: float) -> tuple[Any, float]:
+        """Submit copies to ``stream`` for at least ``seconds``; (last event, seconds of work).
+
+        The copies only read ``src`` and rewrite ``dst``: other checks may read ``src`` meanwhile.
+        """
+        count = min(MAX_BUSY_COPIES, max(1, math.ceil(seconds / self.copy_seconds)))
+        event = None
+        for _ in range(count):
+            event = self.device.submit(self.plan, stream, after_compute=False)
+        return event, count * self.copy_seconds

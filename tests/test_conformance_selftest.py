@@ -1,0 +1,160 @@
+"""The conformance suite against broken plugins (each must fail, pointing at its defect) and
+against the built-in CPU plugin (every contract must pass).
+
+Each run is a subprocess: ``python -m pytest --pyargs kvhal_conformance --kvhal-device NAME
+--kvhal-plugin tests.broken_plugins:CLASS --kvhal-quick --kvhal-report DIR``, judged by its JSON report.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SEED = "20261122"
+#: broken plugin -> (the contract that must fail, a phrase its message must contain)
+BROKEN = {
+    "CopiesWrongBlock": ("copies", "holds src block"),
+    "OffByOneLastBlock": ("copies", "(the last block) was not written"),
+    "StrideOrderNotPermutation": (
+        "layouts",
+        "hook kvhal_kv_layouts returned a stride order that is not a permutation: layout 'LBHN-tiled'",
+    ),
+    "EventBeforeCopy": (
+        "streams_events",
+        "the event kvhal_copy_blocks returns must complete only after every byte is written",
+    ),
+    "IgnoresStream": ("streams_events", "kvhal_copy_blocks must run the copy on the stream it is given"),
+    "WrongDtype": ("allocation", "returned a cache of dtype torch.float16; asked for torch.bfloat16"),
+    "TruncatesBatch": ("copies", "the batch was cut short"),
+    "MutatesSource": ("copies", "changed: a copy must only read its source"),
+    "MissingWaitHook": ("probe", "does not implement required hook kvhal_stream_wait_event"),
+}
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("kvhal_conformance") is None,
+    reason="kvhal-conformance is not installed (pip install -e conformance)",
+)
+
+
+def run(args: list[str], timeout: int = 600) -> subprocess.CompletedProcess[str]:
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    return subprocess.run(
+        [sys.executable, *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def suite(name: str, report_dir: Path, *extra: str, module: str = "kvhal_conformance") -> dict[str, Any]:
+    """Run the suite (quick sizes, fixed seed) against plugin ``name``; its JSON report."""
+    args = ["-m", "pytest", "-q", "-p", "no:cacheprovider", "--tb=no", "--pyargs", module]
+    args += [
+        "--kvhal-device",
+        name,
+        "--kvhal-quick",
+        "--kvhal-seed",
+        SEED,
+        "--kvhal-report",
+        str(report_dir),
+        *extra,
+    ]
+    proc = run(args)
+    path = report_dir / f"{name}.json"
+    assert path.exists(), (
+        f"no report from {args}: rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    )
+    report = json.loads(path.read_text())
+    report["returncode"] = proc.returncode
+    return report
+
+
+def contract(report: dict[str, Any], contract_id: str) -> dict[str, Any]:
+    return next(c for c in report["contracts"] if c["id"] == contract_id)
+
+
+@pytest.mark.parametrize("broken", BROKEN)
+def test_suite_fails_broken_plugin(tmp_path: Path, broken: str) -> None:
+    expected_contract, phrase = BROKEN[broken]
+    name = f"broken-{broken}"
+    report = suite(name, tmp_path, "--kvhal-plugin", f"tests.broken_plugins:{broken}")
+    assert report["returncode"] != 0
+    assert report["verdict"] == "fail"
+    failed = contract(report, expected_contract)
+    messages = [t["message"] for t in failed["tests"] if t["outcome"] == "fail"]
+    assert failed["status"] == "fail", f"{broken}: contract {expected_contract} did not fail: {failed}"
+    pointing = [m for m in messages if phrase in m]
+    assert pointing, f"{broken}: no failure of {expected_contract} says {phrase!r}: {messages}"
+    if expected_contract in ("probe", "layouts"):  # hook contracts name the plugin too
+        assert name in pointing[0]
+
+
+def test_suite_passes_cpu_plugin_through_the_cli(tmp_path: Path) -> None:
+    proc = run(
+        [
+            "-m",
+            "kvhal.cli",
+            "conformance",
+            "--device",
+            "cpu",
+            "--quick",
+            "--seed",
+            SEED,
+            "--report",
+            str(tmp_path),
+        ]
+    )
+    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "cpu.json").read_text())
+    assert report["verdict"] == "pass"
+    assert report["plugin"] == {
+        "name": "cpu",
+        "distribution": "kvhal (built-in)",
+        "version": report["environment"]["kvhal"],
+        "bound": True,
+        "error": None,
+    }
+    for c in report["contracts"]:
+        assert c["status"] == "pass", c
+        for t in c["tests"]:
+            assert t["outcome"] in ("pass", "skip"), t
+            if t["outcome"] == "skip":  # only optional capabilities the CPU plugin does not declare
+                assert (
+                    t["message"].startswith("capability ") and "not declared by plugin 'cpu'" in t["message"]
+                ), t
+    assert set(report["throughput"]) == {"d2h", "h2d"}
+    assert "| Throughput | **pass** |" in (tmp_path / "cpu.md").read_text()
+
+
+def test_throughput_below_floor_fails_naming_it(tmp_path: Path) -> None:
+    report = suite(
+        "cpu", tmp_path, "--kvhal-throughput-floor", "1000", module="kvhal_conformance.test_throughput"
+    )
+    failed = contract(report, "throughput")
+    assert failed["status"] == "fail"
+    assert all("the floor is 1000.0x" in t["message"] and "GiB/s" in t["message"] for t in failed["tests"])
+    assert report["verdict"] == "fail"
+    assert {m["status"] for m in report["throughput"].values()} == {"fail"}
+
+
+def test_suite_is_inert_without_a_device() -> None:
+    proc = run(
+        ["-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "--pyargs", "kvhal_conformance"], timeout=300
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert " passed" not in proc.stdout and " skipped" in proc.stdout
+    assert "--kvhal-device NAME" in proc.stdout
