@@ -18,7 +18,7 @@ from kvhal.errors import BlockStateError, CopyValidationError, ValidationError
 from kvhal.hookspecs import hookimpl
 from kvhal.host_tier import HostTier
 from kvhal.layouts import BLHNC
-from kvhal.manager import BlockState, OffloadEvent, OffloadingManager
+from kvhal.manager import BlockState, OffloadingManager
 from kvhal.offloader import Offloader
 from kvhal.transfer import TransferEngine, TransferKind
 
