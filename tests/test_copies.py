@@ -138,3 +138,18 @@ def test_large_batch_spans_threads(cpu):
     before = block_snapshot(host)
     cpu.synchronize_event(cpu.copy_blocks(cache, host, mapping))
     check_copied(cache, host, mapping, before)
+
+
+@pytest.mark.parametrize("layout", STANDARD_LAYOUTS, ids=str)
+def test_one_block_host_cache(cpu, layout):
+    """A one-slot host tier: in a layer-separate layout its layers touch, yet are separate runs."""
+    g = geometry()
+    cache = cpu.allocate_kv_cache(g, layout)
+    fill_random_bytes(cache, seed=12)
+    host = cpu.allocate_host_cache(g, layout, num_blocks=1)
+    assert all(f.length <= f.block_stride for f in host.segments.merged)
+    cpu.synchronize_event(cpu.copy_blocks(cache, host, [(7, 0)]))
+    assert block_bytes(kvhal.get_kv_from_block(host, 0)) == block_bytes(kvhal.get_kv_from_block(cache, 7))
+    target = cpu.allocate_kv_cache(g, layout)
+    cpu.synchronize_event(cpu.copy_blocks(host, target, [(0, 3)]))
+    assert block_bytes(kvhal.get_kv_from_block(target, 3)) == block_bytes(kvhal.get_kv_from_block(cache, 7))

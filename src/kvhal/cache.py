@@ -64,9 +64,12 @@ def _view_runs(view: torch.Tensor, key: tuple[int, ...]) -> list[SegmentFamily]:
     inner = [(view.stride(d), view.size(d), d) for d in (1, 2, 3) if view.size(d) > 1]
     inner.sort(reverse=True)
     run_elems, dense_upto = 1, len(inner)
+    # A run never spans more than one block's stride: with a single block, an outer
+    # dimension (H in LHBNC) can look dense, yet belongs to another run.
+    limit = view.stride(0) if view.stride(0) > 0 else None
     for i in range(len(inner) - 1, -1, -1):
         stride, size, _ = inner[i]
-        if stride != run_elems:
+        if stride != run_elems or (limit is not None and run_elems * size > limit):
             break
         run_elems *= size
         dense_upto = i
@@ -94,6 +97,9 @@ def _merge(runs: list[SegmentFamily]) -> tuple[SegmentFamily, ...]:
             last is not None
             and last.block_stride == run.block_stride
             and last.address + last.length == run.address
+            # one block's run must not reach into the next block's (a one-block cache
+            # has a layer stride equal to its block stride: adjacent, not mergeable)
+            and last.length + run.length <= run.block_stride
         ):
             merged[-1] = SegmentFamily(
                 last.address, last.length + run.length, last.block_stride, last.keys + run.keys
