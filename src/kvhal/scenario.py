@@ -40,17 +40,20 @@ def run_scenario(
         spec.write_text(
             json.dumps({k: v for k, v in scenario.items() if k not in ("env", "multiprocessing")})
         )
-        proc = subprocess.run(
-            [python or sys.executable, "-m", "kvhal.vllm.runner", str(spec), str(out)],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            check=False,
-        )
+        log = Path(tmp) / "engine.log"
+        with log.open("w") as sink:  # a file, not a pipe: the engine never waits on its reader
+            proc = subprocess.run(
+                [python or sys.executable, "-m", "kvhal.vllm.runner", str(spec), str(out)],
+                env=env,
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+                timeout=timeout,
+                check=False,
+            )
+        output = log.read_text(errors="replace")
         if proc.returncode != 0 or not out.exists():
-            tail = "\n".join((proc.stderr or proc.stdout).splitlines()[-40:])
+            tail = "\n".join(output.splitlines()[-40:])
             raise ScenarioError(f"engine process exited with {proc.returncode}:\n{tail}")
         result = json.loads(out.read_text())
-    result["stderr"] = proc.stderr
+    result["stderr"] = output
     return result
