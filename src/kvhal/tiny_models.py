@@ -84,12 +84,12 @@ class TinyLlama:
 TEST_MODEL = TinyLlama()
 #: A hybrid model: one sliding-window and one full-attention layer (two KV cache groups).
 HYBRID_MODEL = TinyLlama(layer_types=("sliding_attention", "full_attention"), sliding_window=64)
-#: Big enough that recomputing a 2k-token prompt takes over a second on 2 cores (about 160M parameters).
+#: Big enough that recomputing a 2k-token prompt takes over a second on 2 cores (about 210M parameters).
 BENCH_MODEL = TinyLlama(
     vocab_size=8192,
     hidden_size=768,
     intermediate_size=2048,
-    num_hidden_layers=24,
+    num_hidden_layers=32,
     num_attention_heads=12,
     num_key_value_heads=4,
     head_dim=64,

@@ -51,7 +51,7 @@ def engine_args(prompt_len: int) -> dict[str, Any]:
         "max_model_len": tokens,
         "max_num_batched_tokens": tokens,
         "max_num_seqs": 8,
-        "kv_cache_memory_bytes": 512 << 20,
+        "kv_cache_memory_bytes": 1 << 30,
     }
 
 
@@ -204,7 +204,7 @@ def run_bench(args: argparse.Namespace, recipe: TinyLlama, name: str) -> dict[st
     console = make_console()
     with console.status("building the model"):
         model = str(recipe.build(args.models))
-    host_bytes = 1 << 30
+    host_bytes = 2 << 30
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("TTFT: one engine, four categories", total=1)
         timing = ttft(model, recipe, args.prompt_len, args.repeats, host_bytes)
