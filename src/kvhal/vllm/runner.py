@@ -112,6 +112,7 @@ def _kvhal_state(llm: Any) -> dict:
         "storing": manager.num_storing,
         "scheduler_jobs_in_flight": scheduler.has_jobs_in_flight(),
         "worker_jobs_in_flight": worker.jobs_in_flight,
+        "worker_busy_seconds": worker.busy_seconds,
     }
 
 

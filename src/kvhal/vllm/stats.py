@@ -25,6 +25,7 @@ COUNTERS = {
     "failed_stores": "Store jobs that failed (their blocks never became loadable).",
     "evicted_blocks": "Blocks evicted from kvhal's host tier.",
     "store_skipped_blocks": "Blocks not stored because the host tier had no evictable room.",
+    "worker_busy_us": "Microseconds engine steps spent in kvhal's worker side (fences, submits, waits).",
 }
 
 

@@ -12,7 +12,11 @@ for them, so a freed block is never rewritten while it is being read.
 
 from __future__ import annotations
 
+import functools
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import torch
 from vllm.logger import init_logger
@@ -28,6 +32,23 @@ from kvhal.vllm.metadata import JobKind, KVHALMetadata, KVHALWorkerMetadata, Tra
 from kvhal.vllm.stats import KVHALStats
 
 logger = init_logger(__name__)
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _on_engine_thread(method: F) -> F:
+    """Count the time a step spends in kvhal: what it can add to the engine's critical path."""
+
+    @functools.wraps(method)
+    def timed(self: WorkerSide, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            elapsed = time.perf_counter() - start
+            self.busy_seconds += elapsed
+            self.stats.add("worker_busy_us", int(elapsed * 1e6))
+
+    return timed  # type: ignore[return-value]
 
 
 @dataclass
@@ -57,6 +78,7 @@ class WorkerSide:
         self._finished_loads: set[str] = set()
         self._failed_loads: set[str] = set()
         self._loads_this_step: set[int] = set()
+        self.busy_seconds = 0.0
 
     # -- set-up ------------------------------------------------------------------
 
@@ -84,16 +106,19 @@ class WorkerSide:
 
     # -- per step -----------------------------------------------------------------
 
+    @_on_engine_thread
     def fence_stores(self) -> None:
         """Order the coming step's compute after every store still reading KV blocks."""
         if self.engine is not None:
             self.engine.fence(self.device.current_stream())
 
+    @_on_engine_thread
     def start_loads(self, meta: KVHALMetadata) -> None:
         for job in meta.loads:
             self._loads_this_step.add(job.job_id)
             self._submit(job)
 
+    @_on_engine_thread
     def start_stores(self, meta: KVHALMetadata) -> None:
         for job in meta.stores:
             self._submit(job)
@@ -151,6 +176,7 @@ class WorkerSide:
             self.stats.add("stored_blocks", job.num_blocks)
             self.stats.add("stored_bytes", nbytes)
 
+    @_on_engine_thread
     def collect(self) -> tuple[set[str], set[str]]:
         """Finished and failed loads (request ids), waiting for this step's loads first."""
         assert self.engine is not None or not self._running
