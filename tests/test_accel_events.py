@@ -45,3 +45,15 @@ def test_wait_on_makes_the_stream_wait_for_the_inner_event():
     event, stream = CopyEvent(module.Event()), module.Stream()
     event.wait_on(stream)
     assert stream.waited == [event.inner]
+
+
+def test_a_failure_is_reported_only_after_the_queued_work_finishes():
+    """Part of a failed copy may already be queued: recomputing must not race its writes."""
+    module = FakeStreamModule(hold_events=True)
+    event = CopyEvent(module.Event())
+    event.record(module.Stream())
+    event.fail(OSError("chunk 2 of 3 refused"))
+    assert event.query() is False  # not yet: earlier chunks may still be writing
+    module.complete_all()
+    with pytest.raises(TransferError, match="chunk 2 of 3 refused"):
+        event.query()

@@ -50,3 +50,14 @@ def test_overlap_is_checked_per_byte_range(offset, expected):
     pending = PendingHostWrites()
     pending.add(Descriptors.from_lists([1, 2], [0, 1000], [100, 100]), lambda: False)
     assert pending.may_be_written(load_from(offset, 1)) is expected
+
+
+def test_finished_stores_are_forgotten_even_without_loads():
+    """Only stores for a long time: the list of pending ranges must not grow without bound."""
+    pending = PendingHostWrites()
+    for start in range(100):
+        pending.add(
+            Descriptors.from_lists([0], [start * 64], [64]),
+            lambda: True,  # every store finished at once
+        )
+    assert len(pending._pending) <= 1

@@ -150,7 +150,8 @@ def test_a_plugin_raising_at_submission_is_a_failed_job(rig, faults):
     offloader, manager, _ = rig
     faults.raise_now = True
     job = offloader.store(0, [key(1)], [1])
-    [result] = offloader.poll()
+    # reported once the stream has drained whatever part of the copy was queued
+    [result] = offloader.wait([job.job_id])
     assert result.job_id == job.job_id and not result.success
     assert "injected submission failure" in result.error
     assert manager.state(key(1)) is BlockState.ABSENT and manager.num_free == 4

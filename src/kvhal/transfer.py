@@ -102,12 +102,17 @@ class TransferEngine:
         if keys and len(keys) != plan.num_blocks:
             raise ValidationError("keys", f"{len(keys)} keys for {plan.num_blocks} block pairs")
         job = _Job(kind, keys, plan)
+        if kind not in self._streams:
+            self._streams[kind] = self.device.create_stream()
+        stream = self._streams[kind]
         try:
-            if kind not in self._streams:
-                self._streams[kind] = self.device.create_stream()
-            job.event = self.device.submit(plan, self._streams[kind])
-        except KVHALError as exc:  # a device failure: reported as a failed job
+            job.event = self.device.submit(plan, stream)
+        except KVHALError as exc:  # a device failure: reported as a failed job...
             job.error = f"submission failed: {exc}"
+            # ...once whatever part of the copy was queued has finished writing,
+            # so that a caller recomputing the blocks cannot race those writes
+            job.event = self.device.create_event()
+            self.device.record_event(job.event, stream)
         job_id = self._next_id
         self._next_id += 1
         self._jobs[job_id] = job
@@ -124,6 +129,13 @@ class TransferEngine:
     def _outcome(self, job: _Job, block: bool) -> tuple[bool, str | None]:
         """(finished, error) of a job; blocks until it finishes when ``block``."""
         if job.error is not None:
+            try:
+                if block:
+                    self.device.synchronize_event(job.event)
+                elif not self.device.query_event(job.event):
+                    return False, None
+            except KVHALError:
+                pass  # already failed; its error is the one reported
             return True, job.error
         try:
             if block:

@@ -102,6 +102,6 @@ class EngineCopyHooks(TorchStreamHooks):
         event.record(stream)
         if error is not None:
             event.fail(error)
-        elif direction is Direction.D2H:
+        if direction is Direction.D2H:  # a failed store may have queued writes too
             self.host_writes.add(descriptors, event.inner.query)
         return event

@@ -42,6 +42,7 @@ class PendingHostWrites:
         the store counts as pending.
         """
         with self._lock:
+            self._prune()  # stores alone must not let the list grow without bound
             self._pending.append(_Pending(done, descriptors.dst.copy(), descriptors.sizes.copy()))
 
     def _prune(self) -> None:
