@@ -233,3 +233,25 @@ def test_kv_events_reach_vllm_publisher_with_medium(model):
     assert events.get("BlockStored:CPU") == metrics["vllm:kvhal_stored_blocks"] > 0
     assert events.get("BlockRemoved:CPU") == metrics["vllm:kvhal_evicted_blocks"] > 0
     assert events.get("BlockStored:GPU", 0) > 0, "vLLM's own events should be there too"
+
+
+def test_reused_prefix_outlives_eviction(model):
+    """LRU, not FIFO: a prompt served again is kept when a newer one needs room."""
+    first, second, third = prompts(3, LENGTH, seed=11)
+    steps = [
+        {"op": "generate", "name": "first", "prompts": [first]},
+        {"op": "generate", "name": "second", "prompts": [second]},
+        {"op": "reset"},
+        {"op": "generate", "name": "first again", "prompts": [first]},
+        {"op": "generate", "name": "third", "prompts": [third]},  # needs 6 slots: evicts
+        {"op": "reset"},
+        {"op": "generate", "name": "first once more", "prompts": [first]},
+        {"op": "generate", "name": "second again", "prompts": [second]},
+    ]
+    capacity = 2 * SERVED // BLOCK  # room for two prompts' blocks
+    result = run_scenario({"model": model, "kvhal": {"cpu_bytes_to_use": capacity * BLOCK_BYTES}, "steps": steps})
+    by_name = {s["name"]: s for s in result["steps"] if s["op"] == "generate"}
+    assert loaded(by_name["first again"]) == [SERVED]
+    assert loaded(by_name["first once more"]) == [SERVED], "the recently used prompt was evicted (FIFO?)"
+    assert loaded(by_name["second again"]) == [0], "the least recently used prompt should have gone"
+    assert tokens(by_name["first once more"]) == tokens(by_name["first"])

@@ -127,6 +127,7 @@ class SchedulerSide:
                 group_keys.append(offload_key(hashes[index], group.group_id))
             groups[group.group_id] = (ids, self.manager.prepare_load(group_keys))
             keys.extend(group_keys)
+        self.manager.touch(keys)
         job = self._new_job(JobKind.LOAD, request.request_id, keys, groups)
         self._pending_loads.append(job)
         state.loaded_tokens = num_external_tokens
@@ -223,8 +224,16 @@ class SchedulerSide:
                 self.stats.add("failed_loads", 1)
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
-        """Blocks are freed at once: the workers fence their reuse behind pending stores."""
+        """Mark the request's prompt blocks used (the eviction policy's recency), and
+        let vLLM free its blocks at once: the workers fence their reuse behind
+        pending stores."""
         state = self._requests.pop(request.request_id, None)
+        full = min(len(request.block_hashes), request.num_prompt_tokens // self.config.block_size)
+        # block by block, every group's key: the manager makes the first key the most
+        # recent, so a shared prefix outlives the tails behind it
+        self.manager.touch(
+            [offload_key(h, g.group_id) for h in request.block_hashes[:full] for g in self.config.groups]
+        )
         return False, {LOADED_TOKENS: state.loaded_tokens if state else 0}
 
     def take_events(self) -> list[KVCacheEvent]:
