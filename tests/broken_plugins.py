@@ -139,6 +139,16 @@ class MutatesSource(CPUPlugin):
         return enqueue(stream, plan, move)
 
 
+class DirtyHostBuffer(CPUPlugin):
+    """Hands out host buffers without clearing them (``torch.empty`` where ``zeros`` was meant)."""
+
+    @hookimpl
+    def kvhal_allocate_host_buffer(self, nbytes: int) -> torch.Tensor:
+        buffer = super().kvhal_allocate_host_buffer(nbytes)
+        buffer.fill_(0x5A)  # what a reused allocation may hold
+        return buffer
+
+
 class MissingWaitHook(CPUPlugin):
     """Does not implement kvhal_stream_wait_event."""
 

@@ -35,6 +35,7 @@ BROKEN = {
     "WrongDtype": ("allocation", "returned a cache of dtype torch.float16; asked for torch.bfloat16"),
     "TruncatesBatch": ("copies", "the batch was cut short"),
     "MutatesSource": ("copies", "changed: a copy must only read its source"),
+    "DirtyHostBuffer": ("host_memory", "non-zero bytes; expected zeroed memory"),
     "MissingWaitHook": ("probe", "does not implement required hook kvhal_stream_wait_event"),
 }
 
@@ -114,6 +115,9 @@ def test_suite_passes_cpu_plugin_through_the_cli(tmp_path: Path) -> None:
             "--quick",
             "--seed",
             SEED,
+            # measured and reported, not a pass condition here: speed targets live in benchmarks
+            "--throughput-floor",
+            "0",
             "--report",
             str(tmp_path),
         ]

@@ -115,7 +115,11 @@ def kvhal_allocate_host_buffer(nbytes: int) -> torch.Tensor:
 
     Pinned (page-locked) or registered with the device where it can be, else
     the device's best equivalent. Off the engine's start-up critical path
-    where pinning is slow.
+    where pinning is slow: pinning may finish in the background after the
+    buffer is returned (copies must be correct meanwhile, only slower), and
+    :func:`kvhal_host_buffer_is_pinned` says ``False`` until it has. A plugin
+    declaring ``host.pinned`` pins every buffer within a bounded time (the
+    conformance suite waits 60 s).
 
     :return: a flat CPU byte tensor (``int8``/``uint8``) of at least
         ``nbytes``, zeroed, whose address is 4096-byte aligned. Stop at first

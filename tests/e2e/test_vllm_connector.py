@@ -249,7 +249,9 @@ def test_reused_prefix_outlives_eviction(model):
         {"op": "generate", "name": "second again", "prompts": [second]},
     ]
     capacity = 2 * SERVED // BLOCK  # room for two prompts' blocks
-    result = run_scenario({"model": model, "kvhal": {"cpu_bytes_to_use": capacity * BLOCK_BYTES}, "steps": steps})
+    result = run_scenario(
+        {"model": model, "kvhal": {"cpu_bytes_to_use": capacity * BLOCK_BYTES}, "steps": steps}
+    )
     by_name = {s["name"]: s for s in result["steps"] if s["op"] == "generate"}
     assert loaded(by_name["first again"]) == [SERVED]
     assert loaded(by_name["first once more"]) == [SERVED], "the recently used prompt was evicted (FIFO?)"

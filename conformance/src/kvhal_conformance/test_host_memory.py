@@ -9,6 +9,7 @@ import torch
 from kvhal.descriptor import Capability
 from kvhal.device import HOST_ALIGNMENT, Device
 from kvhal_conformance.target import Target
+from kvhal_conformance.timing import PIN_TIMEOUT_S, wait_pinned
 
 ALLOCATE, IS_PINNED, FREE = (
     "kvhal_allocate_host_buffer",
@@ -70,9 +71,10 @@ def test_host_buffers_are_pinned(kvhal_target: Target, kvhal_device: Device, nby
     """With host.pinned declared, every host buffer is pinned (or registered) and a plain tensor is not."""
     kvhal_target.require(Capability.PINNED_HOST)
     buffer = kvhal_device.allocate_host_buffer(nbytes)
-    assert kvhal_device.host_buffer_is_pinned(buffer), (
+    assert wait_pinned(kvhal_device, buffer), (
         f"plugin {kvhal_target.name!r} declares {Capability.PINNED_HOST.value} but {IS_PINNED} says a "
-        f"{nbytes}-byte buffer from {ALLOCATE} is not pinned"
+        f"{nbytes}-byte buffer from {ALLOCATE} is not pinned (waited {PIN_TIMEOUT_S:.0f} s for "
+        "background pinning)"
     )
     plain = torch.zeros(nbytes, dtype=torch.uint8)
     assert not kvhal_device.host_buffer_is_pinned(plain), (

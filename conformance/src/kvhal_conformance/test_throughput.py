@@ -18,7 +18,7 @@ from kvhal.geometry import KVGeometry
 from kvhal_conformance import blockdata
 from kvhal_conformance.settings import Settings
 from kvhal_conformance.target import Target
-from kvhal_conformance.timing import TorchCopy, fastest, wait
+from kvhal_conformance.timing import TorchCopy, fastest, wait, wait_pinned
 
 GiB = 1 << 30
 SAMPLED = 64
@@ -44,6 +44,7 @@ def test_throughput(
     g = g.with_num_blocks(max(8, sizes.throughput_bytes // g.block_bytes))
     on_device = device.allocate_kv_cache(g, layout)
     on_host = device.allocate_host_cache(g, layout, g.num_blocks)
+    wait_pinned(device, on_host.storage[0])
     scattered, packed = kvhal_rng.permutation(g.num_blocks), np.arange(g.num_blocks)
     if direction == "d2h":
         src, dst, mapping = on_device, on_host, np.stack([scattered, packed], axis=1)

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from kvhal.cache import KVCache
+from kvhal.descriptor import Capability
 from kvhal.device import Device
 from kvhal.geometry import KVGeometry
 from kvhal.layouts import KVLayout
@@ -83,6 +84,27 @@ def poll(
         time.sleep(0.0002)
 
 
+#: How long a plugin declaring host.pinned may take to pin a buffer in the background.
+PIN_TIMEOUT_S = 60.0
+
+
+def wait_pinned(device: Device, buffer: torch.Tensor, timeout: float = PIN_TIMEOUT_S) -> bool:
+    """Wait until ``buffer`` reports pinned, for a plugin that declares host.pinned.
+
+    Pinning may finish after the buffer is returned (kvhal_allocate_host_buffer's
+    contract): timings must not measure a buffer still pageable. False when the
+    plugin does not declare host.pinned, or the buffer was not pinned in time.
+    """
+    if not device.descriptor.supports(Capability.PINNED_HOST):
+        return False
+    deadline = time.monotonic() + timeout
+    while not device.host_buffer_is_pinned(buffer):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
 def settle(device: Device) -> None:
     """Wait until work already on the compute stream (tensor writes by torch) is done."""
     marker = device.create_event()
@@ -110,6 +132,7 @@ class TorchCopy:
         self.device = device
         self.on_device = torch.ones(nbytes, dtype=torch.uint8, device=device.torch_device)
         self.buffer = device.allocate_host_buffer(nbytes)
+        wait_pinned(device, self.buffer)
         self.host = self.buffer[:nbytes].view(torch.uint8)
 
     def run(self, direction: str) -> None:
@@ -145,6 +168,7 @@ class Busy:
         geometry = scratch_geometry(nbytes)
         self.src: KVCache = device.allocate_kv_cache(geometry, layout)
         self.dst: KVCache = device.allocate_host_cache(geometry, layout, geometry.num_blocks)
+        wait_pinned(device, self.dst.storage[0])
         ids = np.arange(geometry.num_blocks)
         self.plan = device.plan_copy(self.src, self.dst, np.stack([ids, ids], axis=1))
         baseline = TorchCopy(device, geometry.total_bytes)
