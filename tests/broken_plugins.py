@@ -139,6 +139,14 @@ class MutatesSource(CPUPlugin):
         return enqueue(stream, plan, move)
 
 
+class FreshComputeStream(CPUPlugin):
+    """Answers ``kvhal_current_stream`` with a new stream: nothing is ordered after compute."""
+
+    @hookimpl
+    def kvhal_current_stream(self, device: torch.device) -> CPUStream:
+        return CPUStream()
+
+
 class DirtyHostBuffer(CPUPlugin):
     """Hands out host buffers without clearing them (``torch.empty`` where ``zeros`` was meant)."""
 

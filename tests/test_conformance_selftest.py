@@ -36,6 +36,7 @@ BROKEN = {
     "TruncatesBatch": ("copies", "the batch was cut short"),
     "MutatesSource": ("copies", "changed: a copy must only read its source"),
     "DirtyHostBuffer": ("host_memory", "non-zero bytes; expected zeroed memory"),
+    "FreshComputeStream": ("streams_events", "kvhal_current_stream returned two different streams"),
     "MissingWaitHook": ("probe", "does not implement required hook kvhal_stream_wait_event"),
 }
 
