@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvhal.errors import MalformedResultError
+from kvhal.errors import MalformedResultError, PluginError, ValidationError
 from kvhal.registry import PluginRegistry
 
 broken_plugins = pytest.importorskip("broken_plugins")
@@ -18,3 +18,27 @@ def test_non_permutation_stride_order_is_refused() -> None:
         device.kv_layouts()
     assert raised.value.plugin == "tiled" and raised.value.hook == "kvhal_kv_layouts"
     assert "(0, 1, 2, 3, 3)" in str(raised.value)
+
+
+class _RefusesHostSize(broken_plugins.CPUPlugin):
+    """A plugin whose own argument check fires (as a real vendor check would)."""
+
+    @broken_plugins.hookimpl
+    def kvhal_allocate_host_buffer(self, nbytes: int) -> object:
+        raise ValidationError("nbytes", "over this device's registration limit")
+
+
+def test_a_plugin_refusing_an_argument_is_both_a_validation_and_a_plugin_error() -> None:
+    registry = PluginRegistry(autoload=False, allow=None, block=())
+    registry.register(_RefusesHostSize(), "picky", "tests")
+    device = registry.select("picky")
+    with pytest.raises(ValidationError) as raised:
+        device.allocate_host_buffer(1 << 20)
+    assert isinstance(raised.value, PluginError)
+    assert (raised.value.plugin, raised.value.hook, raised.value.argument) == (
+        "picky",
+        "kvhal_allocate_host_buffer",
+        "nbytes",
+    )
+    where = "plugin 'picky' (distribution tests), hook kvhal_allocate_host_buffer"
+    assert str(raised.value) == f"{where}: nbytes: over this device's registration limit"

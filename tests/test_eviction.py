@@ -98,6 +98,29 @@ def test_factory_returning_a_non_policy_names_the_plugin(registry):
         OffloadingManager(4, "odd", registry=registry)
 
 
+def test_a_raising_hook_or_factory_names_the_plugin(registry):
+    def refuse(num_slots):
+        raise ValueError(f"{num_slots} slots is too few")
+
+    class Raises:
+        @hookimpl
+        def kvhal_eviction_policies(self):
+            return {"picky": refuse}
+
+    registry.register(Raises(), "raises", "kvhal-raises 0.1")
+    with pytest.raises(PluginError, match=r"plugin 'raises'.*factory of 'picky' raised ValueError: 4 slots"):
+        OffloadingManager(4, "picky", registry=registry)
+
+    class Crashes:
+        @hookimpl
+        def kvhal_eviction_policies(self):
+            raise RuntimeError("config missing")
+
+    registry.register(Crashes(), "crashes", "kvhal-crashes 0.1")
+    with pytest.raises(PluginError, match=r"plugin 'crashes'.*raised RuntimeError: config missing"):
+        OffloadingManager(4, "lru", registry=registry)
+
+
 def test_lru_order():
     policy = LRUPolicy(5)
     policy.insert([0, 1, 2, 3], [b""] * 4)

@@ -23,6 +23,7 @@ from kvhal.errors import (
     KVHALError,
     MalformedResultError,
     PluginError,
+    PluginValidationError,
     TransferError,
     ValidationError,
 )
@@ -91,6 +92,8 @@ class Device:
             result = self._callers[hook](**kwargs)
         except TransferError:
             raise
+        except ValidationError as exc:
+            raise PluginValidationError(self.plugin_name, self.distribution, hook, exc) from exc
         except KVHALError as exc:
             raise self._error(PluginError, hook, f"{type(exc).__name__}: {exc}") from exc
         except Exception as exc:

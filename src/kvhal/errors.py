@@ -20,7 +20,7 @@ class ValidationError(KVHALError, ValueError):
 
     def __init__(self, argument: str, message: str) -> None:
         self.argument = argument
-        super().__init__(f"{argument}: {message}")
+        Exception.__init__(self, f"{argument}: {message}")
 
 
 class LayoutError(ValidationError):
@@ -59,7 +59,7 @@ class PluginError(KVHALError):
             where += f" (distribution {distribution})"
         if hook:
             where += f", hook {hook}"
-        super().__init__(f"{where}: {message}")
+        Exception.__init__(self, f"{where}: {message}")
 
 
 class PluginLoadError(PluginError):
@@ -68,6 +68,21 @@ class PluginLoadError(PluginError):
 
 class MissingHookError(PluginError):
     """A device plugin does not implement a hook every device plugin must implement."""
+
+
+class PluginValidationError(PluginError, ValidationError):
+    """A plugin refused an argument (it raised :class:`ValidationError`); nothing was done.
+
+    Both a :class:`PluginError` naming the plugin and hook and a
+    :class:`ValidationError` naming the argument, so callers that handle bad
+    input catch it either way.
+    """
+
+    def __init__(
+        self, plugin: str, distribution: str | None, hook: str | None, refusal: ValidationError
+    ) -> None:
+        PluginError.__init__(self, plugin, distribution, hook, str(refusal))
+        self.argument = refusal.argument
 
 
 class MalformedResultError(PluginError):

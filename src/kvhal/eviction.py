@@ -247,7 +247,10 @@ def _offers(registry: PluginRegistry) -> dict[str, tuple[PolicyFactory, str, str
     for impl in registry.pm.hook.kvhal_eviction_policies.get_hookimpls():
         plugin = impl.plugin_name
         distribution = distributions.get(plugin)
-        result = impl.function()
+        try:
+            result = impl.function()
+        except Exception as exc:
+            raise PluginError(plugin, distribution, HOOK, f"raised {type(exc).__name__}: {exc}") from exc
         if not isinstance(result, Mapping) or not all(
             isinstance(k, str) and callable(v) for k, v in result.items()
         ):
@@ -280,6 +283,7 @@ def create_policy(name: str, num_slots: int, registry: PluginRegistry | None = N
     :raises ValidationError: no plugin offers ``name`` (the message lists those known).
     :raises MalformedResultError: its factory returned something else than an
         :class:`EvictionPolicy` (names the plugin).
+    :raises PluginError: the hook or the factory raised (names the plugin).
     """
     if registry is None:
         from kvhal.registry import PluginRegistry
@@ -291,7 +295,11 @@ def create_policy(name: str, num_slots: int, registry: PluginRegistry | None = N
             "policy", f"unknown eviction policy {name!r}; known: {', '.join(sorted(offers)) or 'none'}"
         )
     factory, plugin, distribution = offers[name]
-    policy = factory(num_slots)
+    try:
+        policy = factory(num_slots)
+    except Exception as exc:
+        message = f"factory of {name!r} raised {type(exc).__name__}: {exc}"
+        raise PluginError(plugin, distribution, HOOK, message) from exc
     if not isinstance(policy, EvictionPolicy):
         raise MalformedResultError(
             plugin,

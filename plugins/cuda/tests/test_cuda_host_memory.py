@@ -7,7 +7,8 @@ import threading
 import pytest
 import torch
 
-from kvhal_cuda.host_memory import PAGE, HostRegistrar, PinMode, map_zeroed, pin_mode
+from kvhal.accel.host_buffers import PinMode, pin_mode
+from kvhal_cuda.host_memory import PAGE, HostRegistrar, map_zeroed
 
 
 @pytest.mark.parametrize(

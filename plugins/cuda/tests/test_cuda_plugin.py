@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kvhal.accel.fakes import FakeStreamModule, as_if_direction
+from kvhal.accel.host_buffers import PinMode
 from kvhal.blocks import get_kv_from_block
 from kvhal.cache import allocate_dense_kv_cache
 from kvhal.copyplan import Direction, plan_copy
@@ -17,7 +18,7 @@ from kvhal_cuda import native
 from kvhal_cuda.engines import BatchEngine, RuntimeLoopEngine, TorchCopyEngine
 from kvhal_cuda.facts import TorchFacts
 from kvhal_cuda.fakes import FakeVendorLibrary
-from kvhal_cuda.host_memory import HostRegistrar, PinMode
+from kvhal_cuda.host_memory import HostRegistrar
 from kvhal_cuda.plugin import CUDAPlugin
 
 FACTS = TorchFacts(

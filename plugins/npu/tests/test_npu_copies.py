@@ -138,3 +138,17 @@ def test_host_buffers_are_aligned_and_report_their_pinning():
 def test_pinning_needs_an_accelerator_here():
     with pytest.raises(RuntimeError, match="pin_memory"):
         PinnedHostBuffers(pin=True).allocate(16)
+
+
+@pytest.mark.parametrize(("value", "pinned"), [("off", False), (" OFF ", False), ("sync", True), ("async", True), ("", True)])
+def test_pin_host_setting_is_read_as_kvhal_cuda_reads_it(monkeypatch, value, pinned):
+    monkeypatch.setenv("KVHAL_PIN_HOST", value)
+    plugin = NPUPlugin(facts=FACTS, stream_module=FakeStreamModule())
+    assert plugin.host_buffers().pin is pinned
+
+
+def test_an_unknown_pin_host_setting_is_an_error_naming_it(monkeypatch):
+    monkeypatch.setenv("KVHAL_PIN_HOST", "maybe")
+    plugin = NPUPlugin(facts=FACTS, stream_module=FakeStreamModule())
+    with pytest.raises(ValueError, match="KVHAL_PIN_HOST='maybe' is not one of async, sync, off"):
+        plugin.host_buffers()

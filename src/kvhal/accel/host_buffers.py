@@ -1,12 +1,34 @@
-"""The three host-buffer hooks, over whatever allocates a plugin's host memory."""
+"""The three host-buffer hooks, over whatever allocates a plugin's host memory,
+and the ``KVHAL_PIN_HOST`` setting every accelerator plugin reads the same way."""
 
 from __future__ import annotations
 
+import enum
 from typing import Protocol
 
 import torch
 
 from kvhal.hookspecs import hookimpl
+
+PIN_ENV = "KVHAL_PIN_HOST"
+
+
+class PinMode(str, enum.Enum):
+    """When host buffers are page-locked."""
+
+    ASYNC = "async"
+    SYNC = "sync"
+    OFF = "off"
+
+
+def pin_mode(value: str | None) -> PinMode:
+    """The mode ``KVHAL_PIN_HOST`` asks for (unset or empty: ``async``)."""
+    if not value:
+        return PinMode.ASYNC
+    try:
+        return PinMode(value.strip().lower())
+    except ValueError:
+        raise ValueError(f"{PIN_ENV}={value!r} is not one of {', '.join(m.value for m in PinMode)}") from None
 
 
 class HostBuffers(Protocol):

@@ -25,7 +25,7 @@ from types import ModuleType
 import torch
 
 from kvhal.accel.copies import EngineCopyHooks
-from kvhal.accel.host_buffers import HostBufferHooks
+from kvhal.accel.host_buffers import PIN_ENV, HostBufferHooks, PinMode, pin_mode
 from kvhal.cache import KVCache, allocate_dense_kv_cache
 from kvhal.descriptor import DeviceDescriptor, Refusal
 from kvhal.geometry import KVGeometry
@@ -33,7 +33,7 @@ from kvhal.hookspecs import hookimpl
 from kvhal.layouts import KVLayout
 from kvhal_cuda import native
 from kvhal_cuda.facts import TorchFacts, gather_torch_facts
-from kvhal_cuda.host_memory import PIN_ENV, HostRegistrar, PinMode, pin_mode
+from kvhal_cuda.host_memory import HostRegistrar
 
 
 class TorchGpuPlugin(EngineCopyHooks, HostBufferHooks):

@@ -18,7 +18,6 @@ it proceeds read and write the same bytes.
 
 from __future__ import annotations
 
-import enum
 import logging
 import mmap
 import threading
@@ -28,28 +27,11 @@ from dataclasses import dataclass
 
 import torch
 
+from kvhal.accel.host_buffers import PinMode
+
 log = logging.getLogger(__name__)
 
 PAGE = 4096
-PIN_ENV = "KVHAL_PIN_HOST"
-
-
-class PinMode(str, enum.Enum):
-    """When host buffers are page-locked."""
-
-    ASYNC = "async"
-    SYNC = "sync"
-    OFF = "off"
-
-
-def pin_mode(value: str | None) -> PinMode:
-    """The mode ``KVHAL_PIN_HOST`` asks for (unset or empty: ``async``)."""
-    if not value:
-        return PinMode.ASYNC
-    try:
-        return PinMode(value.strip().lower())
-    except ValueError:
-        raise ValueError(f"{PIN_ENV}={value!r} is not one of {', '.join(m.value for m in PinMode)}") from None
 
 
 def map_zeroed(nbytes: int) -> torch.Tensor:

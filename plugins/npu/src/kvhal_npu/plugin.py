@@ -10,7 +10,7 @@ import torch
 
 from kvhal.accel.copies import EngineCopyHooks
 from kvhal.accel.engines import CopyEngine
-from kvhal.accel.host_buffers import HostBufferHooks
+from kvhal.accel.host_buffers import PIN_ENV, HostBufferHooks, PinMode, pin_mode
 from kvhal.cache import KVCache
 from kvhal.descriptor import DeviceDescriptor, Refusal
 from kvhal.geometry import KVGeometry
@@ -21,8 +21,6 @@ from kvhal_npu.engines import ASCEND_SWAP_BLOCKS_BATCH, ENGINE_ENV, npu_engine_f
 from kvhal_npu.facts import NpuFacts, decide_npu, gather_npu_facts
 from kvhal_npu.host_memory import PinnedHostBuffers
 from kvhal_npu.layouts import npu_kv_layouts
-
-PIN_ENV = "KVHAL_PIN_HOST"
 
 
 class NPUPlugin(EngineCopyHooks, HostBufferHooks):
@@ -88,6 +86,7 @@ class NPUPlugin(EngineCopyHooks, HostBufferHooks):
     def host_buffers(self) -> PinnedHostBuffers:
         if self._host is None:
             module = self.stream_module()
-            pin = os.environ.get(PIN_ENV, "").strip().lower() != "off"
+            # Ascend pins synchronously (torch_npu pin_memory): async and sync both pin.
+            pin = pin_mode(os.environ.get(PIN_ENV)) is not PinMode.OFF
             self._host = PinnedHostBuffers(pin, drain=module.synchronize)
         return self._host
