@@ -140,7 +140,9 @@ def test_pinning_needs_an_accelerator_here():
         PinnedHostBuffers(pin=True).allocate(16)
 
 
-@pytest.mark.parametrize(("value", "pinned"), [("off", False), (" OFF ", False), ("sync", True), ("async", True), ("", True)])
+@pytest.mark.parametrize(
+    ("value", "pinned"), [("off", False), (" OFF ", False), ("sync", True), ("async", True), ("", True)]
+)
 def test_pin_host_setting_is_read_as_kvhal_cuda_reads_it(monkeypatch, value, pinned):
     monkeypatch.setenv("KVHAL_PIN_HOST", value)
     plugin = NPUPlugin(facts=FACTS, stream_module=FakeStreamModule())

@@ -100,6 +100,14 @@ class ConnectorConfig:
                 f"KV cache groups need equal bytes per block to share the host tier, got {sorted(sizes)}",
             )
         parallel = vllm_config.parallel_config
+        stages = parallel.pipeline_parallel_size
+        if stages > 1:
+            # Stages hold different layers, so per-worker block bytes differ from
+            # what the scheduler computes; untested, hence refused rather than guessed.
+            raise ValidationError(
+                "parallel_config.pipeline_parallel_size",
+                f"KVHALConnector supports pipeline_parallel_size 1 only, got {stages}",
+            )
         config = cls(
             cpu_bytes_to_use=cpu_bytes,
             device=extra.get("device"),

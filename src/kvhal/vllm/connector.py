@@ -1,4 +1,4 @@
-"""KVHALConnector: vLLM's KV connector for kvhal offloading, on whatever device vLLM runs.
+"""KVHALConnector: vLLM's KV connector for kvhal offloading, through the kvhal plugin for vLLM's device.
 
 Users write::
 

@@ -7,10 +7,10 @@ anonymous ``mmap`` (page-aligned, zero-filled by the kernel: no memset on the
 start-up path) registered with ``cudaHostRegister``/``hipHostRegister``. Page
 locking a large buffer takes seconds, so by default it runs on a background
 thread (vLLM #45850); until it has finished, :meth:`HostRegistrar.is_pinned`
-says ``False`` and copies treat the buffer as pageable memory, which every
-copy call accepts (the driver stages it), so they stay correct, only slower.
-Registration pins pages in place and moves no data, so copies running while
-it proceeds read and write the same bytes.
+says ``False`` and copies treat the buffer as pageable memory (the runtime
+documents staged copies for ``cudaMemcpyAsync``; for ``cuMemcpyBatchAsync``
+racing a registration this is assumed, not yet run on a GPU). Registration
+pins pages in place and moves no data. ``sync`` removes the window.
 
 ``KVHAL_PIN_HOST=async`` (default), ``sync`` (register before returning) or
 ``off`` (pageable buffers).

@@ -1,0 +1,56 @@
+"""KVHALConnector's configuration checks, on vLLM's config attributes (no engine started)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from kvhal.errors import ValidationError
+
+pytest.importorskip("vllm")
+from kvhal.vllm.config import ConnectorConfig
+
+PAGE = 2 * 16 * 4 * 64 * 2  # K and V, 16 tokens, 4 heads, head size 64, fp16
+
+
+def configs(extra: dict, pipeline: int = 1, tensor: int = 1) -> tuple[SimpleNamespace, SimpleNamespace]:
+    vllm_config = SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra),
+        cache_config=SimpleNamespace(block_size=16),
+        parallel_config=SimpleNamespace(
+            pipeline_parallel_size=pipeline, world_size=pipeline * tensor, tensor_parallel_size=tensor
+        ),
+    )
+    spec = SimpleNamespace(page_size_bytes=PAGE, head_size=64)
+    group = SimpleNamespace(kv_cache_spec=spec, layer_names=["l0", "l1", "l2"])
+    kv_cache_config = SimpleNamespace(
+        prefix_cacheable_group_ids=[0], kv_cache_groups=[group], kv_cache_layout=None
+    )
+    return vllm_config, kv_cache_config
+
+
+def test_slots_follow_from_bytes_layers_and_workers() -> None:
+    config = ConnectorConfig.from_vllm(*configs({"cpu_bytes_to_use": 100 * 3 * PAGE}, tensor=2))
+    assert (config.slot_bytes, config.num_slots, config.eviction_policy) == (3 * PAGE, 50, "lru")
+
+
+@pytest.mark.parametrize(
+    ("extra", "argument"),
+    [
+        ({"cpu_bytes_to_use": 1 << 20, "cpu_byts": 1}, "kv_connector_extra_config"),
+        ({}, "kv_connector_extra_config.cpu_bytes_to_use"),
+        ({"cpu_bytes_to_use": True}, "kv_connector_extra_config.cpu_bytes_to_use"),
+        ({"cpu_bytes_to_use": PAGE}, "kv_connector_extra_config.cpu_bytes_to_use"),
+    ],
+)
+def test_bad_extra_config_names_the_key(extra: dict, argument: str) -> None:
+    with pytest.raises(ValidationError) as raised:
+        ConnectorConfig.from_vllm(*configs(extra))
+    assert raised.value.argument == argument
+
+
+def test_pipeline_parallelism_is_refused_by_name() -> None:
+    with pytest.raises(ValidationError, match="pipeline_parallel_size 1 only, got 2") as raised:
+        ConnectorConfig.from_vllm(*configs({"cpu_bytes_to_use": 1 << 30}, pipeline=2))
+    assert raised.value.argument == "parallel_config.pipeline_parallel_size"
