@@ -57,9 +57,10 @@ CONTRACTS: tuple[Contract, ...] = (
         "streams_events",
         "Streams and events",
         (*(hook for hook in DEVICE_HOOKS if hook.endswith(("_stream", "_event"))), "kvhal_copy_blocks"),
-        "an event is not complete before its work and is complete after; work on one stream "
-        "stays ordered; a stream waits for another's event; copies run on the stream given "
-        "(and asynchronously when copy.async is declared)",
+        "the current stream is the compute stream (the same on every call, torch's where torch "
+        "drives the device); an event is not complete before its work and is complete after; "
+        "work on one stream stays ordered; a stream waits for another's event; copies run on "
+        "the stream given (and asynchronously when copy.async is declared)",
     ),
     Contract(
         "copies",
