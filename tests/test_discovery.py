@@ -81,7 +81,8 @@ def install(tmp_path, monkeypatch):
     return make
 
 
-def test_entry_point_plugin_found_and_selected(install):
+def install_fake_accel(install) -> None:
+    """The distribution ``fake-accel`` with an accelerator plugin ``fakeaccel`` of priority 100."""
     install(
         "fake-accel",
         "fakeaccel",
@@ -89,6 +90,10 @@ def test_entry_point_plugin_found_and_selected(install):
         FAKE_ACCEL.format(name="fakeaccel", priority=100),
         "fake_accel:FakeAccelerator",
     )
+
+
+def test_entry_point_plugin_found_and_selected(install):
+    install_fake_accel(install)
     registry = PluginRegistry()
     selection = registry.explain()
     assert selection.device.plugin_name == "fakeaccel"
@@ -98,13 +103,7 @@ def test_entry_point_plugin_found_and_selected(install):
 
 
 def test_override_by_env_and_argument(install, monkeypatch):
-    install(
-        "fake-accel",
-        "fakeaccel",
-        "fake_accel",
-        FAKE_ACCEL.format(name="fakeaccel", priority=100),
-        "fake_accel:FakeAccelerator",
-    )
+    install_fake_accel(install)
     monkeypatch.setenv("KVHAL_DEVICE", "cpu")
     selection = PluginRegistry().explain()
     assert selection.device.plugin_name == "cpu"
@@ -160,13 +159,7 @@ def test_typo_hook_is_named(install):
 
 
 def test_allowlist_and_blocklist(install):
-    install(
-        "fake-accel",
-        "fakeaccel",
-        "fake_accel",
-        FAKE_ACCEL.format(name="fakeaccel", priority=100),
-        "fake_accel:FakeAccelerator",
-    )
+    install_fake_accel(install)
     registry = PluginRegistry(allow="cpu")
     assert registry.select().plugin_name == "cpu"
     skipped = next(p for p in registry.plugins if p.name == "fakeaccel")
@@ -178,13 +171,7 @@ def test_allowlist_and_blocklist(install):
 
 
 def test_autoload_off_keeps_builtin_only(install, monkeypatch):
-    install(
-        "fake-accel",
-        "fakeaccel",
-        "fake_accel",
-        FAKE_ACCEL.format(name="fakeaccel", priority=100),
-        "fake_accel:FakeAccelerator",
-    )
+    install_fake_accel(install)
     monkeypatch.setenv("KVHAL_DISABLE_PLUGIN_AUTOLOAD", "1")
     names = [p.name for p in PluginRegistry().plugins]
     assert "cpu" in names and "fakeaccel" not in names
