@@ -20,8 +20,10 @@ try:
 except ImportError:  # built without a C compiler
     native = None
 
-#: Copies at least this large bypass the cache (non-temporal stores).
-NT_THRESHOLD = int(os.environ.get("KVHAL_CPU_NT_THRESHOLD", 64 << 10))
+#: Copies at least this large bypass the cache (non-temporal stores). Low enough for
+#: vLLM's layer-separate CPU cache, whose per-layer chunks are 4-32 KiB: at 64 KiB its
+#: 16 KiB chunks were written through the cache, 10 GiB/s where these give 14 (BENCHMARKS.md).
+NT_THRESHOLD = int(os.environ.get("KVHAL_CPU_NT_THRESHOLD", 4 << 10))
 #: Batches smaller than this stay on one thread: a hand-off costs more.
 PARALLEL_MIN_BYTES = 1 << 20
 
