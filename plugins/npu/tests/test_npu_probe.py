@@ -39,6 +39,20 @@ def test_an_ascend_machine_is_described():
     assert d.details["copy_engine"] == "vllm_ascend._C_ascend.swap_blocks_batch"
 
 
+def test_pageable_host_buffers_drop_the_pinned_capability():
+    engines = ["torch.copy_"]
+    assert decide_npu(ASCEND, engines, batched=False).supports(Capability.PINNED_HOST)
+    assert not decide_npu(ASCEND, engines, batched=False, pinned_host=False).supports(Capability.PINNED_HOST)
+
+
+def test_a_bad_pin_setting_makes_the_probe_decline_naming_it(monkeypatch):
+    from kvhal_npu.plugin import NPUPlugin
+
+    monkeypatch.setenv("KVHAL_PIN_HOST", "maybe")
+    answer = NPUPlugin(facts=ASCEND).kvhal_probe()
+    assert isinstance(answer, Refusal) and "KVHAL_PIN_HOST='maybe'" in answer.reason
+
+
 def test_this_machine_has_no_torch_npu_and_imports_nothing_heavy():
     import sys
 

@@ -64,8 +64,13 @@ def gather_npu_facts() -> NpuFacts:
     )
 
 
-def decide_npu(facts: NpuFacts, engines: list[str], batched: bool) -> DeviceDescriptor | Refusal:
-    """The NPU probe's answer."""
+def decide_npu(
+    facts: NpuFacts, engines: list[str], batched: bool, pinned_host: bool = True
+) -> DeviceDescriptor | Refusal:
+    """The NPU probe's answer.
+
+    :param pinned_host: host buffers will be pinned (``KVHAL_PIN_HOST`` is not ``off``).
+    """
     if not facts.torch_npu_installed:
         return Refusal(
             "torch_npu is not installed (install kvhal-npu with its npu extra on an Ascend machine)"
@@ -77,7 +82,9 @@ def decide_npu(facts: NpuFacts, engines: list[str], batched: bool) -> DeviceDesc
             f"no Ascend NPU visible (torch.npu.device_count() is 0 with torch_npu {facts.torch_npu_version}; "
             "check the driver, CANN and ASCEND_RT_VISIBLE_DEVICES)"
         )
-    caps = {Capability.SPLIT_KV, Capability.PINNED_HOST, Capability.ASYNC_COPY}
+    caps = {Capability.SPLIT_KV, Capability.ASYNC_COPY}
+    if pinned_host:
+        caps.add(Capability.PINNED_HOST)
     if batched:
         caps.add(Capability.BATCHED_COPY)
     return DeviceDescriptor(

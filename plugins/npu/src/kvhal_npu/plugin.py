@@ -69,9 +69,12 @@ class NPUPlugin(EngineCopyHooks, HostBufferHooks):
         facts = self.machine_facts()
         try:
             engines = self.engine_names()
-        except ValueError as exc:
+            pinned_host = pin_mode(os.environ.get(PIN_ENV)) is not PinMode.OFF
+        except ValueError as exc:  # a bad KVHAL_* setting
             return Refusal(str(exc))
-        return decide_npu(facts, engines, batched=engines[0] == ASCEND_SWAP_BLOCKS_BATCH)
+        return decide_npu(
+            facts, engines, batched=engines[0] == ASCEND_SWAP_BLOCKS_BATCH, pinned_host=pinned_host
+        )
 
     @hookimpl
     def kvhal_kv_layouts(self, attention_backend: str | None) -> Sequence[KVLayout]:
