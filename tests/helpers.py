@@ -26,3 +26,12 @@ def block_bytes(kv: torch.Tensor | tuple[torch.Tensor, ...]) -> bytes:
 def snapshot(cache: KVCache) -> list[bytes]:
     """Every buffer of ``cache`` as bytes."""
     return [b.view(torch.uint8).numpy().tobytes() for b in cache.storage]
+
+
+def drain(device, *streams) -> None:
+    """Wait for everything queued on ``streams`` (default: the device's default stream), so a
+    "nothing moved" check also sees a copy that was queued before an error was raised."""
+    for stream in streams or (device.default_stream,):
+        event = device.create_event()
+        device.record_event(event, stream)
+        device.synchronize_event(event)

@@ -9,7 +9,7 @@ import kvhal
 from kvhal.errors import CopyValidationError, ValidationError
 from kvhal.geometry import KVGeometry
 from kvhal.layouts import BLHNC, LBHNC
-from tests.helpers import block_bytes, fill_random_bytes, snapshot
+from tests.helpers import block_bytes, drain, fill_random_bytes, snapshot
 
 
 def make(cpu, dtype=torch.bfloat16, head_size=8, layout=LBHNC, blocks=8):
@@ -40,6 +40,7 @@ def test_bad_mapping_moves_nothing(cpu, mapping, message):
     with pytest.raises(CopyValidationError, match=message) as info:
         cpu.copy_blocks(src, host, mapping)
     assert info.value.argument == "mapping"
+    drain(cpu)
     assert snapshot(src) == before_src and snapshot(host) == before_dst
 
 
@@ -50,6 +51,7 @@ def test_dtype_mismatch(cpu):
         CopyValidationError, match=r"dst: geometry differs from src \(dtype: torch.bfloat16 vs"
     ):
         cpu.copy_blocks(src, dst, [(0, 0)])
+    drain(cpu)
     assert snapshot(dst) == before
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -127,8 +129,18 @@ def test_runs_of_consecutive_ids_are_coalesced(cpu, layout):
     check_copied(cache, host, mapping, before)
 
 
-def test_large_batch_spans_threads(cpu):
+def test_large_batch_spans_threads(cpu, monkeypatch):
     """A batch above the engine's parallel threshold is split across threads and still exact."""
+    engine = cpu._pm.get_plugin("cpu").engine
+    monkeypatch.setattr(engine, "threads", 2)  # even on a one-core runner
+    kernel = engine.kernel
+    ran_on = set()
+
+    def recording_kernel(*args):
+        ran_on.add(threading.get_ident())
+        return kernel(*args)
+
+    monkeypatch.setattr(engine, "kernel", recording_kernel)
     g = KVGeometry(4, 256, 16, 4, 64, torch.bfloat16)  # 64 KiB a block
     cache = cpu.allocate_kv_cache(g, BLHNC)
     fill_random_bytes(cache, seed=6)
@@ -138,6 +150,7 @@ def test_large_batch_spans_threads(cpu):
     before = block_snapshot(host)
     cpu.synchronize_event(cpu.copy_blocks(cache, host, mapping))
     check_copied(cache, host, mapping, before)
+    assert len(ran_on) == 2, f"the batch ran on {len(ran_on)} thread(s)"
 
 
 @pytest.mark.parametrize("layout", STANDARD_LAYOUTS, ids=str)

@@ -6,8 +6,7 @@ import pytest
 
 from kvhal.errors import MalformedResultError, PluginError, ValidationError
 from kvhal.registry import PluginRegistry
-
-broken_plugins = pytest.importorskip("broken_plugins")
+from tests import broken_plugins
 
 
 def test_non_permutation_stride_order_is_refused() -> None:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import kvhal
+from kvhal.cpu.copy_engine import CopyEngine
 from kvhal.errors import TransferError
 from kvhal.geometry import KVGeometry
 from kvhal.layouts import BLHNC
@@ -17,7 +18,7 @@ from tests.helpers import block_bytes, fill_random_bytes
 def gate(device, stream):
     """Hold ``stream`` until the returned threading.Event is set (CPU streams run Python tasks)."""
     opened = threading.Event()
-    stream.submit(lambda: opened.wait(10))
+    stream.submit(lambda: opened.wait(120))  # a bound, so a broken test cannot hang CI
     return opened
 
 
@@ -67,10 +68,14 @@ def test_stream_waits_on_another_streams_event(cpu):
     marker = cpu.create_event()
     cpu.record_event(marker, first)
     cpu.stream_wait_event(second, marker)
+    seen = []
+    second.submit(lambda: seen.append(opened.is_set()))
     done = cpu.copy_blocks(cache, host, [(1, 1)], second, after_compute=False)
-    assert cpu.query_event(done) is False, "second stream ran ahead of the event it waits on"
+    # Give a stream that ignored the wait time to run ahead; a correct one cannot, however long.
+    threading.Event().wait(0.3)
     opened.set()
     cpu.synchronize_event(done)
+    assert seen == [True], "second stream ran ahead of the event it waits on"
     assert cpu.query_event(marker)
 
 
@@ -104,10 +109,16 @@ def test_failed_copy_surfaces_on_its_event_only(cpu):
     assert block_bytes(kvhal.get_kv_from_block(host, 2)) == block_bytes(kvhal.get_kv_from_block(cache, 2))
 
 
-def test_copy_runs_off_the_callers_thread(cpu):
+def test_copy_runs_off_the_callers_thread(cpu, monkeypatch):
     threads = []
     cache, host = small(cpu)
     stream = cpu.create_stream()
-    stream.submit(lambda: threads.append(threading.current_thread()))
+    run = CopyEngine.run
+
+    def recording_run(self, *descriptors):
+        threads.append(threading.current_thread())
+        return run(self, *descriptors)
+
+    monkeypatch.setattr(CopyEngine, "run", recording_run)
     cpu.synchronize_event(cpu.copy_blocks(cache, host, [(0, 0)], stream))
-    assert threads and threads[0] is not threading.current_thread()
+    assert threads and threading.current_thread() not in threads

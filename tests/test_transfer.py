@@ -21,6 +21,7 @@ from kvhal.layouts import BLHNC
 from kvhal.manager import BlockState, OffloadingManager
 from kvhal.offloader import Offloader
 from kvhal.transfer import TransferEngine, TransferKind
+from tests.helpers import drain
 
 GEOMETRY = KVGeometry(2, 16, 4, 2, 8, torch.float32)
 
@@ -189,6 +190,7 @@ def test_engine_validates_before_any_byte_moves(device):
     with pytest.raises(ValidationError, match="2 keys for 1 block pairs"):
         engine.submit_store([key(1), key(2)], cache, view, [(0, 1)])
     assert engine.pending == 0
+    drain(device, *engine._streams.values())
     assert torch.count_nonzero(tier.buffer) == 0
     with pytest.raises(ValidationError, match="not pending"):
         engine.wait([123])
