@@ -40,19 +40,25 @@ class FakeDriver:
         self.registered: list[tuple[int, int]] = []
         self.unregistered: list[int] = []
         self.drained = 0
+        self.calls: list[str] = []
+        self.entered = threading.Event()
 
     def register(self, address: int, nbytes: int) -> int:
+        self.entered.set()
         if self.gate is not None:
-            self.gate.wait(5)
+            assert self.gate.wait(120), "the test never opened the gate"
         self.registered.append((address, nbytes))
+        self.calls.append("register")
         return self.result
 
     def unregister(self, address: int) -> int:
         self.unregistered.append(address)
+        self.calls.append("unregister")
         return 0
 
     def drain(self) -> None:
         self.drained += 1
+        self.calls.append("drain")
 
 
 def registrar(driver: FakeDriver, mode: PinMode) -> HostRegistrar:
@@ -98,14 +104,31 @@ def test_free_waits_for_a_running_registration_then_drains_and_unregisters_once(
     driver = FakeDriver(gate=gate)
     host = registrar(driver, PinMode.ASYNC)
     buffer = host.allocate(PAGE)
+    assert driver.entered.wait(120), "registration never started"
     freer = threading.Thread(target=host.free, args=(buffer,))
     freer.start()
     gate.set()
-    freer.join(5)
-    assert driver.registered and driver.unregistered == [buffer.data_ptr()] and driver.drained == 1
+    freer.join(120)
+    assert not freer.is_alive()
+    assert driver.calls == ["register", "drain", "unregister"]
+    assert driver.unregistered == [buffer.data_ptr()]
     host.free(buffer)  # a second free is a no-op
     assert driver.unregistered == [buffer.data_ptr()]
     assert not host.owns(buffer)
+
+
+def test_free_before_registration_starts_cancels_it():
+    blocker, driver = threading.Event(), FakeDriver()
+    host = registrar(driver, PinMode.ASYNC)
+    # Occupy the registration thread so the next registration is still queued when freed.
+    busy = host.allocate(PAGE)
+    host._executor().submit(blocker.wait, 120)
+    queued = host.allocate(PAGE)
+    host.free(queued)
+    blocker.set()
+    assert host.wait(busy) is True
+    assert (queued.data_ptr(), PAGE) not in driver.registered and driver.unregistered == []
+    assert not host.owns(queued)
 
 
 def test_a_buffer_it_did_not_allocate_is_not_its_own():
