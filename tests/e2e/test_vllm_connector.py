@@ -98,6 +98,19 @@ def test_negative_control_corrupted_host_tier_changes_outputs(model):
     assert tokens(warm) == tokens(cold)
 
 
+def test_negative_control_across_processes_corrupted_loads_change_outputs(model):
+    """The same proof with the engine core in its own process (VLLM_ENABLE_V1_MULTIPROCESSING=1):
+    loads report success but leave noise in the blocks they wrote; outputs must change."""
+    batch = prompts(3, LENGTH, seed=1)
+    cold, _, warm = warm_round(
+        model, batch, {"cpu_bytes_to_use": 64 << 20}, env=fault_env("corrupt_load"), multiprocessing=True
+    )
+    assert tokens(cold) == baseline(model, batch)
+    assert loaded(warm) == [SERVED] * 3, "the corrupted loads were not served"
+    changed = [a != b for a, b in zip(tokens(warm), tokens(cold), strict=True)]
+    assert all(changed), f"outputs survived corrupted loads: {changed}"
+
+
 def test_small_host_tier_evicts_and_stays_correct(model):
     batch = prompts(4, LENGTH, seed=2)
     steps = [{"op": "generate", "prompts": [p]} for p in batch]

@@ -5,6 +5,8 @@ this file, put on the engine's PYTHONPATH). ``KVHAL_TEST_FAULTS`` says what
 fails: ``store``, ``load`` or ``store,load``. A failing copy still runs, then
 its destination blocks are overwritten with noise and its event raises
 TransferError: if kvhal or vLLM used those blocks anyway, outputs would change.
+``corrupt_load`` is the negative control that works across processes: loads
+succeed, but their destination blocks are overwritten with noise first.
 """
 
 from __future__ import annotations
@@ -45,10 +47,11 @@ class FaultInjector:
     def kvhal_copy_blocks(self, plan, stream):
         event = yield
         kind = "store" if self._in_host_tier(plan.dst) else "load" if self._in_host_tier(plan.src) else None
-        if kind not in self.modes:
+        corrupt = kind == "load" and "corrupt_load" in self.modes
+        if kind not in self.modes and not corrupt:
             return event
         event.synchronize()
         _, dst, sizes = plan.descriptors
         for address, size in zip(dst.tolist(), sizes.tolist(), strict=True):
             ctypes.memset(address, 0x7F, size)
-        return failed_event()
+        return event if corrupt else failed_event()
