@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -41,6 +42,7 @@ def run_scenario(
             json.dumps({k: v for k, v in scenario.items() if k not in ("env", "multiprocessing")})
         )
         log = Path(tmp) / "engine.log"
+        faults_before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_minflt
         with log.open("w") as sink:  # a file, not a pipe: the engine never waits on its reader
             proc = subprocess.run(
                 [python or sys.executable, "-m", "kvhal.vllm.runner", str(spec), str(out)],
@@ -50,10 +52,13 @@ def run_scenario(
                 timeout=timeout,
                 check=False,
             )
+        # Children's counts only grow, and scenarios run one at a time: the difference is this one's.
+        minor_faults = resource.getrusage(resource.RUSAGE_CHILDREN).ru_minflt - faults_before
         output = log.read_text(errors="replace")
         if proc.returncode != 0 or not out.exists():
             tail = "\n".join(output.splitlines()[-40:])
             raise ScenarioError(f"engine process exited with {proc.returncode}:\n{tail}")
         result = json.loads(out.read_text())
     result["stderr"] = output
+    result["minor_faults"] = minor_faults
     return result

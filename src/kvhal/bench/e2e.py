@@ -66,7 +66,9 @@ def engine_args(prompt_len: int) -> dict[str, Any]:
     }
 
 
-def ttft(model: str, recipe: TinyLlama, prompt_len: int, repeats: int, host_bytes: int) -> dict[str, Any]:
+def ttft(
+    model: str, recipe: TinyLlama, prompt_len: int, repeats: int, host_bytes: int, env: dict[str, str]
+) -> dict[str, Any]:
     """One engine with kvhal: the four TTFT categories, ``repeats`` distinct prompts each."""
     rng = random.Random(0)
     steps: list[dict] = []
@@ -89,7 +91,7 @@ def ttft(model: str, recipe: TinyLlama, prompt_len: int, repeats: int, host_byte
             "kvhal": {"cpu_bytes_to_use": host_bytes},
             "steps": steps,
             "engine": engine_args(prompt_len),
-            "env": MALLOC_ENV,
+            "env": env,
         }
     )
     rows = []
@@ -110,7 +112,13 @@ def ttft(model: str, recipe: TinyLlama, prompt_len: int, repeats: int, host_byte
 
 
 def throughput(
-    model: str, recipe: TinyLlama, prompt_len: int, rounds: int, host_bytes: int, progress: Progress
+    model: str,
+    recipe: TinyLlama,
+    prompt_len: int,
+    rounds: int,
+    host_bytes: int,
+    env: dict[str, str],
+    progress: Progress,
 ) -> dict[str, Any]:
     """Distinct prompts (no hits), with and without kvhal, engines alternating."""
     rng = random.Random(1)
@@ -124,6 +132,7 @@ def throughput(
     tokens = len(batch) * (prompt_len + 32)
     kinds = (("without kvhal", None), ("with kvhal", {"cpu_bytes_to_use": host_bytes}))
     rates: dict[str, list[float]] = {name: [] for name, _ in kinds}
+    faults: dict[str, list[int]] = {name: [] for name, _ in kinds}  # minor page faults per engine process
     busy: list[float] = []  # share of the batch's wall time spent in kvhal on the engine's thread
     task = progress.add_task("throughput", total=2 * rounds)
     for round_index in range(rounds):
@@ -136,12 +145,13 @@ def throughput(
                     "kvhal": kvhal,
                     "steps": own_steps,
                     "engine": engine_args(prompt_len),
-                    "env": MALLOC_ENV,
+                    "env": env,
                 }
             )
             by_name = {s["name"]: s for s in result["steps"]}
             seconds = by_name["batch"]["seconds"]
             rates[name].append(tokens / seconds)
+            faults[name].append(result["minor_faults"])
             if kvhal:
                 spent = by_name["after"]["worker_busy_seconds"] - by_name["before"]["worker_busy_seconds"]
                 busy.append(spent / seconds)
@@ -156,6 +166,7 @@ def throughput(
         "overhead": 1 - statistics.median(ratios),
         "overhead_per_round": [1 - r for r in ratios],
         "kvhal_busy_share": statistics.median(busy),
+        "minor_faults_all": faults,
     }
 
 
@@ -224,6 +235,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="distinct prompts per TTFT category")
     parser.add_argument("--rounds", type=int, default=6, help="throughput runs per engine kind")
     parser.add_argument("--no-throughput", action="store_true", help="skip the overhead measurement")
+    parser.add_argument(
+        "--malloc-default",
+        action="store_true",
+        help="run engines with glibc malloc's defaults, not MALLOC_ENV (to see the page-fault noise)",
+    )
     parser.add_argument("--models", type=Path, default=Path.home() / ".cache" / "kvhal-bench-models")
     parser.add_argument("--out", type=Path, default=Path("bench-results"), help="folder for JSON and PNG")
 
@@ -233,14 +249,15 @@ def run_bench(args: argparse.Namespace, recipe: TinyLlama, name: str) -> dict[st
     with console.status("building the model"):
         model = str(recipe.build(args.models))
     host_bytes = 2 << 30
+    env = {} if getattr(args, "malloc_default", False) else MALLOC_ENV
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("TTFT: one engine, four categories", total=1)
-        timing = ttft(model, recipe, args.prompt_len, args.repeats, host_bytes)
+        timing = ttft(model, recipe, args.prompt_len, args.repeats, host_bytes, env)
         progress.advance(task)
         rate = (
             None
             if args.no_throughput
-            else throughput(model, recipe, args.prompt_len, args.rounds, host_bytes, progress)
+            else throughput(model, recipe, args.prompt_len, args.rounds, host_bytes, env, progress)
         )
     device = timing["kvhal_device"] or {}
     title = (
@@ -258,6 +275,11 @@ def run_bench(args: argparse.Namespace, recipe: TinyLlama, name: str) -> dict[st
             f"(median of per-round ratios; rounds from {min(spread):+.1%} to {max(spread):+.1%}); "
             f"kvhal's own time on the engine's thread: {rate['kvhal_busy_share']:.2%} of the run"
         )
+        faults = {k: statistics.median(v) / 1e6 for k, v in rate["minor_faults_all"].items()}
+        console.print(
+            f"minor page faults per engine process (median): {faults['without kvhal']:.2f}M without kvhal, "
+            f"{faults['with kvhal']:.2f}M with; malloc: {'glibc defaults' if not env else 'MALLOC_ENV'}"
+        )
     for check in checks:
         console.print(
             f"target {check['target']}: {'met' if check['met'] else 'MISSED'} ({check['value']:.3f})"
@@ -268,6 +290,7 @@ def run_bench(args: argparse.Namespace, recipe: TinyLlama, name: str) -> dict[st
         "kvhal_device": device,
         "ttft": timing["rows"],
         "throughput": rate,
+        "malloc_env": env,
         "targets": checks,
     }
     json_path, png_path = write_outputs(args.out, name, result)
