@@ -15,13 +15,13 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from kvhal.cache import KVCache
+from kvhal.cache import KVCache, allocate_dense_kv_cache
 from kvhal.copyplan import CopyPlan, plan_copy
 from kvhal.cpu import CPUPlugin
 from kvhal.cpu.streams import CPUEvent, CPUStream, InlineStream
 from kvhal.geometry import KVGeometry
 from kvhal.hookspecs import hookimpl
-from kvhal.layouts import KVLayout
+from kvhal.layouts import LBHNC, KVLayout
 
 Stream = CPUStream | InlineStream
 
@@ -161,3 +161,69 @@ class MissingWaitHook(CPUPlugin):
     """Does not implement kvhal_stream_wait_event."""
 
     kvhal_stream_wait_event = None
+
+
+class SyncCopy(CPUPlugin):
+    """Declares copy.async but copies on the caller's thread: waits for the stream, copies, returns."""
+
+    @hookimpl
+    def kvhal_copy_blocks(self, plan: CopyPlan, stream: Stream) -> CPUEvent:
+        stream.synchronize()  # stream order is kept; only the asynchrony is gone
+        self.engine.run(*plan.descriptors)
+        done = CPUEvent()
+        stream.record(done)
+        return done
+
+
+class NoOpWait(CPUPlugin):
+    """kvhal_stream_wait_event does nothing: the waiting stream runs on at once."""
+
+    @hookimpl
+    def kvhal_stream_wait_event(self, stream: Stream, event: CPUEvent) -> None:
+        return None
+
+
+class Mislabels(CPUPlugin):
+    """Lays every cache out in LBHNC, whatever layout was asked for, and labels it as asked."""
+
+    @hookimpl
+    def kvhal_allocate_kv_cache(
+        self, geometry: KVGeometry, layout: KVLayout, device: torch.device
+    ) -> KVCache:
+        return dataclasses.replace(allocate_dense_kv_cache(geometry, LBHNC, device), layout=layout)
+
+
+class SharedLayers(CPUPlugin):
+    """Allocates one layer's memory and hands out that same view for every layer."""
+
+    @hookimpl
+    def kvhal_allocate_kv_cache(
+        self, geometry: KVGeometry, layout: KVLayout, device: torch.device
+    ) -> KVCache:
+        one = allocate_dense_kv_cache(dataclasses.replace(geometry, num_layers=1), layout, device)
+        return KVCache(geometry, layout, one.layers * geometry.num_layers, one.storage)
+
+
+class PinnedLiar(CPUPlugin):
+    """kvhal_host_buffer_is_pinned answers True for any tensor."""
+
+    @hookimpl
+    def kvhal_host_buffer_is_pinned(self, buffer: torch.Tensor) -> bool:
+        return True
+
+
+class RecyclesDirty(CPUPlugin):
+    """Keeps freed host buffers and hands them out again, as they were, for the same size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._freed: dict[int, list[torch.Tensor]] = {}
+
+    @hookimpl
+    def kvhal_allocate_host_buffer(self, nbytes: int) -> torch.Tensor:
+        pool = self._freed.get(nbytes)
+        return pool.pop() if pool else super().kvhal_allocate_host_buffer(nbytes)
+
+    @hookimpl
+    def kvhal_free_host_buffer(self, buffer: torch.Tensor) -> None:
+        self._freed.setdefault(buffer.numel(), []).append(buffer)

@@ -49,9 +49,9 @@ CONTRACTS: tuple[Contract, ...] = (
         "host_memory",
         "Host memory",
         ("kvhal_allocate_host_buffer", "kvhal_host_buffer_is_pinned", "kvhal_free_host_buffer"),
-        "host buffers are flat, zeroed, 4 KiB-aligned CPU byte tensors of at least the size "
-        "asked for, independent of each other, and pinned (or registered) when the plugin "
-        "declares host.pinned",
+        "host buffers are flat, zeroed (also when memory is reused), 4 KiB-aligned CPU byte "
+        "tensors of at least the size asked for, independent of each other, and pinned (or "
+        "registered) when the plugin declares host.pinned; a plain tensor is not reported pinned",
     ),
     Contract(
         "streams_events",

@@ -17,6 +17,9 @@ ALLOCATE, IS_PINNED, FREE = (
     "kvhal_free_host_buffer",
 )
 SIZES = (1, 4096, 4097, (1 << 20) + 3)
+#: Written into a buffer before it is freed; allocations of the same size must not see it.
+DIRT = 0xA5
+REUSE_ROUNDS = 4
 
 
 @pytest.mark.parametrize("nbytes", SIZES)
@@ -43,6 +46,24 @@ def test_host_buffer_is_flat_zeroed_aligned(kvhal_target: Target, kvhal_device: 
     kvhal_target.call(FREE, buffer=buffer)
 
 
+@pytest.mark.parametrize("nbytes", (4096, (1 << 20) + 3))
+def test_reused_host_buffer_is_zeroed(kvhal_target: Target, kvhal_device: Device, nbytes: int) -> None:
+    """A buffer allocated after one of the same size was written and freed is zeroed too
+    (an allocator that recycles freed buffers must clear them)."""
+    where = f"{ALLOCATE}(nbytes={nbytes})"
+    for round_ in range(REUSE_ROUNDS):
+        buffer = kvhal_target.call(ALLOCATE, nbytes=nbytes)
+        nonzero = int(buffer.count_nonzero())
+        assert nonzero == 0, (
+            f"plugin {kvhal_target.name!r}: {where} returned a buffer with {nonzero} non-zero bytes "
+            f"(allocation {round_ + 1} of this size after freeing buffers filled with 0x{DIRT:02X}): "
+            "a reused buffer came back with non-zero bytes; expected zeroed memory"
+        )
+        buffer.fill_(DIRT - 256 if buffer.dtype == torch.int8 else DIRT)
+        kvhal_target.call(FREE, buffer=buffer)
+        del buffer
+
+
 def test_host_buffers_are_independent(kvhal_device: Device) -> None:
     """Two live host buffers do not share memory."""
     nbytes = 1 << 16
@@ -55,7 +76,8 @@ def test_host_buffers_are_independent(kvhal_device: Device) -> None:
 
 
 def test_is_pinned_answers_bool(kvhal_target: Target, kvhal_device: Device) -> None:
-    """kvhal_host_buffer_is_pinned answers True or False for its own buffers and for plain tensors."""
+    """kvhal_host_buffer_is_pinned answers True or False for its own buffers and for plain
+    tensors, and False for a plain tensor (never pinned or registered), declared host.pinned or not."""
     buffer = kvhal_device.allocate_host_buffer(4096)
     for what, tensor in (
         ("one of its buffers", buffer),
@@ -63,6 +85,13 @@ def test_is_pinned_answers_bool(kvhal_target: Target, kvhal_device: Device) -> N
     ):
         answer = kvhal_target.call(IS_PINNED, buffer=tensor)
         assert isinstance(answer, bool), f"{IS_PINNED}({what}) returned {answer!r}; expected a bool"
+    for nbytes in (4096, 1 << 20):
+        plain = torch.zeros(nbytes, dtype=torch.uint8)
+        assert not kvhal_target.call(IS_PINNED, buffer=plain), (
+            f"plugin {kvhal_target.name!r}: {IS_PINNED} says a plain (never pinned or registered) "
+            f"{nbytes}-byte torch tensor is pinned: it must answer for the tensor it is given, not True "
+            "for any tensor"
+        )
     kvhal_device.free_host_buffer(buffer)
 
 

@@ -143,4 +143,7 @@ def test_views_follow_layout(kvhal_target: Target, kvhal_device: Device, fmt: st
         problems += _stride_problems(cache, layout)
         if layout.is_cross_layer:
             problems += _contiguity_problems(cache, layout)
-    assert not problems, f"kvhal_allocate_kv_cache ({fmt}): " + "; ".join(problems[:6])
+    assert not problems, (
+        f"{kvhal_target.label} hook kvhal_allocate_kv_cache ({fmt}) returned views not laid out in the "
+        "layout the cache is labelled with (kernels index it by that layout): " + "; ".join(problems[:6])
+    )

@@ -3,12 +3,11 @@ and that ``kvhal_copy_blocks`` runs on the stream it is given.
 
 Checks that need work still running first put a measured minimum of copies on
 a stream (:class:`~kvhal_conformance.timing.Busy`). Verdicts rest on data
-(:mod:`kvhal_conformance.streamrig`); the timing checks allow wide margins.
+(:mod:`kvhal_conformance.streamrig`), never on how long something took.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -21,8 +20,9 @@ from kvhal_conformance.streamrig import WRONG_STREAM, Rig, free_rig, make_rig
 from kvhal_conformance.target import Target
 from kvhal_conformance.timing import Busy, poll, wait
 
-#: An event seen complete sooner than its work's measured minimum divided by this is a violation.
-TIMING_SLACK = 4.0
+#: With copy.async, a copy found fully written the moment kvhal_copy_blocks returns in this
+#: many trials out of this many is a violation (one stalled test thread is not).
+ASYNC_TRIALS = 3
 
 
 @pytest.fixture(scope="module")
@@ -80,14 +80,8 @@ def test_event_not_complete_before_its_work(rig: Rig, kvhal_sizes: Sizes, kvhal_
     device = rig.device
     _, event = rig.watched_after_busy(kvhal_seed, kvhal_sizes.busy_seconds)
     if device.query_event(event):
-        elapsed = time.perf_counter() - rig.started
         rig.expect_watched_written(
             "kvhal_query_event reported a copy's event complete right after submission"
-        )
-        assert elapsed * TIMING_SLACK >= rig.busy_s, (
-            f"kvhal_query_event reported a copy's event complete {elapsed * 1e3:.1f} ms after submission, "
-            f"queued behind work that takes at least {rig.busy_s * 1e3:.0f} ms (plain torch copies of the "
-            "same bytes, measured in this run): an event must not be complete before its work"
         )
     poll(device, event, "a copy's event")
     rig.expect_watched_written("kvhal_query_event reported a copy's event complete")
@@ -153,18 +147,28 @@ def test_stream_waits_for_event(rig: Rig, kvhal_sizes: Sizes, kvhal_seed: int) -
     )
 
 
-def test_copies_are_asynchronous(kvhal_target: Target, rig: Rig, kvhal_sizes: Sizes) -> None:
-    """With copy.async declared, kvhal_copy_blocks returns long before its copies finish."""
+def test_copies_are_asynchronous(kvhal_target: Target, rig: Rig, kvhal_sizes: Sizes, kvhal_seed: int) -> None:
+    """With copy.async declared, kvhal_copy_blocks returns before its copy has run.
+
+    The watched copy is queued behind a measured minimum of busy work; the moment
+    kvhal_copy_blocks returns, its sampled destination blocks are read. A synchronous
+    plugin has written them all by then; an asynchronous one cannot have (its stream is
+    still busy), unless the test thread stalled for the whole busy time: a violation only
+    when it happens in every one of ``ASYNC_TRIALS`` trials.
+    """
     kvhal_target.require(Capability.ASYNC_COPY)
     device = rig.device
-    stream = device.create_stream()
-    start = time.perf_counter()
-    event = rig.occupy(stream, kvhal_sizes.busy_seconds)
-    submitted = time.perf_counter() - start
-    wait(device, event, "copies keeping a stream busy")
-    total = time.perf_counter() - start
-    assert submitted < total / 2, (
-        f"plugin {kvhal_target.name!r} declares {Capability.ASYNC_COPY.value}, but submitting copies took "
-        f"{submitted * 1e3:.0f} ms of the {total * 1e3:.0f} ms until they completed: kvhal_copy_blocks "
-        "must return without waiting for the copy"
+    written_on_return = 0
+    for trial in range(ASYNC_TRIALS):
+        _, event = rig.watched_after_busy(kvhal_seed + trial, kvhal_sizes.busy_seconds)
+        missing = rig.watched_missing()  # at once: the copy was only just submitted
+        wait(device, event, "a copy's event")
+        rig.expect_watched_written("kvhal_synchronize_event returned for a copy's event")
+        written_on_return += not len(missing)
+    assert written_on_return < ASYNC_TRIALS, (
+        f"plugin {kvhal_target.name!r} declares {Capability.ASYNC_COPY.value}, but kvhal_copy_blocks "
+        f"returned only after its copy had finished ({written_on_return} of {ASYNC_TRIALS} trials): the "
+        f"copy was queued behind at least {rig.busy_s * 1e3:.0f} ms of work on its stream, yet every "
+        "sampled destination block held its data the moment the hook returned. kvhal_copy_blocks must "
+        "enqueue the copy on the stream and return without waiting for it"
     )
