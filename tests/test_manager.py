@@ -207,3 +207,78 @@ def test_policy_object_must_be_a_policy(registry):
         OffloadingManager(2, policy=object(), registry=registry)
     assert info.value.argument == "policy"
     assert isinstance(LRUPolicy(2), EvictionPolicy)
+
+
+class _FixedVictims(LRUPolicy):
+    """A policy whose evict() returns a given list, whatever is asked (a broken contract)."""
+
+    def __init__(self, num_slots, victims):
+        super().__init__(num_slots)
+        self.victims = victims
+
+    def evict(self, n, pinned):
+        return list(self.victims)
+
+
+def _manager_state(manager, keys):
+    return (
+        [manager.state(k) for k in keys],
+        [manager.slot(k) for k in keys],
+        manager.num_free,
+        manager.num_evictable,
+        manager.num_storing,
+        len(manager),
+        manager.pool.num_free,
+    )
+
+
+@pytest.mark.parametrize(
+    ("victims", "match"),
+    [
+        ([], r"evict\(1\) returned 0 slots, 0 distinct"),  # too few
+        ([0, 1], r"evict\(1\) returned 2 slots, 2 distinct"),  # too many
+        ([3], r"slot that is free, pinned or out of range: \[3\]"),  # a free slot
+        ([4], r"slot that is free, pinned or out of range: \[4\]"),  # out of range, above
+        ([-1], r"slot that is free, pinned or out of range: \[-1\]"),  # out of range, below
+    ],
+)
+def test_policy_returning_bad_victims_is_caught_before_state_changes(registry, victims, match):
+    policy = _FixedVictims(4, victims)
+    manager = OffloadingManager(4, policy, registry=registry, enable_events=True)
+    keys = [key(i) for i in range(3)]
+    stored(manager, keys)  # slots 0-2 ready, slot 3 free
+    manager.take_events()
+    before = _manager_state(manager, [*keys, key(7), key(8)])
+    with pytest.raises(PolicyError, match=match):
+        manager.prepare_store([key(7), key(8)])  # one free slot, one to evict
+    assert _manager_state(manager, [*keys, key(7), key(8)]) == before
+    assert manager.lookup(keys) == 3
+    assert manager.take_events() == []
+
+
+def test_policy_returning_duplicates_is_caught_before_state_changes(registry):
+    policy = _FixedVictims(4, [0, 0])
+    manager = OffloadingManager(4, policy, registry=registry, enable_events=True)
+    keys = [key(i) for i in range(4)]
+    stored(manager, keys)
+    manager.take_events()
+    new = [key(7), key(8)]
+    before = _manager_state(manager, keys + new)
+    with pytest.raises(PolicyError, match=r"evict\(2\) returned 2 slots, 1 distinct"):
+        manager.prepare_store(new)
+    assert _manager_state(manager, keys + new) == before
+    assert manager.lookup(keys) == 4
+    assert manager.take_events() == []
+
+
+def test_policy_choosing_a_block_being_stored_is_caught(registry):
+    """A storing block (refs -1) is as pinned as a loading one."""
+    policy = _FixedVictims(2, [1])
+    manager = OffloadingManager(2, policy, registry=registry)
+    stored(manager, [key(1)])
+    manager.prepare_store([key(2)])  # slot 1 storing
+    before = _manager_state(manager, [key(1), key(2), key(3)])
+    with pytest.raises(PolicyError, match=r"free, pinned or out of range: \[1\]"):
+        manager.prepare_store([key(3)])
+    assert _manager_state(manager, [key(1), key(2), key(3)]) == before
+    assert manager.state(key(2)) is BlockState.STORING

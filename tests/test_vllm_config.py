@@ -54,3 +54,52 @@ def test_pipeline_parallelism_is_refused_by_name() -> None:
     with pytest.raises(ValidationError, match="pipeline_parallel_size 1 only, got 2") as raised:
         ConnectorConfig.from_vllm(*configs({"cpu_bytes_to_use": 1 << 30}, pipeline=2))
     assert raised.value.argument == "parallel_config.pipeline_parallel_size"
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "phrase"),
+    [
+        ("offload_prompt_only", "false", "must be a JSON boolean"),
+        ("offload_prompt_only", 0, "must be a JSON boolean"),
+        ("eviction_policy", 3, "must be an eviction policy's name"),
+        ("eviction_policy", None, "must be an eviction policy's name"),
+        ("device", 0, "must be a device plugin's name"),
+        ("device", ["cpu"], "must be a device plugin's name"),
+    ],
+)
+def test_mistyped_extra_config_value_is_refused_by_name(key: str, value: object, phrase: str) -> None:
+    """``bool("false")`` is True: a value of the wrong type is refused, never coerced."""
+    with pytest.raises(ValidationError, match=phrase) as raised:
+        ConnectorConfig.from_vllm(*configs({"cpu_bytes_to_use": 1 << 30, key: value}))
+    assert raised.value.argument == f"kv_connector_extra_config.{key}"
+    assert repr(value) in str(raised.value)
+
+
+def test_well_typed_extra_config_values_are_kept() -> None:
+    extra = {"cpu_bytes_to_use": 1 << 30, "offload_prompt_only": False, "eviction_policy": "s3fifo"}
+    config = ConnectorConfig.from_vllm(*configs({**extra, "device": "cpu"}))
+    assert (config.offload_prompt_only, config.eviction_policy, config.device) == (False, "s3fifo", "cpu")
+    config = ConnectorConfig.from_vllm(*configs({"cpu_bytes_to_use": 1 << 30, "device": None}))
+    assert (config.offload_prompt_only, config.eviction_policy, config.device) == (True, "lru", None)
+
+
+def test_no_prefix_cacheable_group_is_refused() -> None:
+    vllm_config, kv_cache_config = configs({"cpu_bytes_to_use": 1 << 30})
+    kv_cache_config.prefix_cacheable_group_ids = []
+    with pytest.raises(ValidationError, match="no prefix-cacheable KV cache group") as raised:
+        ConnectorConfig.from_vllm(vllm_config, kv_cache_config)
+    assert raised.value.argument == "kv_cache_config"
+
+
+def test_groups_with_unequal_bytes_per_block_are_refused() -> None:
+    vllm_config, kv_cache_config = configs({"cpu_bytes_to_use": 1 << 30})
+    window = SimpleNamespace(
+        kv_cache_spec=SimpleNamespace(page_size_bytes=PAGE, head_size=64), layer_names=["w0", "w1"]
+    )
+    kv_cache_config.kv_cache_groups.append(window)
+    kv_cache_config.prefix_cacheable_group_ids = [0, 1]
+    with pytest.raises(
+        ValidationError, match=rf"equal bytes per block .*\[{2 * PAGE}, {3 * PAGE}\]"
+    ) as raised:
+        ConnectorConfig.from_vllm(vllm_config, kv_cache_config)
+    assert raised.value.argument == "kv_cache_config"

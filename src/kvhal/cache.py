@@ -109,6 +109,22 @@ def _merge(runs: list[SegmentFamily]) -> tuple[SegmentFamily, ...]:
     return tuple(merged)
 
 
+def _elements_distinct(view: torch.Tensor) -> bool:
+    """Whether no two elements of ``view`` share memory, by a sufficient stride test.
+
+    Taking dimensions by increasing stride, each stride must step past everything
+    the smaller ones reach (mixed-radix addressing). Every dense, permuted or padded
+    layout passes; partly overlapping blocks (a block stride shorter than a block)
+    do not. O(dims), so it costs nothing on the copy path.
+    """
+    reach = 0
+    for stride, size in sorted((s, n) for s, n in zip(view.stride(), view.shape, strict=True) if n > 1):
+        if stride <= reach:
+            return False
+        reach += stride * (size - 1)
+    return True
+
+
 @dataclass(frozen=True, eq=False)
 class KVCache:
     """A KV cache: per-layer logical views plus what keeps their memory alive.
@@ -146,6 +162,12 @@ class KVCache:
                 if view.dtype != g.dtype:
                     raise ValidationError(
                         "layers", f"layer {index} part {part} is {view.dtype}, expected {g.dtype}"
+                    )
+                if not _elements_distinct(view):
+                    raise ValidationError(
+                        "layers",
+                        f"layer {index} part {part} (shape {tuple(view.shape)}, strides {view.stride()}) "
+                        "may map two elements to the same memory: blocks would overwrite each other",
                     )
                 devices.add(view.device)
         if len(devices) != 1:

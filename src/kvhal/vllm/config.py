@@ -108,11 +108,30 @@ class ConnectorConfig:
                 "parallel_config.pipeline_parallel_size",
                 f"KVHALConnector supports pipeline_parallel_size 1 only, got {stages}",
             )
+        device = extra.get("device")
+        if device is not None and not isinstance(device, str):
+            raise ValidationError(
+                "kv_connector_extra_config.device",
+                f"must be a device plugin's name (a str) or null, got {device!r}",
+            )
+        eviction_policy = extra.get("eviction_policy", "lru")
+        if not isinstance(eviction_policy, str):
+            raise ValidationError(
+                "kv_connector_extra_config.eviction_policy",
+                f"must be an eviction policy's name (a str), got {eviction_policy!r}",
+            )
+        offload_prompt_only = extra.get("offload_prompt_only", True)
+        if not isinstance(offload_prompt_only, bool):
+            # bool("false") is True: a string or number here is refused, not guessed.
+            raise ValidationError(
+                "kv_connector_extra_config.offload_prompt_only",
+                f"must be a JSON boolean (true or false), got {offload_prompt_only!r}",
+            )
         config = cls(
             cpu_bytes_to_use=cpu_bytes,
-            device=extra.get("device"),
-            eviction_policy=str(extra.get("eviction_policy", "lru")),
-            offload_prompt_only=bool(extra.get("offload_prompt_only", True)),
+            device=device,
+            eviction_policy=eviction_policy,
+            offload_prompt_only=offload_prompt_only,
             block_size=vllm_config.cache_config.block_size,
             groups=tuple(groups),
             world_size=parallel.world_size,
