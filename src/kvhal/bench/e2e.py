@@ -280,7 +280,8 @@ def run_bench(args: argparse.Namespace, recipe: TinyLlama, name: str) -> dict[st
             f"minor page faults per engine process (median): {faults['without kvhal']:.2f}M without kvhal, "
             f"{faults['with kvhal']:.2f}M with; malloc: {'glibc defaults' if not env else 'MALLOC_ENV'}"
         )
-    for check in checks:
+    # The targets are set for BENCH_MODEL (recompute over a second); the demo's model is too small.
+    for check in checks if getattr(args, "print_targets", True) else ():
         console.print(
             f"target {check['target']}: {'met' if check['met'] else 'MISSED'} ({check['value']:.3f})"
         )
