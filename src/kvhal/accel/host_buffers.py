@@ -4,6 +4,7 @@ and the ``KVHAL_PIN_HOST`` setting every accelerator plugin reads the same way."
 from __future__ import annotations
 
 import enum
+import os
 from typing import Protocol
 
 import torch
@@ -29,6 +30,11 @@ def pin_mode(value: str | None) -> PinMode:
         return PinMode(value.strip().lower())
     except ValueError:
         raise ValueError(f"{PIN_ENV}={value!r} is not one of {', '.join(m.value for m in PinMode)}") from None
+
+
+def pin_mode_from_env() -> PinMode:
+    """The mode this process's ``KVHAL_PIN_HOST`` asks for (:func:`pin_mode` of its value)."""
+    return pin_mode(os.environ.get(PIN_ENV))
 
 
 class HostBuffers(Protocol):

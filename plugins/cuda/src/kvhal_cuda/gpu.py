@@ -19,13 +19,12 @@ and the probe's decision, which differ per vendor (``kvhal_cuda.plugin``,
 
 from __future__ import annotations
 
-import os
 from types import ModuleType
 
 import torch
 
 from kvhal.accel.copies import EngineCopyHooks
-from kvhal.accel.host_buffers import PIN_ENV, HostBufferHooks, PinMode, pin_mode
+from kvhal.accel.host_buffers import HostBufferHooks, PinMode, pin_mode_from_env
 from kvhal.cache import KVCache, allocate_dense_kv_cache
 from kvhal.descriptor import DeviceDescriptor, Refusal
 from kvhal.geometry import KVGeometry
@@ -75,7 +74,7 @@ class TorchGpuPlugin(EngineCopyHooks, HostBufferHooks):
         return self._module if self._module is not None else torch.cuda
 
     def pin_mode(self) -> PinMode:
-        return pin_mode(os.environ.get(PIN_ENV))
+        return pin_mode_from_env()
 
     @hookimpl
     def kvhal_probe(self) -> DeviceDescriptor | Refusal:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from types import ModuleType
 
@@ -10,7 +9,7 @@ import torch
 
 from kvhal.accel.copies import EngineCopyHooks
 from kvhal.accel.engines import CopyEngine
-from kvhal.accel.host_buffers import PIN_ENV, HostBufferHooks, PinMode, pin_mode
+from kvhal.accel.host_buffers import HostBufferHooks, PinMode, pin_mode_from_env
 from kvhal.cache import KVCache
 from kvhal.descriptor import DeviceDescriptor, Refusal
 from kvhal.geometry import KVGeometry
@@ -69,7 +68,7 @@ class NPUPlugin(EngineCopyHooks, HostBufferHooks):
         facts = self.machine_facts()
         try:
             engines = self.engine_names()
-            pinned_host = pin_mode(os.environ.get(PIN_ENV)) is not PinMode.OFF
+            pinned_host = pin_mode_from_env() is not PinMode.OFF
         except ValueError as exc:  # a bad KVHAL_* setting
             return Refusal(str(exc))
         return decide_npu(
@@ -90,6 +89,6 @@ class NPUPlugin(EngineCopyHooks, HostBufferHooks):
         if self._host is None:
             module = self.stream_module()
             # Ascend pins synchronously (torch_npu pin_memory): async and sync both pin.
-            pin = pin_mode(os.environ.get(PIN_ENV)) is not PinMode.OFF
+            pin = pin_mode_from_env() is not PinMode.OFF
             self._host = PinnedHostBuffers(pin, drain=module.synchronize)
         return self._host
