@@ -152,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--repeats", type=int, default=2)
     demo.add_argument("--models", type=Path, default=Path.home() / ".cache" / "kvhal-bench-models")
     demo.add_argument("--out", type=Path, default=Path("bench-results"))
-    demo.set_defaults(func=cmd_demo, no_throughput=True, rounds=0, print_targets=False)
+    demo.set_defaults(func=cmd_demo, no_throughput=True, rounds=0, malloc_default=False, print_targets=False)
 
     conformance = sub.add_parser("conformance", help="run the conformance suite against a device plugin")
     conformance.add_argument(
