@@ -169,6 +169,26 @@ def test_keys_must_be_bytes(manager):
     assert len(manager) == 0 and manager.num_free == 4
 
 
+@pytest.mark.parametrize("one_key", [b"hash-a", bytearray(b"hash-a"), "hash-a"])
+def test_a_single_key_is_refused_where_a_sequence_is_expected(manager, one_key):
+    # bytes iterate as ints: lookup(b"k") silently answered 0 and touch(b"k") did nothing
+    stored(manager, [key(1)])
+    calls = (
+        manager.lookup,
+        manager.touch,
+        manager.prepare_load,
+        manager.complete_load,
+        manager.prepare_store,
+        manager.complete_store,
+    )
+    for call in calls:
+        with pytest.raises(ValidationError, match=r"sequence of keys.*pass \[key\]") as info:
+            call(one_key)
+        assert info.value.argument == "keys"
+    assert manager.lookup([key(1)]) == 1 and len(manager) == 1  # nothing changed
+    manager.touch(iter([key(1)]))  # any other iterable of keys is still fine
+
+
 @pytest.mark.parametrize("slots", [0, -3, 2.5, True])
 def test_slot_count_must_be_positive(registry, slots):
     with pytest.raises(ValidationError) as info:

@@ -83,8 +83,23 @@ class OffloadEvent:
     removed: bool
 
 
+#: Types that are one key, not a sequence of keys (iterating bytes yields ints).
+_ONE_KEY = (bytes, bytearray, memoryview, str)
+
+
+def _refuse_one_key(keys: object) -> None:
+    if isinstance(keys, _ONE_KEY):
+        raise ValidationError(
+            "keys",
+            f"must be a sequence of keys, got a single {type(keys).__name__} {keys!r:.40}; pass [key]",
+        )
+
+
 def _as_list(keys: Iterable[bytes]) -> list[bytes]:
-    return keys if isinstance(keys, list) else list(keys)
+    if isinstance(keys, list):
+        return keys
+    _refuse_one_key(keys)
+    return list(keys)
 
 
 class OffloadingManager:
@@ -165,6 +180,7 @@ class OffloadingManager:
 
     def _slots(self, keys: Iterable[bytes]) -> list[int | None]:
         """Each key's slot or None, in one call to the index."""
+        _refuse_one_key(keys)
         try:
             return self._index.slots(keys)
         except TypeError as exc:  # an unhashable key, or keys not iterable

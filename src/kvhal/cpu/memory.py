@@ -1,9 +1,14 @@
-"""Host buffers for the CPU device: page-aligned, pre-faulted, and locked where allowed.
+"""Host buffers for the CPU device: page-aligned, pre-faulted, and locked when promised.
 
 The CPU's equivalent of pinning is keeping pages resident: buffers are zeroed
-up front (no page faults on the copy path) and ``mlock``-ed when the process
-may lock that much (``RLIMIT_MEMLOCK`` or CAP_IPC_LOCK); otherwise they stay
-pageable and :func:`is_locked` says so. ``KVHAL_CPU_MLOCK=0`` skips locking.
+up front (no page faults on the copy path) and ``mlock``-ed. The plugin
+promises locking (declares ``host.pinned``) only when this process may lock
+any amount: ``RLIMIT_MEMLOCK`` unlimited or ``CAP_IPC_LOCK``. A limited
+``RLIMIT_MEMLOCK`` (8 MiB is common for non-root users) would lock a small
+probe and then leave every real host tier unlocked, so with a limit buffers
+are not locked at all and the plugin says so. When locking was promised and
+``mlock`` still fails, allocation raises instead of handing back pageable
+memory. ``KVHAL_CPU_MLOCK=0`` turns locking off.
 """
 
 from __future__ import annotations
@@ -11,26 +16,97 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+import resource
 import threading
+from dataclasses import dataclass
 
 import torch
 
 PAGE = 4096
+MLOCK_ENV = "KVHAL_CPU_MLOCK"
+#: Bit of CAP_IPC_LOCK in /proc/self/status's CapEff (linux/capability.h).
+CAP_IPC_LOCK = 14
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
 _locked: dict[int, int] = {}
 _lock = threading.Lock()
 
 
-def allocate(nbytes: int) -> torch.Tensor:
-    """A zeroed, page-aligned flat int8 tensor of ``nbytes``, locked if possible."""
+@dataclass(frozen=True)
+class LockPolicy:
+    """Whether host buffers are locked, and the reason ``kvhal devices`` shows."""
+
+    lock: bool
+    reason: str
+
+
+def _format_bytes(nbytes: int) -> str:
+    return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes} bytes"
+
+
+def decide_locking(enabled: bool, memlock_limit: int, cap_ipc_lock: bool) -> LockPolicy:
+    """Lock host buffers only if any size can be locked (a pure decision).
+
+    :param enabled: ``KVHAL_CPU_MLOCK`` is not ``0``.
+    :param memlock_limit: the soft ``RLIMIT_MEMLOCK`` (``resource.RLIM_INFINITY`` for none).
+    :param cap_ipc_lock: the process has ``CAP_IPC_LOCK`` (the limit does not apply).
+    """
+    if not enabled:
+        return LockPolicy(False, f"pageable ({MLOCK_ENV}=0)")
+    if cap_ipc_lock:
+        return LockPolicy(True, "locked with mlock (CAP_IPC_LOCK)")
+    if memlock_limit == resource.RLIM_INFINITY:
+        return LockPolicy(True, "locked with mlock (RLIMIT_MEMLOCK unlimited)")
+    return LockPolicy(
+        False,
+        f"pageable: RLIMIT_MEMLOCK is {_format_bytes(memlock_limit)}, too small to lock host tiers "
+        "(raise it, e.g. `ulimit -l unlimited`, or grant CAP_IPC_LOCK)",
+    )
+
+
+def _has_cap_ipc_lock() -> bool:
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> CAP_IPC_LOCK & 1)
+    except OSError:
+        pass
+    return False
+
+
+def lock_policy() -> LockPolicy:
+    """This process's :func:`decide_locking`, read now (limits and settings may change)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    return decide_locking(os.environ.get(MLOCK_ENV, "1") != "0", soft, _has_cap_ipc_lock())
+
+
+def _mlock(address: int, nbytes: int) -> int:
+    """``mlock``; 0 or the errno."""
+    if _libc.mlock(ctypes.c_void_p(address), ctypes.c_size_t(nbytes)) == 0:
+        return 0
+    return ctypes.get_errno()
+
+
+def allocate(nbytes: int, policy: LockPolicy | None = None) -> torch.Tensor:
+    """A zeroed, page-aligned flat int8 tensor of ``nbytes``, locked if ``policy`` says so.
+
+    :raises OSError: locking was promised and ``mlock`` failed (nothing is kept).
+    """
+    policy = policy or lock_policy()
     raw = torch.zeros(nbytes + PAGE, dtype=torch.int8)
     offset = (-raw.data_ptr()) % PAGE
     buffer = raw[offset : offset + nbytes]
-    if os.environ.get("KVHAL_CPU_MLOCK", "1") != "0":
+    if policy.lock:
         address = buffer.data_ptr()
-        if _libc.mlock(ctypes.c_void_p(address), ctypes.c_size_t(nbytes)) == 0:
-            with _lock:
-                _locked[address] = nbytes
+        error = _mlock(address, nbytes)
+        if error:
+            raise OSError(
+                error,
+                f"mlock of a {_format_bytes(nbytes)} host buffer failed ({os.strerror(error)}) although host "
+                f"memory is declared lockable ({policy.reason}); set {MLOCK_ENV}=0 to use pageable memory",
+            )
+        with _lock:
+            _locked[address] = nbytes
     return buffer
 
 
@@ -45,12 +121,3 @@ def release(buffer: torch.Tensor) -> None:
         nbytes = _locked.pop(buffer.data_ptr(), None)
     if nbytes is not None:
         _libc.munlock(ctypes.c_void_p(buffer.data_ptr()), ctypes.c_size_t(nbytes))
-
-
-def can_lock(nbytes: int = PAGE) -> tuple[bool, str]:
-    """Whether this process may lock ``nbytes``, and why not."""
-    probe = ctypes.create_string_buffer(nbytes)
-    if _libc.mlock(probe, ctypes.c_size_t(nbytes)) == 0:
-        _libc.munlock(probe, ctypes.c_size_t(nbytes))
-        return True, "mlock allowed"
-    return False, f"mlock refused: {os.strerror(ctypes.get_errno())}"

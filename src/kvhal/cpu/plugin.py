@@ -23,8 +23,6 @@ from kvhal.layouts import LBHNC, STANDARD_LAYOUTS, KVLayout
 
 #: vLLM 0.32's CPU attention backend reads only LBHNC (``cpu_attn.py``).
 VLLM_CPU_BACKENDS = {"CPU_ATTN", "TORCH_SDPA", "CPU"}
-#: Locking this much tells whether host tiers can really be locked.
-LOCK_PROBE_BYTES = 16 << 20
 
 
 class CPUPlugin:
@@ -34,10 +32,18 @@ class CPUPlugin:
         threads = copy_threads or int(os.environ.get("KVHAL_CPU_COPY_THREADS", "0")) or None
         self.engine = CopyEngine(threads)
         self._compute = InlineStream()
+        self._lock_policy: memory.LockPolicy | None = None
+
+    def lock_policy(self) -> memory.LockPolicy:
+        """Whether host buffers are locked: decided once, so what the probe
+        declares (``host.pinned``) is what allocation does."""
+        if self._lock_policy is None:
+            self._lock_policy = memory.lock_policy()
+        return self._lock_policy
 
     @hookimpl
     def kvhal_probe(self) -> DeviceDescriptor | Refusal:
-        lockable, lock_note = memory.can_lock(LOCK_PROBE_BYTES)
+        policy = self.lock_policy()
         caps = {
             Capability.CROSS_LAYER,
             Capability.SPLIT_KV,
@@ -45,7 +51,7 @@ class CPUPlugin:
             Capability.BATCHED_COPY,
             Capability.FP8,
         }
-        if lockable:
+        if policy.lock:
             caps.add(Capability.PINNED_HOST)
         return DeviceDescriptor(
             name="cpu",
@@ -58,7 +64,7 @@ class CPUPlugin:
                 "copy_engine": self.engine.name,
                 "copy_threads": str(self.engine.threads),
                 "non_temporal_threshold": str(NT_THRESHOLD),
-                "host_memory": f"page-aligned, pre-faulted; {lock_note}",
+                "host_memory": f"page-aligned, pre-faulted; {policy.reason}",
             },
         )
 
@@ -77,7 +83,7 @@ class CPUPlugin:
 
     @hookimpl
     def kvhal_allocate_host_buffer(self, nbytes: int) -> torch.Tensor:
-        return memory.allocate(nbytes)
+        return memory.allocate(nbytes, self.lock_policy())
 
     @hookimpl
     def kvhal_free_host_buffer(self, buffer: torch.Tensor) -> None:
