@@ -121,25 +121,17 @@ def test_a_store_runs_vllm_ascends_op_inside_the_copy_stream():
     assert torch.equal(k0, k1) and torch.equal(v0, v1)
 
 
-def test_host_buffers_are_aligned_and_report_their_pinning():
+def test_pageable_host_buffers_are_aligned_zeroed_and_drained_on_free():
     drained = []
     host = PinnedHostBuffers(pin=False, drain=lambda: drained.append(1))
     buffer = host.allocate(5000)
     assert buffer.data_ptr() % 4096 == 0 and buffer.numel() == 5000 and int(buffer.abs().sum()) == 0
     assert host.is_pinned(buffer) is False
     host.free(buffer)
-    assert drained == [], "nothing pinned, nothing to drain"
+    assert drained == [1], "a copy from pageable memory may still be queued"
 
 
-@pytest.mark.skipif(
-    getattr(torch, "accelerator", None) is None or torch.accelerator.is_available(),
-    reason="an accelerator's pinned allocator is present",
-)
-def test_pinning_needs_an_accelerator_here():
-    with pytest.raises(RuntimeError, match="pin_memory"):
-        PinnedHostBuffers(pin=True).allocate(16)
-
-
+@pytest.mark.filterwarnings("ignore:KVHAL_PIN_HOST=async is deprecated:FutureWarning")
 @pytest.mark.parametrize(
     ("value", "pinned"), [("off", False), (" OFF ", False), ("sync", True), ("async", True), ("", True)]
 )

@@ -1,7 +1,9 @@
 """Copy engines on an Ascend NPU.
 
 1. vllm-ascend's ``torch.ops._C_ascend.swap_blocks_batch(src, dst, sizes, direction)``
-   when its compiled ops are loaded: ``aclrtMemcpyBatchAsync`` where it was
+   when its compiled ops are loaded (they load lazily: the probe calls
+   ``vllm_ascend.utils.enable_custom_op()`` first, and the chain built at the
+   first copy looks again): ``aclrtMemcpyBatchAsync`` where it was
    built against CANN 8.5+ (``CANN_MEMCPY_BATCH_ASYNC``), else an
    ``aclrtMemcpyAsync`` loop, on the current NPU stream;
 2. ``Tensor.copy_`` per descriptor (torch_npu's copies), on the current stream.

@@ -1,20 +1,32 @@
-"""What torch_npu and vllm-ascend say about this machine, and the probe's decision.
+"""What torch_npu, AscendCL and vllm-ascend say about this machine, and the probe's decision.
 
 :func:`decide_npu` is pure over :class:`NpuFacts`; :func:`gather_npu_facts`
 imports torch_npu only if it is installed (the import registers ``torch.npu``:
 ``rename_privateuse1_backend("npu")``, ``_register_device_module``).
+
+vllm-ascend registers its compiled ops (``torch.ops._C_ascend.*``) lazily, in
+``vllm_ascend.utils.enable_custom_op()``, so that CANN's runtime is not
+initialised before the worker picks its device. :func:`find_ascend_op` calls
+it before looking for ``swap_blocks_batch``; the plugin looks again at the
+first copy, so an op loaded after the probe is still used.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import logging
+import os
+import sys
 from dataclasses import dataclass
 
 import torch
 
 from kvhal.accel.engines import engine_details
 from kvhal.descriptor import Capability, DeviceDescriptor, Refusal
+from kvhal_npu.host_memory import choose_pin_route, load_acl
+
+log = logging.getLogger(__name__)
 
 #: ``torch.ops._C_ascend.swap_blocks_batch(src_ptrs, dst_ptrs, sizes, int direction)``
 #: from vllm-ascend's ``csrc/torch_binding.cpp`` (CPU dispatch key, current NPU stream).
@@ -31,6 +43,10 @@ class NpuFacts:
     :param import_error: why importing it failed, if it did.
     :param device_count: ``torch.npu.device_count()``.
     :param ascend_op: vllm-ascend's ``swap_blocks_batch`` op is registered.
+    :param ascend_op_absent: why it is not, when it is not.
+    :param pin_route: how host buffers are page-locked (``aclrtHostRegisterV2`` or
+        ``aclrtMallocHost``, :func:`kvhal_npu.host_memory.choose_pin_route`); ``None``: they cannot be.
+    :param pin_note: what chose that route, or why none.
     """
 
     torch_version: str
@@ -39,6 +55,50 @@ class NpuFacts:
     import_error: str | None = None
     device_count: int = 0
     ascend_op: bool = False
+    ascend_op_absent: str | None = None
+    pin_route: str | None = None
+    pin_note: str = ""
+
+
+def ascend_op_registered() -> bool:
+    """Whether ``torch.ops._C_ascend.swap_blocks_batch`` resolves now (looked up afresh each call)."""
+    try:
+        getattr(getattr(torch.ops, ASCEND_OP_NAMESPACE), ASCEND_OP_NAME)
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+def load_ascend_ops() -> str | None:
+    """Have vllm-ascend register its compiled ops: ``vllm_ascend.utils.enable_custom_op()``.
+
+    :return: why they could not be loaded, or ``None``.
+    """
+    if "vllm_ascend" not in sys.modules:
+        try:
+            installed = importlib.util.find_spec("vllm_ascend") is not None
+        except (ImportError, ValueError):
+            installed = False
+        if not installed:
+            return "vllm-ascend is not installed"
+    try:
+        enabled = importlib.import_module("vllm_ascend.utils").enable_custom_op()
+    except Exception as exc:  # an incompatible vllm-ascend must not break the probe
+        return f"vllm_ascend.utils.enable_custom_op() raised {type(exc).__name__}: {exc}"
+    if not enabled:
+        return "vllm_ascend.utils.enable_custom_op() returned False (its ops are disabled or failed to load)"
+    return None
+
+
+def find_ascend_op() -> tuple[bool, str | None]:
+    """Whether vllm-ascend's ``swap_blocks_batch`` is usable, loading vllm-ascend's ops first
+    if it is not registered yet; and why not, when not."""
+    if ascend_op_registered():
+        return True, None
+    why = load_ascend_ops()
+    if ascend_op_registered():
+        return True, None
+    return False, why or f"torch.ops.{ASCEND_OP_NAMESPACE}.{ASCEND_OP_NAME} is not registered"
 
 
 def gather_npu_facts() -> NpuFacts:
@@ -50,17 +110,17 @@ def gather_npu_facts() -> NpuFacts:
         count = int(torch.npu.device_count())  # type: ignore[attr-defined]
     except Exception as exc:  # a broken CANN install must not break kvhal
         return NpuFacts(facts.torch_version, True, import_error=f"{type(exc).__name__}: {exc}")
-    try:
-        getattr(getattr(torch.ops, ASCEND_OP_NAMESPACE), ASCEND_OP_NAME)
-        ascend_op = True
-    except (AttributeError, RuntimeError):
-        ascend_op = False
+    ascend_op, absent = find_ascend_op() if count > 0 else (False, "no NPU visible")
+    pin_route, pin_note = choose_pin_route(load_acl(), os.uname().release)
     return NpuFacts(
         facts.torch_version,
         True,
         torch_npu_version=str(getattr(torch_npu, "__version__", "unknown")),
         device_count=count,
         ascend_op=ascend_op,
+        ascend_op_absent=absent,
+        pin_route=pin_route,
+        pin_note=pin_note,
     )
 
 
@@ -69,7 +129,8 @@ def decide_npu(
 ) -> DeviceDescriptor | Refusal:
     """The NPU probe's answer.
 
-    :param pinned_host: host buffers will be pinned (``KVHAL_PIN_HOST`` is not ``off``).
+    :param pinned_host: host buffers are to be pinned (``KVHAL_PIN_HOST`` is not ``off``);
+        ``host.pinned`` is declared only if :attr:`NpuFacts.pin_route` can also pin them.
     """
     if not facts.torch_npu_installed:
         return Refusal(
@@ -83,8 +144,13 @@ def decide_npu(
             "check the driver, CANN and ASCEND_RT_VISIBLE_DEVICES)"
         )
     caps = {Capability.SPLIT_KV, Capability.ASYNC_COPY}
-    if pinned_host:
+    if pinned_host and facts.pin_route:
         caps.add(Capability.PINNED_HOST)
+    if not pinned_host:
+        pinning = "off (KVHAL_PIN_HOST=off)"
+    else:
+        pinning = facts.pin_note if facts.pin_route else f"pageable: {facts.pin_note}"
+    ascend_op = {} if facts.ascend_op else {"ascend_op": f"not used: {facts.ascend_op_absent or 'absent'}"}
     if batched:
         caps.add(Capability.BATCHED_COPY)
     return DeviceDescriptor(
@@ -98,6 +164,8 @@ def decide_npu(
             "torch": facts.torch_version,
             "torch_npu": str(facts.torch_npu_version),
             "kv_alignment": "2 MiB per layer and part (vllm-ascend _align_memory)",
+            "host_pinning": pinning,
             **engine_details(engines),
+            **ascend_op,
         },
     )

@@ -1,49 +1,290 @@
-"""Pinned host buffers on Ascend: torch_npu's pinned allocator (``aclrtMallocHost``).
+"""Host buffers on Ascend: exact-size memory page-locked through AscendCL (``libascendcl.so``).
 
-``torch.zeros(..., pin_memory=True)`` is what vllm-ascend's offloading uses;
-with torch_npu imported, torch's pinned allocator is the NPU's. Buffers are
-over-allocated by a page and sliced to a 4 KiB-aligned address.
+``torch.zeros(n, pin_memory=True)`` goes through torch_npu's caching host
+allocator, which rounds every request up to a power of two (a 100 GB tier
+pins 128 GB) and zero-fills on the calling thread. Instead, one of two
+AscendCL routes is chosen once per process (:func:`choose_pin_route`):
+
+``aclrtHostRegisterV2``
+    an anonymous ``mmap`` (page-aligned, zero-filled by the kernel, no memset)
+    registered with ``aclrtHostRegisterV2(ptr, size, ACL_HOST_REG_PINNED)``,
+    which page-locks memory from malloc or mmap (CANN 8.5+ runtime docs,
+    ``aclcppdevg_03_2128``; Atlas A2/A3). The docs require a 4 KiB-aligned
+    address and an OS kernel newer than 5.10 ("on 5.10 or lower, non-page-locked
+    memory causes exceptions").
+``aclrtMallocHost``
+    where that call is missing or the kernel is 5.10 or older:
+    ``aclrtMallocHost(&p, size)`` for the exact size plus one page (the
+    runtime aligns to 64 bytes only; the buffer is sliced to 4 KiB), zeroed
+    here because the runtime does not initialise it, and released with
+    ``aclrtFreeHost`` once :meth:`PinnedHostBuffers.free` has run and the last
+    view is gone.
+
+``aclrtHostRegister(ptr, size, ACL_HOST_REGISTER_MAPPED, &devPtr)``, which
+vllm-ascend's ``kv_offload/shmem_host.py`` calls on ``aclrtMallocHost``
+memory, maps host memory for device access; its docs say the mapped address
+"cannot be used for memory copies", so it is not used here.
+
+Registration is synchronous in every ``KVHAL_PIN_HOST`` mode but ``off``: a
+registration on a background thread could overlap the engine's graph capture,
+and the AscendCL docs say nothing on that. A failed call leaves the buffer
+pageable (:meth:`PinnedHostBuffers.is_pinned` says ``False``) and logs a
+warning naming the call and its error code; copies stay correct. Requests
+are not split into chunks: neither call documents a size limit.
+
+By construction from the cited docs; not run on an Ascend NPU.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import logging
+import mmap
+import os
+import re
 import threading
+import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
+log = logging.getLogger(__name__)
+
 PAGE = 4096
+LIBRARY = "libascendcl.so"
+#: ``#define ACL_HOST_REG_PINNED 0x10000000UL`` (CANN runtime docs, ``aclrtHostRegisterV2``).
+ACL_HOST_REG_PINNED = 0x10000000
+REGISTER = "aclrtHostRegisterV2"
+MALLOC_HOST = "aclrtMallocHost"
+#: A few ``aclError`` codes (``typedef int aclError``; ``acl/error_codes/rt_error_codes.h``), for warnings.
+ACL_ERRORS = {
+    100000: "ACL_ERROR_INVALID_PARAM",
+    107000: "ACL_ERROR_RT_PARAM_INVALID",
+    107002: "ACL_ERROR_RT_CONTEXT_NULL",
+    207000: "ACL_ERROR_RT_FEATURE_NOT_SUPPORT",
+    207001: "ACL_ERROR_RT_MEMORY_ALLOCATION",
+}
+
+
+def acl_error(code: int) -> str:
+    """``code`` with its ``aclError`` name where known."""
+    name = ACL_ERRORS.get(code)
+    return f"{code} ({name})" if name else str(code)
+
+
+@dataclass(frozen=True)
+class AclHost:
+    """The AscendCL host-memory calls, each ``None`` where the library lacks it.
+
+    :param register_pinned: ``(ptr, size) -> aclError``: ``aclrtHostRegisterV2`` with ``ACL_HOST_REG_PINNED``.
+    :param unregister: ``(ptr) -> aclError``: ``aclrtHostUnregister``.
+    :param malloc_host: ``(size) -> (aclError, ptr)``: ``aclrtMallocHost``.
+    :param free_host: ``(ptr) -> aclError``: ``aclrtFreeHost``.
+    :param missing: why a call is ``None`` (library or symbol not found).
+    """
+
+    register_pinned: Callable[[int, int], int] | None = None
+    unregister: Callable[[int], int] | None = None
+    malloc_host: Callable[[int], tuple[int, int]] | None = None
+    free_host: Callable[[int], int] | None = None
+    missing: str = ""
+
+
+def _symbol(lib: ctypes.CDLL, name: str, argtypes: list, missing: list[str]):
+    try:
+        fn = getattr(lib, name)
+    except AttributeError:
+        missing.append(f"{LIBRARY} has no {name}")
+        return None
+    fn.argtypes, fn.restype = argtypes, ctypes.c_int  # aclError is int
+    return fn
+
+
+@functools.cache
+def load_acl(library: str = LIBRARY) -> AclHost:
+    """The host-memory calls of the loaded AscendCL runtime (``torch_npu`` loads it first).
+
+    Prototypes from the CANN runtime API reference:
+    ``aclError aclrtHostRegisterV2(void *ptr, uint64_t size, uint32_t flag)``,
+    ``aclError aclrtHostUnregister(void *ptr)``,
+    ``aclError aclrtMallocHost(void **hostPtr, size_t size)``,
+    ``aclError aclrtFreeHost(void *hostPtr)``.
+    """
+    try:
+        lib = ctypes.CDLL(library)
+    except OSError as exc:
+        return AclHost(missing=f"{library} could not be loaded ({exc})")
+    missing: list[str] = []
+    v2 = _symbol(lib, "aclrtHostRegisterV2", [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32], missing)
+    unregister = _symbol(lib, "aclrtHostUnregister", [ctypes.c_void_p], missing)
+    malloc = _symbol(lib, "aclrtMallocHost", [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t], missing)
+    free = _symbol(lib, "aclrtFreeHost", [ctypes.c_void_p], missing)
+
+    def malloc_host(size: int) -> tuple[int, int]:
+        ptr = ctypes.c_void_p()
+        code = malloc(ctypes.byref(ptr), size)
+        return int(code), int(ptr.value or 0)
+
+    return AclHost(
+        register_pinned=(lambda ptr, size: int(v2(ptr, size, ACL_HOST_REG_PINNED))) if v2 else None,
+        unregister=(lambda ptr: int(unregister(ptr))) if unregister else None,
+        malloc_host=malloc_host if malloc else None,
+        free_host=(lambda ptr: int(free(ptr))) if free else None,
+        missing="; ".join(missing),
+    )
+
+
+def kernel_registers_pageable(release: str) -> bool:
+    """Whether the AscendCL docs allow registering non-page-locked memory on kernel ``release``
+    (newer than 5.10; an unreadable release counts as not)."""
+    match = re.match(r"(\d+)\.(\d+)", release)
+    return match is not None and (int(match[1]), int(match[2])) > (5, 10)
+
+
+def choose_pin_route(acl: AclHost, kernel_release: str) -> tuple[str | None, str]:
+    """How host buffers get page-locked here: :data:`REGISTER`, :data:`MALLOC_HOST` or ``None``, and why."""
+    pageable_ok = kernel_registers_pageable(kernel_release)
+    if acl.register_pinned and acl.unregister and pageable_ok:
+        return REGISTER, "mmap + aclrtHostRegisterV2(ACL_HOST_REG_PINNED)"
+    if acl.malloc_host and acl.free_host:
+        why = (
+            f"kernel {kernel_release} is 5.10 or older" if not pageable_ok else acl.missing or "no V2 call"
+        )
+        return MALLOC_HOST, f"aclrtMallocHost ({REGISTER} not used: {why})"
+    return None, acl.missing or "AscendCL host-memory calls are unavailable"
+
+
+def map_zeroed(nbytes: int) -> torch.Tensor:
+    """A page-aligned, kernel-zeroed flat ``int8`` CPU tensor of ``nbytes`` over an anonymous mmap,
+    mapped as long as any view of it lives (same as kvhal-cuda's ``map_zeroed``)."""
+    region = mmap.mmap(-1, _pages(nbytes), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(region, dtype=torch.int8, count=nbytes)
+
+
+def _pages(nbytes: int) -> int:
+    return (nbytes + PAGE - 1) // PAGE * PAGE
+
+
+def _free_host(free_host: Callable[[int], int], ptr: int) -> None:
+    code = free_host(ptr)
+    if code != 0:
+        log.warning("kvhal-npu: aclrtFreeHost(%#x) failed with aclError %s", ptr, acl_error(code))
+
+
+@dataclass(eq=False)
+class _Buffer:
+    tensor: torch.Tensor
+    route: str | None
+    pinned: bool
 
 
 class PinnedHostBuffers:
-    """Allocates and tracks pinned host buffers.
+    """Allocates host buffers, page-locks them through AscendCL, and releases them (module docstring).
 
-    :param pin: whether to pin (``False`` for pageable buffers, e.g. ``KVHAL_PIN_HOST=off``).
-    :param drain: called before a buffer is released (a device synchronize), so
-        no copy still uses it.
+    :param pin: whether to page-lock (``False`` for pageable buffers, ``KVHAL_PIN_HOST=off``).
+    :param drain: called at the start of every :meth:`free` (a device synchronize), so no
+        copy still uses the buffer when it is unregistered or released.
+    :param acl: the AscendCL calls (loaded from ``libascendcl.so`` at the first pinned allocation by default).
+    :param kernel_release: the OS kernel release (``os.uname().release`` by default).
     """
 
-    def __init__(self, pin: bool = True, drain: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        pin: bool = True,
+        drain: Callable[[], None] | None = None,
+        acl: AclHost | None = None,
+        kernel_release: str | None = None,
+    ) -> None:
         self.pin, self._drain = pin, drain
-        self._pinned: dict[int, bool] = {}
+        self._acl, self._kernel = acl, kernel_release
+        self._route: tuple[str | None, str] | None = None
+        self._buffers: dict[int, _Buffer] = {}
         self._lock = threading.Lock()
 
-    def allocate(self, nbytes: int) -> torch.Tensor:
-        raw = torch.zeros(nbytes + PAGE, dtype=torch.int8, pin_memory=self.pin)
-        offset = (-raw.data_ptr()) % PAGE
-        buffer = raw[offset : offset + nbytes]
+    def route(self) -> tuple[str | None, str]:
+        """The pinning route (see :func:`choose_pin_route`), chosen at first use."""
         with self._lock:
-            self._pinned[buffer.data_ptr()] = bool(self.pin and raw.is_pinned())
-        return buffer
+            if self._route is None:
+                acl = self._acl if self._acl is not None else load_acl()
+                self._acl = acl
+                self._route = choose_pin_route(acl, self._kernel or os.uname().release)
+                if self.pin and self._route[0] is None:
+                    log.warning("kvhal-npu: host buffers stay pageable: %s", self._route[1])
+            return self._route
+
+    def allocate(self, nbytes: int) -> torch.Tensor:
+        """``nbytes`` zeroed bytes at a 4 KiB-aligned address, page-locked before returning
+        (unless pinning is off or fails: then pageable, with a warning)."""
+        if nbytes < 1:
+            raise ValueError(f"kvhal-npu: kvhal_allocate_host_buffer needs nbytes >= 1, got {nbytes}")
+        route = self.route()[0] if self.pin else None
+        if route == MALLOC_HOST:
+            record = self._malloc_host(nbytes)
+        else:
+            record = _Buffer(map_zeroed(nbytes), None, False)
+            if route == REGISTER:
+                record = self._register(record.tensor, nbytes)
+        with self._lock:
+            self._buffers[record.tensor.data_ptr()] = record
+        return record.tensor
+
+    def _register(self, tensor: torch.Tensor, nbytes: int) -> _Buffer:
+        assert self._acl is not None and self._acl.register_pinned is not None
+        size = _pages(nbytes)
+        code = self._acl.register_pinned(tensor.data_ptr(), size)
+        if code != 0:
+            log.warning(
+                "kvhal-npu: %s(%d bytes, ACL_HOST_REG_PINNED) failed with aclError %s; "
+                "the buffer stays pageable (copies stay correct, slower)",
+                REGISTER,
+                size,
+                acl_error(code),
+            )
+        return _Buffer(tensor, REGISTER if code == 0 else None, code == 0)
+
+    def _malloc_host(self, nbytes: int) -> _Buffer:
+        acl = self._acl
+        assert acl is not None and acl.malloc_host is not None and acl.free_host is not None
+        total = nbytes + PAGE  # the runtime aligns to 64 bytes; slice to 4 KiB
+        code, ptr = acl.malloc_host(total)
+        if code != 0 or not ptr:
+            log.warning(
+                "kvhal-npu: %s(%d bytes) failed with aclError %s; the buffer is pageable "
+                "(copies stay correct, slower)",
+                MALLOC_HOST,
+                total,
+                acl_error(code),
+            )
+            return _Buffer(map_zeroed(nbytes), None, False)
+        memory = (ctypes.c_int8 * total).from_address(ptr)
+        # aclrtFreeHost runs when the last view of the memory goes (free() drops ours).
+        weakref.finalize(memory, _free_host, acl.free_host, ptr)
+        base = torch.frombuffer(memory, dtype=torch.int8)
+        base.zero_()  # "memory allocated by this API is not initialized" (aclrtMallocHost docs)
+        offset = (-ptr) % PAGE
+        return _Buffer(base[offset : offset + nbytes], MALLOC_HOST, True)
 
     def is_pinned(self, buffer: torch.Tensor) -> bool:
+        """Whether one of this object's buffers is page-locked; for any other, what torch says."""
         with self._lock:
-            known = self._pinned.get(buffer.data_ptr())
-        return known if known is not None else bool(buffer.is_pinned())
+            record = self._buffers.get(buffer.data_ptr())
+        return record.pinned if record is not None else bool(buffer.is_pinned())
 
     def free(self, buffer: torch.Tensor) -> None:
-        """Forget ``buffer``; torch's allocator takes it back when the last view goes."""
+        """Drain the device, then unregister ``buffer`` (or let ``aclrtFreeHost`` release it
+        once its last view goes).
+
+        Drains whatever the pin state: a copy from pageable memory may be in flight too.
+        """
         with self._lock:
-            known = self._pinned.pop(buffer.data_ptr(), None)
-        if known and self._drain is not None:
+            record = self._buffers.pop(buffer.data_ptr(), None)
+        if self._drain is not None:
             self._drain()
+        if record is None or record.route != REGISTER:
+            return
+        assert self._acl is not None and self._acl.unregister is not None
+        code = self._acl.unregister(record.tensor.data_ptr())
+        if code != 0:
+            log.warning("kvhal-npu: aclrtHostUnregister failed with aclError %s", acl_error(code))

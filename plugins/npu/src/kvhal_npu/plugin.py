@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from types import ModuleType
 
 import torch
@@ -17,8 +18,8 @@ from kvhal.hookspecs import hookimpl
 from kvhal.layouts import KVLayout
 from kvhal_npu.allocation import allocate_aligned_kv_cache
 from kvhal_npu.engines import ASCEND_SWAP_BLOCKS_BATCH, ENGINE_ENV, npu_engine_factories, npu_engine_names
-from kvhal_npu.facts import NpuFacts, decide_npu, gather_npu_facts
-from kvhal_npu.host_memory import PinnedHostBuffers
+from kvhal_npu.facts import NpuFacts, decide_npu, find_ascend_op, gather_npu_facts
+from kvhal_npu.host_memory import AclHost, PinnedHostBuffers
 from kvhal_npu.layouts import npu_kv_layouts
 
 
@@ -33,6 +34,9 @@ class NPUPlugin(EngineCopyHooks, HostBufferHooks):
     :param facts: facts to decide on; gathered (importing torch_npu) when ``None``.
     :param stream_module: ``torch.npu`` by default (tests pass a fake).
     :param host: pinned host memory.
+    :param find_op: looks for vllm-ascend's op again when the facts say it is absent
+        (:func:`~kvhal_npu.facts.find_ascend_op`, which has vllm-ascend load its ops first).
+    :param acl: the AscendCL host-memory calls (``libascendcl.so`` by default).
     """
 
     engine_env = ENGINE_ENV
@@ -42,11 +46,15 @@ class NPUPlugin(EngineCopyHooks, HostBufferHooks):
         facts: NpuFacts | None = None,
         stream_module: ModuleType | None = None,
         host: PinnedHostBuffers | None = None,
+        find_op: Callable[[], tuple[bool, str | None]] = find_ascend_op,
+        acl: AclHost | None = None,
     ) -> None:
         super().__init__()
         self._facts = facts
         self._module = stream_module
         self._host = host
+        self._find_op = find_op
+        self._acl = acl
 
     def machine_facts(self) -> NpuFacts:
         """The facts decisions use, gathered (importing torch_npu) on first use."""
@@ -58,19 +66,25 @@ class NPUPlugin(EngineCopyHooks, HostBufferHooks):
         return self._module if self._module is not None else torch.npu  # type: ignore[attr-defined]
 
     def engine_names(self) -> list[str]:
-        return npu_engine_names(self.machine_facts(), self.forced_engine())
+        """The engines, looking for vllm-ascend's op again if it was absent: the chain is built
+        from this at the first copy, and vllm-ascend may have loaded its ops since the probe."""
+        facts = self.machine_facts()
+        if not facts.ascend_op and facts.device_count > 0:
+            found, absent = self._find_op()
+            self._facts = facts = replace(facts, ascend_op=found, ascend_op_absent=absent)
+        return npu_engine_names(facts, self.forced_engine())
 
     def engine_factories(self) -> dict[str, Callable[[], CopyEngine]]:
         return npu_engine_factories()
 
     @hookimpl
     def kvhal_probe(self) -> DeviceDescriptor | Refusal:
-        facts = self.machine_facts()
         try:
             engines = self.engine_names()
             pinned_host = pin_mode_from_env() is not PinMode.OFF
         except ValueError as exc:  # a bad KVHAL_* setting
             return Refusal(str(exc))
+        facts = self.machine_facts()  # after engine_names, which may have found the op
         return decide_npu(
             facts, engines, batched=engines[0] == ASCEND_SWAP_BLOCKS_BATCH, pinned_host=pinned_host
         )
@@ -88,7 +102,7 @@ class NPUPlugin(EngineCopyHooks, HostBufferHooks):
     def host_buffers(self) -> PinnedHostBuffers:
         if self._host is None:
             module = self.stream_module()
-            # Ascend pins synchronously (torch_npu pin_memory): async and sync both pin.
+            # Registration stays on the calling thread: `async` and `sync` both pin before returning.
             pin = pin_mode_from_env() is not PinMode.OFF
-            self._host = PinnedHostBuffers(pin, drain=module.synchronize)
+            self._host = PinnedHostBuffers(pin, drain=module.synchronize, acl=self._acl)
         return self._host
