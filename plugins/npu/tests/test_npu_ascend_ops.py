@@ -24,7 +24,7 @@ from kvhal_npu.host_memory import PinnedHostBuffers
 from kvhal_npu.plugin import NPUPlugin
 
 # The probe ran before vllm-ascend loaded its ops: it saw none.
-EARLY = NpuFacts("2.10.0", True, "2.10.0.post4", device_count=1, ascend_op=False, pin_route="aclrtMallocHost")
+EARLY = NpuFacts("2.10.0", True, "2.10.0.post4", device_count=1, pin_routes=("aclrtMallocHost",))
 
 
 class FakeVllmAscend:

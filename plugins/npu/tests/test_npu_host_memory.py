@@ -17,7 +17,7 @@ from kvhal_npu.host_memory import (
     REGISTER,
     AclHost,
     PinnedHostBuffers,
-    choose_pin_route,
+    choose_pin_routes,
     kernel_registers_pageable,
     load_acl,
 )
@@ -88,20 +88,23 @@ def test_pageable_registration_needs_a_kernel_newer_than_5_10(release, allowed):
     assert kernel_registers_pageable(release) is allowed
 
 
-def test_the_route_follows_the_calls_present_and_the_kernel():
+def test_routes_follow_the_calls_present_and_the_kernel():
     acl = FakeAcl()
-    assert choose_pin_route(acl.host(), NEW_KERNEL)[0] == REGISTER
-    route, why = choose_pin_route(acl.host(), OLD_KERNEL)
-    assert route == MALLOC_HOST and "5.10 or older" in why
-    route, why = choose_pin_route(acl.host(v2=False), NEW_KERNEL)
-    assert route == MALLOC_HOST and "no aclrtHostRegisterV2" in why
-    route, why = choose_pin_route(AclHost(missing="libascendcl.so could not be loaded"), NEW_KERNEL)
-    assert route is None and "libascendcl.so" in why
+    both = choose_pin_routes(acl.host(), NEW_KERNEL)
+    assert both == ((MALLOC_HOST, REGISTER), f"{MALLOC_HOST}, then {REGISTER}")
+    routes, note = choose_pin_routes(acl.host(), OLD_KERNEL)
+    assert routes == (MALLOC_HOST,) and f"{REGISTER} not used: kernel {OLD_KERNEL} is 5.10 or older" in note
+    routes, note = choose_pin_routes(acl.host(malloc=False), NEW_KERNEL)
+    assert routes == (REGISTER,)
+    routes, note = choose_pin_routes(acl.host(v2=False), NEW_KERNEL)
+    assert routes == (MALLOC_HOST,) and "no aclrtHostRegisterV2" in note
+    routes, note = choose_pin_routes(AclHost(missing="libascendcl.so could not be loaded"), NEW_KERNEL)
+    assert routes == () and note == "no AscendCL pinning call (libascendcl.so could not be loaded)"
 
 
 def test_a_registered_buffer_is_kernel_zeroed_exact_size_and_registered_before_returning():
     acl = FakeAcl()
-    host, _ = buffers(acl)
+    host, _ = buffers(acl, malloc=False)
     nbytes = 100 * PAGE + 1  # torch_npu's caching allocator would pin 128 pages
     buffer = host.allocate(nbytes)
     assert buffer.numel() == nbytes and buffer.data_ptr() % PAGE == 0 and not buffer.any()
@@ -114,28 +117,41 @@ def test_a_registered_buffer_is_kernel_zeroed_exact_size_and_registered_before_r
 
 def test_free_drains_before_unregistering():
     acl = FakeAcl()
-    host, _ = buffers(acl)
+    host, _ = buffers(acl, malloc=False)
     buffer = host.allocate(5000)
     ptr = buffer.data_ptr()
     host.free(buffer)
     assert acl.events[1:] == [("drain",), ("unregister", ptr)]
 
 
-def test_a_failed_registration_leaves_a_pageable_buffer_and_names_the_call(caplog):
-    acl = FakeAcl(register_code=207001)
+def test_when_every_route_fails_the_buffer_is_pageable_and_each_call_is_named(caplog):
+    acl = FakeAcl(malloc_code=207001, register_code=107000)
     host, drained = buffers(acl)
     with caplog.at_level(logging.WARNING, logger="kvhal_npu.host_memory"):
         buffer = host.allocate(5000)
-    assert "aclrtHostRegisterV2" in caplog.text and "207001 (ACL_ERROR_RT_MEMORY_ALLOCATION)" in caplog.text
-    assert host.is_pinned(buffer) is False and not buffer.any()
+    assert "aclrtMallocHost(9096 bytes) failed: aclError 207001 (ACL_ERROR_RT_MEMORY_ALLOC" in caplog.text
+    assert "aclrtHostRegisterV2(8192 bytes, ACL_HOST_REG_PINNED) failed: aclError 107000" in caplog.text
+    assert "left pageable" in caplog.text
+    assert host.is_pinned(buffer) is False and not buffer.any() and buffer.data_ptr() % PAGE == 0
     host.free(buffer)
     assert drained == ["drain"], "free drains whatever the pin state"
-    assert ("unregister", buffer.data_ptr()) not in acl.events, "nothing registered, nothing to undo"
+    assert not any(e[0] in ("unregister", "free_host") for e in acl.events), "nothing pinned, nothing to undo"
+
+
+def test_a_failed_malloc_host_falls_back_to_registering_mmap_memory(caplog):
+    acl = FakeAcl(malloc_code=207001)
+    host, _ = buffers(acl)
+    with caplog.at_level(logging.WARNING, logger="kvhal_npu.host_memory"):
+        buffer = host.allocate(5000)
+    assert [e[0] for e in acl.events] == ["malloc", "register"] and "aclrtMallocHost" in caplog.text
+    assert host.is_pinned(buffer) is True and "left pageable" not in caplog.text
+    host.free(buffer)
+    assert acl.events[-2:] == [("drain",), ("unregister", buffer.data_ptr())]
 
 
 def test_malloc_host_memory_is_zeroed_aligned_and_freed_after_the_last_view():
     acl = FakeAcl()
-    host, _ = buffers(acl, kernel=OLD_KERNEL)
+    host, _ = buffers(acl)
     buffer = host.allocate(5000)
     ((_, asked),) = acl.events
     assert asked == 5000 + PAGE, "exact size plus one page to align, no power-of-two rounding"
@@ -162,15 +178,11 @@ def test_the_garbage_check_can_fail():
     assert bytes(acl.memory[ptr])[:64] == bytes([acl.garbage]) * 64
 
 
-def test_a_failed_malloc_host_falls_back_to_pageable_memory_and_names_the_call(caplog):
+def test_on_an_old_kernel_a_failed_malloc_host_is_not_followed_by_registration():
     acl = FakeAcl(malloc_code=207001)
-    host, drained = buffers(acl, kernel=OLD_KERNEL)
-    with caplog.at_level(logging.WARNING, logger="kvhal_npu.host_memory"):
-        buffer = host.allocate(5000)
-    assert "aclrtMallocHost" in caplog.text and "207001" in caplog.text
-    assert host.is_pinned(buffer) is False and buffer.numel() == 5000 and buffer.data_ptr() % PAGE == 0
-    host.free(buffer)
-    assert drained == ["drain"] and not any(e[0] == "free_host" for e in acl.events)
+    host, _ = buffers(acl, kernel=OLD_KERNEL)
+    buffer = host.allocate(5000)
+    assert [e[0] for e in acl.events] == ["malloc"] and host.is_pinned(buffer) is False
 
 
 def test_without_ascendcl_buffers_are_pageable_with_one_warning(caplog):
@@ -204,8 +216,8 @@ def test_a_library_without_the_calls_reports_each_missing_symbol():
 def test_the_plugin_hooks_pin_through_the_given_calls_and_drain_on_free(monkeypatch):
     monkeypatch.setenv("KVHAL_PIN_HOST", "sync")
     acl, module = FakeAcl(), FakeStreamModule()
-    facts = NpuFacts("2.10.0", True, "2.10.0.post4", device_count=1, ascend_op=True, pin_route=REGISTER)
-    plugin = NPUPlugin(facts=facts, stream_module=module, acl=acl.host())
+    facts = NpuFacts("2.10.0", True, "2.10.0.post4", device_count=1, ascend_op=True, pin_routes=(REGISTER,))
+    plugin = NPUPlugin(facts=facts, stream_module=module, acl=acl.host(malloc=False))
     plugin.host_buffers()._kernel = NEW_KERNEL  # the route is chosen at the first allocation
     buffer = plugin.kvhal_allocate_host_buffer(nbytes=3 * PAGE)
     assert plugin.kvhal_host_buffer_is_pinned(buffer=buffer) is True

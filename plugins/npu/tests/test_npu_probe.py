@@ -16,8 +16,8 @@ ASCEND = NpuFacts(
     torch_npu_installed=True,
     torch_npu_version="2.10.0.post4",
     device_count=16,
-    pin_route="aclrtHostRegisterV2",
-    pin_note="mmap + aclrtHostRegisterV2(ACL_HOST_REG_PINNED)",
+    pin_routes=("aclrtMallocHost", "aclrtHostRegisterV2"),
+    pin_note="aclrtMallocHost, then aclrtHostRegisterV2",
 )
 
 
@@ -49,16 +49,17 @@ def test_an_ascend_machine_is_described():
 def test_pageable_host_buffers_drop_the_pinned_capability():
     engines = ["torch.copy_"]
     pinned = decide_npu(ASCEND, engines, batched=False)
-    assert pinned.supports(Capability.PINNED_HOST) and "aclrtHostRegisterV2" in pinned.details["host_pinning"]
+    assert pinned.supports(Capability.PINNED_HOST) and "aclrtMallocHost" in pinned.details["host_pinning"]
     off = decide_npu(ASCEND, engines, batched=False, pinned_host=False)
     assert not off.supports(Capability.PINNED_HOST) and "KVHAL_PIN_HOST=off" in off.details["host_pinning"]
 
 
 def test_without_an_ascendcl_pinning_call_host_pinned_is_not_declared():
-    facts = replace(ASCEND, pin_route=None, pin_note="libascendcl.so has no aclrtMallocHost")
+    note = "no AscendCL pinning call (libascendcl.so could not be loaded)"
+    facts = replace(ASCEND, pin_routes=(), pin_note=note)
     answer = decide_npu(facts, ["torch.copy_"], batched=False)
     assert not answer.supports(Capability.PINNED_HOST)
-    assert answer.details["host_pinning"] == "pageable: libascendcl.so has no aclrtMallocHost"
+    assert answer.details["host_pinning"].startswith("pageable: no AscendCL pinning call")
 
 
 def test_a_bad_pin_setting_makes_the_probe_decline_naming_it(monkeypatch):

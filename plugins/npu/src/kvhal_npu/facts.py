@@ -24,7 +24,7 @@ import torch
 
 from kvhal.accel.engines import engine_details
 from kvhal.descriptor import Capability, DeviceDescriptor, Refusal
-from kvhal_npu.host_memory import choose_pin_route, load_acl
+from kvhal_npu.host_memory import choose_pin_routes, load_acl
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +44,9 @@ class NpuFacts:
     :param device_count: ``torch.npu.device_count()``.
     :param ascend_op: vllm-ascend's ``swap_blocks_batch`` op is registered.
     :param ascend_op_absent: why it is not, when it is not.
-    :param pin_route: how host buffers are page-locked (``aclrtHostRegisterV2`` or
-        ``aclrtMallocHost``, :func:`kvhal_npu.host_memory.choose_pin_route`); ``None``: they cannot be.
-    :param pin_note: what chose that route, or why none.
+    :param pin_routes: the AscendCL calls that can page-lock host buffers, in the order
+        tried (:func:`kvhal_npu.host_memory.choose_pin_routes`); empty: none can.
+    :param pin_note: those routes and what was left out, in words.
     """
 
     torch_version: str
@@ -56,7 +56,7 @@ class NpuFacts:
     device_count: int = 0
     ascend_op: bool = False
     ascend_op_absent: str | None = None
-    pin_route: str | None = None
+    pin_routes: tuple[str, ...] = ()
     pin_note: str = ""
 
 
@@ -111,7 +111,7 @@ def gather_npu_facts() -> NpuFacts:
     except Exception as exc:  # a broken CANN install must not break kvhal
         return NpuFacts(facts.torch_version, True, import_error=f"{type(exc).__name__}: {exc}")
     ascend_op, absent = find_ascend_op() if count > 0 else (False, "no NPU visible")
-    pin_route, pin_note = choose_pin_route(load_acl(), os.uname().release)
+    pin_routes, pin_note = choose_pin_routes(load_acl(), os.uname().release)
     return NpuFacts(
         facts.torch_version,
         True,
@@ -119,7 +119,7 @@ def gather_npu_facts() -> NpuFacts:
         device_count=count,
         ascend_op=ascend_op,
         ascend_op_absent=absent,
-        pin_route=pin_route,
+        pin_routes=pin_routes,
         pin_note=pin_note,
     )
 
@@ -130,7 +130,7 @@ def decide_npu(
     """The NPU probe's answer.
 
     :param pinned_host: host buffers are to be pinned (``KVHAL_PIN_HOST`` is not ``off``);
-        ``host.pinned`` is declared only if :attr:`NpuFacts.pin_route` can also pin them.
+        ``host.pinned`` is declared only if some :attr:`NpuFacts.pin_routes` can pin them.
     """
     if not facts.torch_npu_installed:
         return Refusal(
@@ -144,12 +144,12 @@ def decide_npu(
             "check the driver, CANN and ASCEND_RT_VISIBLE_DEVICES)"
         )
     caps = {Capability.SPLIT_KV, Capability.ASYNC_COPY}
-    if pinned_host and facts.pin_route:
+    if pinned_host and facts.pin_routes:
         caps.add(Capability.PINNED_HOST)
     if not pinned_host:
         pinning = "off (KVHAL_PIN_HOST=off)"
     else:
-        pinning = facts.pin_note if facts.pin_route else f"pageable: {facts.pin_note}"
+        pinning = facts.pin_note if facts.pin_routes else f"pageable: {facts.pin_note}"
     ascend_op = {} if facts.ascend_op else {"ascend_op": f"not used: {facts.ascend_op_absent or 'absent'}"}
     if batched:
         caps.add(Capability.BATCHED_COPY)

@@ -2,35 +2,39 @@
 
 ``torch.zeros(n, pin_memory=True)`` goes through torch_npu's caching host
 allocator, which rounds every request up to a power of two (a 100 GB tier
-pins 128 GB) and zero-fills on the calling thread. Instead, one of two
-AscendCL routes is chosen once per process (:func:`choose_pin_route`):
+pins 128 GB). Instead each buffer is page-locked by the first of these
+AscendCL routes that is present and succeeds (:func:`choose_pin_routes`):
 
+``aclrtMallocHost``
+    ``aclrtMallocHost(&p, size)`` for the exact size plus one page (the
+    runtime aligns to 64 bytes only; the buffer is sliced to 4 KiB): the
+    driver-pinned memory torch_npu's allocator itself hands out, without the
+    rounding. The runtime does not initialise it, so it is zeroed here with
+    torch's multi-threaded fill (pinning any memory faults in, and so zeroes,
+    every page anyway). ``aclrtFreeHost`` releases it once
+    :meth:`PinnedHostBuffers.free` has run and the last view is gone.
 ``aclrtHostRegisterV2``
-    an anonymous ``mmap`` (page-aligned, zero-filled by the kernel, no memset)
-    registered with ``aclrtHostRegisterV2(ptr, size, ACL_HOST_REG_PINNED)``,
-    which page-locks memory from malloc or mmap (CANN 8.5+ runtime docs,
+    where ``aclrtMallocHost`` fails (its pinned pool exhausted) or is missing:
+    an anonymous ``mmap`` (page-aligned, zero-filled by the kernel) registered
+    with ``aclrtHostRegisterV2(ptr, size, ACL_HOST_REG_PINNED)``, which
+    page-locks memory from malloc or mmap (CANN 8.5+ runtime docs,
     ``aclcppdevg_03_2128``; Atlas A2/A3). The docs require a 4 KiB-aligned
     address and an OS kernel newer than 5.10 ("on 5.10 or lower, non-page-locked
-    memory causes exceptions").
-``aclrtMallocHost``
-    where that call is missing or the kernel is 5.10 or older:
-    ``aclrtMallocHost(&p, size)`` for the exact size plus one page (the
-    runtime aligns to 64 bytes only; the buffer is sliced to 4 KiB), zeroed
-    here because the runtime does not initialise it, and released with
-    ``aclrtFreeHost`` once :meth:`PinnedHostBuffers.free` has run and the last
-    view is gone.
+    memory causes exceptions"). It is second because a third-party measurement
+    saw registered 4 KiB-page memory copy at about a quarter of the bandwidth of
+    torch_npu's pinned memory through ``swap_blocks_batch``.
 
 ``aclrtHostRegister(ptr, size, ACL_HOST_REGISTER_MAPPED, &devPtr)``, which
 vllm-ascend's ``kv_offload/shmem_host.py`` calls on ``aclrtMallocHost``
 memory, maps host memory for device access; its docs say the mapped address
 "cannot be used for memory copies", so it is not used here.
 
-Registration is synchronous in every ``KVHAL_PIN_HOST`` mode but ``off``: a
-registration on a background thread could overlap the engine's graph capture,
-and the AscendCL docs say nothing on that. A failed call leaves the buffer
-pageable (:meth:`PinnedHostBuffers.is_pinned` says ``False``) and logs a
-warning naming the call and its error code; copies stay correct. Requests
-are not split into chunks: neither call documents a size limit.
+Pinning is synchronous in every ``KVHAL_PIN_HOST`` mode but ``off``: a call
+on a background thread could overlap the engine's graph capture, and the
+AscendCL docs say nothing on that. A failed call logs a warning naming it and
+its error code; when every route fails the buffer is pageable
+(:meth:`PinnedHostBuffers.is_pinned` says ``False``) and copies stay correct.
+Requests are not split into chunks: neither call documents a size limit.
 
 By construction from the cited docs; not run on an Ascend NPU.
 """
@@ -143,17 +147,22 @@ def kernel_registers_pageable(release: str) -> bool:
     return match is not None and (int(match[1]), int(match[2])) > (5, 10)
 
 
-def choose_pin_route(acl: AclHost, kernel_release: str) -> tuple[str | None, str]:
-    """How host buffers get page-locked here: :data:`REGISTER`, :data:`MALLOC_HOST` or ``None``, and why."""
-    pageable_ok = kernel_registers_pageable(kernel_release)
-    if acl.register_pinned and acl.unregister and pageable_ok:
-        return REGISTER, "mmap + aclrtHostRegisterV2(ACL_HOST_REG_PINNED)"
+def choose_pin_routes(acl: AclHost, kernel_release: str) -> tuple[tuple[str, ...], str]:
+    """The ways host buffers can be page-locked here, in the order they are tried
+    (:data:`MALLOC_HOST`, :data:`REGISTER`; empty: none), and a note saying what was left out and why."""
+    routes: list[str] = []
+    left_out: list[str] = []
     if acl.malloc_host and acl.free_host:
-        why = (
-            f"kernel {kernel_release} is 5.10 or older" if not pageable_ok else acl.missing or "no V2 call"
-        )
-        return MALLOC_HOST, f"aclrtMallocHost ({REGISTER} not used: {why})"
-    return None, acl.missing or "AscendCL host-memory calls are unavailable"
+        routes.append(MALLOC_HOST)
+    if acl.register_pinned and acl.unregister:
+        if kernel_registers_pageable(kernel_release):
+            routes.append(REGISTER)
+        else:
+            left_out.append(f"{REGISTER} not used: kernel {kernel_release} is 5.10 or older")
+    if acl.missing:
+        left_out.append(acl.missing)
+    chosen = ", then ".join(routes) if routes else "no AscendCL pinning call"
+    return tuple(routes), chosen + (f" ({'; '.join(left_out)})" if left_out else "")
 
 
 def map_zeroed(nbytes: int) -> torch.Tensor:
@@ -199,65 +208,61 @@ class PinnedHostBuffers:
     ) -> None:
         self.pin, self._drain = pin, drain
         self._acl, self._kernel = acl, kernel_release
-        self._route: tuple[str | None, str] | None = None
+        self._routes: tuple[tuple[str, ...], str] | None = None
         self._buffers: dict[int, _Buffer] = {}
         self._lock = threading.Lock()
 
-    def route(self) -> tuple[str | None, str]:
-        """The pinning route (see :func:`choose_pin_route`), chosen at first use."""
+    def routes(self) -> tuple[tuple[str, ...], str]:
+        """The pinning routes (see :func:`choose_pin_routes`), chosen at first use."""
         with self._lock:
-            if self._route is None:
-                acl = self._acl if self._acl is not None else load_acl()
-                self._acl = acl
-                self._route = choose_pin_route(acl, self._kernel or os.uname().release)
-                if self.pin and self._route[0] is None:
-                    log.warning("kvhal-npu: host buffers stay pageable: %s", self._route[1])
-            return self._route
+            if self._routes is None:
+                self._acl = self._acl if self._acl is not None else load_acl()
+                self._routes = choose_pin_routes(self._acl, self._kernel or os.uname().release)
+                if self.pin and not self._routes[0]:
+                    log.warning("kvhal-npu: host buffers stay pageable: %s", self._routes[1])
+            return self._routes
 
     def allocate(self, nbytes: int) -> torch.Tensor:
         """``nbytes`` zeroed bytes at a 4 KiB-aligned address, page-locked before returning
-        (unless pinning is off or fails: then pageable, with a warning)."""
+        (unless pinning is off or every route fails: then pageable, with a warning)."""
         if nbytes < 1:
             raise ValueError(f"kvhal-npu: kvhal_allocate_host_buffer needs nbytes >= 1, got {nbytes}")
-        route = self.route()[0] if self.pin else None
-        if route == MALLOC_HOST:
-            record = self._malloc_host(nbytes)
-        else:
+        record: _Buffer | None = None
+        routes = self.routes()[0] if self.pin else ()
+        for route in routes:
+            record = self._malloc_host(nbytes) if route == MALLOC_HOST else self._register(nbytes)
+            if record is not None:
+                break
+        if record is None:
+            if routes:
+                log.warning("kvhal-npu: %d-byte host buffer left pageable (copies correct, slower)", nbytes)
             record = _Buffer(map_zeroed(nbytes), None, False)
-            if route == REGISTER:
-                record = self._register(record.tensor, nbytes)
         with self._lock:
             self._buffers[record.tensor.data_ptr()] = record
         return record.tensor
 
-    def _register(self, tensor: torch.Tensor, nbytes: int) -> _Buffer:
+    def _register(self, nbytes: int) -> _Buffer | None:
         assert self._acl is not None and self._acl.register_pinned is not None
-        size = _pages(nbytes)
+        tensor, size = map_zeroed(nbytes), _pages(nbytes)
         code = self._acl.register_pinned(tensor.data_ptr(), size)
         if code != 0:
             log.warning(
-                "kvhal-npu: %s(%d bytes, ACL_HOST_REG_PINNED) failed with aclError %s; "
-                "the buffer stays pageable (copies stay correct, slower)",
+                "kvhal-npu: %s(%d bytes, ACL_HOST_REG_PINNED) failed: aclError %s",
                 REGISTER,
                 size,
                 acl_error(code),
             )
-        return _Buffer(tensor, REGISTER if code == 0 else None, code == 0)
+            return None
+        return _Buffer(tensor, REGISTER, True)
 
-    def _malloc_host(self, nbytes: int) -> _Buffer:
+    def _malloc_host(self, nbytes: int) -> _Buffer | None:
         acl = self._acl
         assert acl is not None and acl.malloc_host is not None and acl.free_host is not None
         total = nbytes + PAGE  # the runtime aligns to 64 bytes; slice to 4 KiB
         code, ptr = acl.malloc_host(total)
         if code != 0 or not ptr:
-            log.warning(
-                "kvhal-npu: %s(%d bytes) failed with aclError %s; the buffer is pageable "
-                "(copies stay correct, slower)",
-                MALLOC_HOST,
-                total,
-                acl_error(code),
-            )
-            return _Buffer(map_zeroed(nbytes), None, False)
+            log.warning("kvhal-npu: %s(%d bytes) failed: aclError %s", MALLOC_HOST, total, acl_error(code))
+            return None
         memory = (ctypes.c_int8 * total).from_address(ptr)
         # aclrtFreeHost runs when the last view of the memory goes (free() drops ours).
         weakref.finalize(memory, _free_host, acl.free_host, ptr)
