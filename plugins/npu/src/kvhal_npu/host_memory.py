@@ -265,7 +265,8 @@ class PinnedHostBuffers:
             return None
         memory = (ctypes.c_int8 * total).from_address(ptr)
         # aclrtFreeHost runs when the last view of the memory goes (free() drops ours).
-        weakref.finalize(memory, _free_host, acl.free_host, ptr)
+        release = weakref.finalize(memory, _free_host, acl.free_host, ptr)
+        release.atexit = False  # at exit the runtime may be finalised already; the OS takes it back
         base = torch.frombuffer(memory, dtype=torch.int8)
         base.zero_()  # "memory allocated by this API is not initialized" (aclrtMallocHost docs)
         offset = (-ptr) % PAGE
