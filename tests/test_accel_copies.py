@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
-from kvhal.accel.copies import EngineCopyHooks
+from kvhal.accel.copies import EngineCopyHooks, split_at
+from kvhal.accel.descriptors import Descriptors
 from kvhal.accel.engines import CopyJob, TorchCopyEngine
 from kvhal.accel.fakes import FakeStreamModule, as_if_direction
 from kvhal.blocks import get_kv_from_block
 from kvhal.cache import allocate_dense_kv_cache
 from kvhal.copyplan import Direction, plan_copy
-from kvhal.errors import TransferError
+from kvhal.errors import TransferError, ValidationError
 from kvhal.geometry import KVGeometry
 from kvhal.layouts import BLHNC
 
@@ -29,9 +31,17 @@ class Spy(TorchCopyEngine):
 
 
 class Plugin(EngineCopyHooks):
-    def __init__(self, module, engine) -> None:
+    def __init__(self, module, engine, points=(), refuse=None) -> None:
         super().__init__()
         self.module, self.engine = module, engine
+        self.points, self.refuse = np.array(points, dtype=np.int64), refuse
+
+    def check_copy_stream(self, stream):
+        if stream is self.refuse:
+            raise ValidationError("stream", "not this one")
+
+    def host_split_points(self):
+        return self.points
 
     def stream_module(self):
         return self.module
@@ -107,3 +117,79 @@ def test_stream_and_event_hooks_use_the_stream_module():
     plugin.kvhal_record_event(event, module.compute)
     plugin.kvhal_stream_wait_event(stream, event)
     assert stream.waited == [event.inner] and event.inner.stream is module.compute
+
+
+def triples(d: Descriptors) -> list[tuple[int, int, int]]:
+    return list(zip(d.src.tolist(), d.dst.tolist(), d.sizes.tolist(), strict=True))
+
+
+def test_split_at_cuts_source_and_destination_ranges_at_each_point():
+    d = Descriptors.from_lists([100, 1000], [5000, 200], [50, 100])
+    assert triples(split_at(d, np.array([120, 250]))) == [
+        (100, 5000, 20),  # source range [100, 150) holds 120
+        (120, 5020, 30),
+        (1000, 200, 50),  # destination range [200, 300) holds 250
+        (1050, 250, 50),
+    ]
+
+
+def test_split_at_leaves_ranges_that_only_touch_a_point():
+    d = Descriptors.from_lists([100, 150], [0, 50], [50, 50])
+    assert triples(split_at(d, np.array([150, 100, 200]))) == triples(d)
+
+
+def test_split_at_cuts_one_range_at_several_points_and_keeps_every_byte():
+    d = Descriptors.from_lists([0], [1_000_000], [4096 * 5 + 7])
+    pieces = split_at(d, np.array([4096, 8192, 12288, 16384, 20480]))
+    assert pieces.sizes.tolist() == [4096] * 5 + [7]
+    assert pieces.src.tolist() == [0, 4096, 8192, 12288, 16384, 20480]
+    assert (pieces.dst - pieces.src).tolist() == [1_000_000] * 6
+    assert split_at(d, np.zeros(0, dtype=np.int64)) is d
+
+
+def test_copies_are_cut_at_the_plugins_split_points(caches):
+    src, dst = caches
+    block = dst.storage[0].numel() // dst.num_blocks
+    inside_block_3 = dst.storage[0].data_ptr() + 3 * block + 64
+    plan = as_if_direction(plan_copy(src, dst, [(i, i) for i in range(8)]), Direction.D2H)
+    for points, pieces in (([], 1), ([inside_block_3], 2)):  # the first is the control: one run
+        module = FakeStreamModule()
+        spy = Spy(module)
+        Plugin(module, spy, points=points).kvhal_copy_blocks(plan, module.Stream())
+        (job,) = spy.jobs
+        assert len(job.descriptors) == pieces and job.descriptors.nbytes == dst.storage[0].numel()
+        assert torch.equal(src.storage[0], dst.storage[0])
+
+
+def test_a_refused_stream_raises_before_anything_is_enqueued(caches):
+    module = FakeStreamModule()
+    spy = Spy(module)
+    stream = module.Stream()
+    plugin = Plugin(module, spy, refuse=stream)
+    with pytest.raises(ValidationError, match="stream: not this one"):
+        plugin.kvhal_copy_blocks(as_if_direction(plan_copy(*caches, [(1, 5)]), Direction.D2H), stream)
+    assert spy.jobs == [] and module.events == [] and module.entered == []
+    assert int(caches[1].storage[0].count_nonzero()) == 0
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_split_at_pieces_span_no_point_and_move_the_same_bytes(seed):
+    rng = np.random.default_rng(seed)
+    n = 40
+    d = Descriptors(rng.integers(0, 1 << 20, n), rng.integers(0, 1 << 20, n), rng.integers(1, 1 << 14, n))
+    points = np.sort(rng.integers(0, 1 << 20, 30))
+    pieces = split_at(d, points)
+    for base in (pieces.src, pieces.dst):
+        inside = (base[:, None] < points[None, :]) & (points[None, :] < (base + pieces.sizes)[:, None])
+        assert not inside.any()
+
+    # In order, the pieces of each descriptor tile it: same start, same src-to-dst offset, same length.
+    it = iter(triples(pieces))
+    for src, dst, size in triples(d):
+        covered = 0
+        while covered < size:
+            s, t, m = next(it)
+            assert (s, t) == (src + covered, dst + covered) and m > 0
+            covered += m
+        assert covered == size
+    assert next(it, None) is None

@@ -8,6 +8,7 @@ import torch
 
 from kvhal.accel.descriptors import Descriptors
 from kvhal.accel.engines import (
+    CopyArgumentError,
     CopyJob,
     EngineChain,
     SizeSplitEngine,
@@ -20,16 +21,19 @@ from kvhal.copyplan import Direction
 
 
 class Recorder:
-    """An engine that records the descriptors it ran, failing on chosen calls."""
+    """An engine that records the descriptors it ran, failing on chosen calls
+    (``refuse_on``: with :class:`CopyArgumentError`, the job's fault)."""
 
     batched = False
 
-    def __init__(self, name: str, fail_on: set[int] = frozenset()) -> None:
-        self.name, self.fail_on, self.runs = name, set(fail_on), []
+    def __init__(self, name: str, fail_on: set[int] = frozenset(), refuse_on: set[int] = frozenset()) -> None:
+        self.name, self.fail_on, self.refuse_on, self.runs = name, set(fail_on), set(refuse_on), []
 
     def run(self, job: CopyJob) -> None:
         call = len(self.runs)
         self.runs.append(job.descriptors)
+        if call in self.refuse_on:
+            raise CopyArgumentError(f"{self.name} refused call {call}")
         if call in self.fail_on:
             raise OSError(f"{self.name} failed on call {call}")
 
@@ -63,6 +67,44 @@ def test_the_last_engine_failing_is_the_copy_failure():
     only = Recorder("torch", fail_on={0})
     with pytest.raises(OSError):
         EngineChain([only]).run(job())
+
+
+def test_an_engine_refusing_a_jobs_arguments_is_kept_and_only_that_job_moves_on():
+    first, second = Recorder("batch", refuse_on={0}), Recorder("loop")
+    chain = EngineChain([first, second])
+    chain.run(job())
+    assert len(first.runs) == 1 and len(second.runs) == 1, "the refused job ran on the next engine"
+    assert chain.active is first and chain.dropped == []
+    assert chain.argument_failures == {"batch": 1}
+    chain.run(job())
+    assert len(first.runs) == 2 and len(second.runs) == 1, "the next job used the first engine again"
+
+
+def test_an_engine_that_never_worked_keeps_its_place_after_argument_refusals():
+    first, second = Recorder("batch", refuse_on={0, 1}), Recorder("loop")
+    chain = EngineChain([first, second])
+    chain.run(job())
+    chain.run(job())
+    assert chain.names == ["batch", "loop"] and chain.argument_failures == {"batch": 2}
+
+
+def test_an_argument_refusal_by_the_last_engine_is_the_copy_failure():
+    only = Recorder("torch", refuse_on={0})
+    chain = EngineChain([only])
+    with pytest.raises(CopyArgumentError, match="refused call 0"):
+        chain.run(job())
+    assert chain.names == ["torch"]
+
+
+def test_a_middle_engine_that_fails_before_working_is_dropped_behind_a_refusing_one():
+    first = Recorder("batch", refuse_on={0})
+    middle, last = Recorder("op", fail_on={0}), Recorder("loop")
+    chain = EngineChain([first, middle, last])
+    chain.run(job())
+    assert [len(e.runs) for e in (first, middle, last)] == [1, 1, 1]
+    assert chain.names == ["batch", "loop"] and chain.dropped[0][0] == "op"
+    chain.run(job())
+    assert [len(e.runs) for e in (first, middle, last)] == [2, 1, 1]
 
 
 def test_an_empty_chain_is_refused():

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvhal.accel.descriptors import Descriptors
-from kvhal.accel.engines import CopyJob
+from kvhal.accel.engines import CopyArgumentError, CopyJob
 from kvhal.copyplan import Direction
 from kvhal_cuda import native
 from kvhal_cuda.engines import (
@@ -57,7 +57,8 @@ def test_a_forced_engine_is_the_only_one():
 
 
 class Stream:
-    cuda_stream = 0x5EED
+    def __init__(self) -> None:
+        self.cuda_stream = 0x5EED
 
 
 def host_job(n: int, size: int, direction=Direction.D2H, early=False):
@@ -66,7 +67,9 @@ def host_job(n: int, size: int, direction=Direction.D2H, early=False):
     offsets = np.arange(n, dtype=np.int64) * size
     d = Descriptors(src.ctypes.data + offsets, dst.ctypes.data + offsets[::-1].copy(), np.full(n, size))
     expected = src.reshape(n, size)[::-1].reshape(-1)
-    return CopyJob(None, d, direction, Stream(), early), dst, expected  # type: ignore[arg-type]
+    stream = Stream()
+    stream.keep_alive = src  # the descriptors point into it: it must outlive the job
+    return CopyJob(None, d, direction, stream, early), dst, expected  # type: ignore[arg-type]
 
 
 def test_the_batch_engine_copies_every_descriptor_on_the_jobs_stream():
@@ -75,7 +78,7 @@ def test_the_batch_engine_copies_every_descriptor_on_the_jobs_stream():
     BatchEngine(lib.batch_memcpy()).run(job)
     assert np.array_equal(dst, expected)
     (call,) = lib.batch_calls
-    assert (call.count, call.stream, call.num_attrs, call.attrs_idx0) == (5, Stream.cuda_stream, 1, 0)
+    assert (call.count, call.stream, call.num_attrs, call.attrs_idx0) == (5, 0x5EED, 1, 0)
 
 
 @pytest.mark.parametrize(
@@ -114,14 +117,55 @@ def test_the_runtime_loop_copies_each_descriptor_with_default_kind():
     RuntimeLoopEngine(lib.runtime()).run(job)
     assert np.array_equal(dst, expected)
     assert [c[3] for c in lib.memcpy_calls] == [native.MEMCPY_DEFAULT] * 4
-    assert {c[4] for c in lib.memcpy_calls} == {Stream.cuda_stream}
+    assert {c[4] for c in lib.memcpy_calls} == {0x5EED}
 
 
-def test_a_failed_runtime_copy_raises():
-    lib = FakeVendorLibrary(fail_memcpy=1)
+def test_a_runtime_copy_rejecting_its_descriptor_is_an_argument_error():
+    lib = FakeVendorLibrary(fail_memcpy=native.INVALID_VALUE)
     job, _, _ = host_job(2, 8)
-    with pytest.raises(native.NativeError, match="cudaMemcpyAsync returned 1"):
+    with pytest.raises(CopyArgumentError, match=r"cudaMemcpyAsync returned 1 \(descriptor 0 of 2\)"):
         RuntimeLoopEngine(lib.runtime()).run(job)
+
+
+def test_any_other_runtime_copy_failure_is_the_engines():
+    lib = FakeVendorLibrary(fail_memcpy=35)  # cudaErrorInsufficientDriver
+    job, _, _ = host_job(2, 8)
+    with pytest.raises(native.NativeError, match="cudaMemcpyAsync returned 35") as caught:
+        RuntimeLoopEngine(lib.runtime()).run(job)
+    assert not isinstance(caught.value, CopyArgumentError)
+
+
+@pytest.mark.parametrize("handle", [0, 1])
+def test_the_batch_engine_refuses_the_legacy_default_stream_before_calling(handle):
+    lib = FakeVendorLibrary()
+    job, dst, _ = host_job(2, 8)
+    job.stream.cuda_stream = handle
+    with pytest.raises(CopyArgumentError, match=f"legacy default stream \\(handle {handle}"):
+        BatchEngine(lib.batch_memcpy()).run(job)
+    assert lib.batch_calls == [] and not dst.any()
+
+
+def test_the_per_thread_default_stream_is_a_real_stream_to_the_batch_call():
+    lib = FakeVendorLibrary()
+    job, dst, expected = host_job(2, 8)
+    job.stream.cuda_stream = 2  # CU_STREAM_PER_THREAD
+    BatchEngine(lib.batch_memcpy()).run(job)
+    assert np.array_equal(dst, expected)
+
+
+def test_a_batch_naming_an_invalid_copy_is_an_argument_error():
+    lib = FakeVendorLibrary(fail_batch=native.INVALID_VALUE)  # the fake names the last copy
+    job, _, _ = host_job(3, 8)
+    with pytest.raises(CopyArgumentError, match="failIdx=2 of 3"):
+        BatchEngine(lib.batch_memcpy()).run(job)
+
+
+def test_a_batch_failing_otherwise_is_the_engines():
+    lib = FakeVendorLibrary(fail_batch=801)  # CUDA_ERROR_NOT_SUPPORTED, even for a named copy
+    job, _, _ = host_job(3, 8)
+    with pytest.raises(native.NativeError) as caught:
+        BatchEngine(lib.batch_memcpy()).run(job)
+    assert not isinstance(caught.value, CopyArgumentError)
 
 
 def define_swap_op(namespace: str, schema: str):

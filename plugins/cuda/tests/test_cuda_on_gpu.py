@@ -138,3 +138,46 @@ def test_host_buffers_get_registered_and_released(monkeypatch):
     assert device.host_buffer_is_pinned(buffer) and buffer.is_pinned()
     device.free_host_buffer(buffer)
     assert not buffer.is_pinned()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_copies_spanning_registration_chunks_round_trip(monkeypatch, engine):
+    device, plugin = cuda_device(monkeypatch, engine)
+    plugin.host_buffers().max_chunk = 1 << 20  # many registrations, so runs of blocks cross them
+    g = geometry()
+    cache = device.allocate_kv_cache(g, LBHNC)
+    for parts in cache.layers:
+        parts[0].copy_(torch.randn(parts[0].shape, device="cuda"))
+    host = pinned_host_cache(device, plugin, g, LBHNC, 64)
+    assert len(plugin.host_buffers().boundaries()) > 0
+    mapping = [(i, i) for i in range(64)]
+    device.synchronize_event(device.copy_blocks(cache, host, mapping))
+    back = [(i, (i + 7) % 64) for i in range(64)]
+    device.synchronize_event(device.copy_blocks(host, cache, back))
+    for s, d in back:
+        assert same(get_kv_from_block(host, s), get_kv_from_block(cache, d))
+    device.free_host_cache(host)
+
+
+def test_the_legacy_default_stream_is_refused(monkeypatch):
+    from kvhal.errors import PluginValidationError
+
+    device, plugin = cuda_device(monkeypatch)
+    g = geometry()
+    cache = device.allocate_kv_cache(g, LBHNC)
+    host = pinned_host_cache(device, plugin, g, LBHNC, 4)
+    with pytest.raises(PluginValidationError, match="legacy default stream"):
+        device.copy_blocks(cache, host, [(0, 0)], stream=torch.cuda.default_stream())
+    device.free_host_cache(host)
+
+
+def test_a_failed_registration_leaves_no_pending_error(monkeypatch):
+    _, plugin = cuda_device(monkeypatch)
+    runtime = plugin.runtime_library()
+    buffer = torch.zeros(1 << 20, dtype=torch.int8)
+    address = buffer.data_ptr() // 4096 * 4096 + 4096
+    assert runtime.host_register(address, 4096) == 0
+    assert runtime.host_register(address, 4096) != 0  # already registered
+    assert runtime.clear_error() == 0, "host_register left its error pending"
+    (torch.ones(4, device="cuda") * 2).sum().item()  # torch sees no stale error
+    assert runtime.host_unregister(address) == 0

@@ -2,6 +2,9 @@
 
 The plugin supplies its stream module and engine chain; this hook
 
+0. refuses a stream the device cannot copy on (:meth:`EngineCopyHooks.check_copy_stream`),
+   raising before any byte moves, and cuts descriptors where the host memory
+   they cover changes registration (:meth:`EngineCopyHooks.host_split_points`);
 1. enters ``stream`` (so ops and ``Tensor.copy_`` that use the current stream
    enqueue there, and driver calls get ``stream``'s handle from the job);
 2. tells torch's caching allocator that ``stream`` uses the device caches;
@@ -22,6 +25,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from kvhal.accel.descriptors import Descriptors
 from kvhal.accel.engines import CopyEngine, CopyJob, EngineChain, build_engines
 from kvhal.accel.events import CopyEvent
@@ -30,6 +35,8 @@ from kvhal.accel.streams import TorchStreamHooks
 from kvhal.accel.torch_copy import torch_copy
 from kvhal.copyplan import CopyPlan, Direction
 from kvhal.hookspecs import hookimpl
+
+_NO_POINTS = np.zeros(0, dtype=np.int64)
 
 
 def keep_alive_on(plan: CopyPlan, stream: Any) -> None:
@@ -40,6 +47,31 @@ def keep_alive_on(plan: CopyPlan, stream: Any) -> None:
             continue
         for tensor in cache.storage or tuple(v for parts in cache.layers for v in parts):
             tensor.record_stream(stream)
+
+
+def split_at(descriptors: Descriptors, points: np.ndarray) -> Descriptors:
+    """``descriptors`` with every one whose source or destination range strictly
+    contains an address of ``points`` cut there, so that no piece spans one.
+
+    The pieces move the same bytes; their order follows the original descriptors.
+    """
+    if not len(points) or not len(descriptors):
+        return descriptors
+    src, dst, sizes = descriptors
+    for point in points.tolist():
+        for side in (0, 1):  # source ranges, then destination ranges
+            base = src if side == 0 else dst
+            cut = (base < point) & (point < base + sizes)
+            if not cut.any():
+                continue
+            head = np.where(cut, point - base, sizes)  # bytes before the point
+            index = np.repeat(np.arange(len(sizes)), 1 + cut.astype(np.int64))
+            first = np.ones(len(index), dtype=bool)
+            first[1:] = index[1:] != index[:-1]
+            shift = np.where(first, 0, head[index])
+            src, dst = src[index] + shift, dst[index] + shift
+            sizes = np.where(first, head[index], sizes[index] - head[index])
+    return Descriptors(src, dst, sizes)
 
 
 class EngineCopyHooks(TorchStreamHooks):
@@ -66,6 +98,15 @@ class EngineCopyHooks(TorchStreamHooks):
         """How to build each engine :meth:`engine_names` may name."""
         raise NotImplementedError
 
+    def check_copy_stream(self, stream: Any) -> None:
+        """Raise :class:`~kvhal.errors.ValidationError` (argument ``stream``) if copies
+        cannot be enqueued on ``stream``; every stream is accepted unless a plugin says otherwise."""
+
+    def host_split_points(self) -> np.ndarray:
+        """Host addresses no copy descriptor may span (where one host registration ends
+        and the next begins); none unless a plugin says otherwise."""
+        return _NO_POINTS
+
     def forced_engine(self) -> str | None:
         return (os.environ.get(self.engine_env) or None) if self.engine_env else None
 
@@ -81,8 +122,9 @@ class EngineCopyHooks(TorchStreamHooks):
 
     @hookimpl
     def kvhal_copy_blocks(self, plan: CopyPlan, stream: Any) -> CopyEvent:
+        self.check_copy_stream(stream)  # raises: nothing is enqueued yet
         module = self.stream_module()
-        descriptors = Descriptors.of(plan)
+        descriptors = split_at(Descriptors.of(plan), self.host_split_points())
         direction = plan.direction
         error: BaseException | None = None
         try:

@@ -4,10 +4,18 @@ A copy engine enqueues a job's descriptors on the job's stream with one
 vendor call or another (a batched driver call, a loop of async copies, a
 custom op, ``Tensor.copy_``). A plugin lists the engines its machine offers,
 best first (a pure decision it can unit-test), and an :class:`EngineChain`
-runs them: an engine that fails before it ever worked (a driver that lacks
-the symbol, an ABI that rejects the call) is dropped with a warning and the
-job runs on the next one; a failure of an engine that has worked is the
-copy's failure. Re-running a job is harmless: it writes the same bytes.
+runs them:
+
+- an engine that fails before it ever worked (a driver that lacks the symbol,
+  an ABI that rejects the call) is dropped with a warning and the job runs on
+  the next one;
+- an engine that refuses one job's arguments (:class:`CopyArgumentError`:
+  the vendor named a bad copy, or the stream is one it cannot use) is kept:
+  only that job runs on the next engine. One odd job does not take the best
+  engine away from every later one;
+- any other failure of an engine that has worked is the copy's failure.
+
+Re-running a job is harmless: it writes the same bytes.
 """
 
 from __future__ import annotations
@@ -23,6 +31,15 @@ from kvhal.accel.torch_copy import torch_copy
 from kvhal.copyplan import CopyPlan, Direction
 
 log = logging.getLogger(__name__)
+
+
+class CopyArgumentError(ValueError):
+    """A copy engine refused this job's arguments; the engine itself may work for others.
+
+    Engines raise it only where the failure is the job's: a copy the vendor
+    names as invalid, a stream the engine cannot enqueue on. Everything else
+    an engine raises counts as the engine failing.
+    """
 
 
 @dataclass(frozen=True)
@@ -83,51 +100,83 @@ class SizeSplitEngine:
 
 
 class EngineChain:
-    """Runs jobs on the first engine that works; see the module docstring."""
+    """Runs jobs on the first engine that works; see the module docstring.
+
+    :attr dropped: ``(engine name, reason)`` of every engine dropped, in order.
+    :attr argument_failures: per engine name, how many jobs it refused
+        (:class:`CopyArgumentError`) and passed on.
+    """
 
     def __init__(self, engines: Sequence[CopyEngine]) -> None:
         if not engines:
             raise ValueError("an engine chain needs at least one engine")
         self._engines = list(engines)
-        self._index = 0
+        self._live = list(range(len(self._engines)))
         self._proven: set[int] = set()
         self._lock = threading.Lock()
         self.dropped: list[tuple[str, str]] = []
+        self.argument_failures: dict[str, int] = {}
 
     @property
     def active(self) -> CopyEngine:
-        return self._engines[self._index]
+        with self._lock:
+            return self._engines[self._live[0]]
 
     @property
     def names(self) -> list[str]:
-        return [e.name for e in self._engines[self._index :]]
+        with self._lock:
+            return [self._engines[i].name for i in self._live]
 
     def run(self, job: CopyJob) -> None:
-        while True:
-            with self._lock:
-                index = self._index
+        with self._lock:
+            order = list(self._live)
+        for position, index in enumerate(order):
             engine = self._engines[index]
+            last = position == len(order) - 1
             try:
                 engine.run(job)
+            except CopyArgumentError as exc:
+                self._refused(engine, exc, None if last else self._engines[order[position + 1]])
+                if last:
+                    raise
+                continue
             except Exception as exc:
                 with self._lock:
-                    last = index == len(self._engines) - 1
                     if index in self._proven or last:
                         raise
-                    if self._index == index:
-                        self._index += 1
-                        reason = f"{type(exc).__name__}: {exc}"
-                        self.dropped.append((engine.name, reason))
-                        log.warning(
-                            "kvhal: copy engine %s failed before it ever worked (%s); using %s",
-                            engine.name,
-                            reason,
-                            self._engines[self._index].name,
-                        )
+                    self._drop(index, exc, self._engines[order[position + 1]])
                 continue
             with self._lock:
                 self._proven.add(index)
             return
+
+    def _refused(self, engine: CopyEngine, exc: CopyArgumentError, successor: CopyEngine | None) -> None:
+        with self._lock:
+            count = self.argument_failures.get(engine.name, 0) + 1
+            self.argument_failures[engine.name] = count
+        # Warn once per engine; a caller repeating the same mistake would flood the log.
+        log.log(
+            logging.WARNING if count == 1 else logging.DEBUG,
+            "kvhal: copy engine %s refused a job's arguments (%s); %s, the engine stays in use",
+            engine.name,
+            exc,
+            f"the job runs on {successor.name}" if successor is not None else "no engine left for it",
+        )
+
+    def _drop(self, index: int, exc: Exception, successor: CopyEngine) -> None:
+        """Drop never-proven engine ``index`` (caller holds the lock)."""
+        if index not in self._live or len(self._live) == 1:
+            return
+        self._live.remove(index)
+        engine = self._engines[index]
+        reason = f"{type(exc).__name__}: {exc}"
+        self.dropped.append((engine.name, reason))
+        log.warning(
+            "kvhal: copy engine %s failed before it ever worked (%s); using %s",
+            engine.name,
+            reason,
+            successor.name,
+        )
 
 
 def build_engines(

@@ -2,8 +2,8 @@
 
 There is no GPU or NPU where kvhal's plugins are developed. With
 :class:`FakeStreamModule` in place of ``torch.cuda`` or ``torch.npu`` (it has
-``Stream``, ``Event``, ``current_stream``, ``stream``, ``synchronize``,
-``current_device`` and ``device``, and records what was done), their
+``Stream``, ``Event``, ``current_stream``, ``default_stream``, ``stream``,
+``synchronize``, ``current_device`` and ``device``, and records what was done), their
 hardware-independent logic (which engine runs, on which stream, with which
 ordering hint, what a failure does) runs on the CPU against host memory.
 """
@@ -18,15 +18,16 @@ from typing import Any
 
 from kvhal.copyplan import CopyPlan, Direction
 
-_ids = itertools.count(1)
+#: Fake stream handles look like real ones: never 0 or 1 (the legacy default stream).
+_ids = itertools.count(0x7F00_0000)
 
 
 class FakeStream:
     """A stream: an id (``cuda_stream``), the events it waited on, and how often it was drained."""
 
-    def __init__(self, module: FakeStreamModule, device: Any = None) -> None:
+    def __init__(self, module: FakeStreamModule, device: Any = None, handle: int | None = None) -> None:
         self.module, self.device = module, device
-        self.cuda_stream = next(_ids)
+        self.cuda_stream = next(_ids) if handle is None else handle
         self.waited: list[FakeEvent] = []
         self.synchronized = 0
 
@@ -88,6 +89,10 @@ class FakeStreamModule:
 
     def current_stream(self, device: Any = None) -> FakeStream:
         return self.compute
+
+    def default_stream(self, device: Any = None) -> FakeStream:  # torch.cuda.default_stream
+        """The legacy default stream (handle 0), a fresh object each call."""
+        return FakeStream(self, device, handle=0)
 
     @contextlib.contextmanager
     def stream(self, stream: FakeStream) -> Iterator[None]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import enum
 import os
+import warnings
 from typing import Protocol
 
 import torch
@@ -12,24 +13,51 @@ import torch
 from kvhal.hookspecs import hookimpl
 
 PIN_ENV = "KVHAL_PIN_HOST"
+#: What ``KVHAL_PIN_HOST`` accepts (``async`` is a deprecated alias of ``sync``).
+PIN_VALUES = ("async", "sync", "off")
 
 
 class PinMode(str, enum.Enum):
-    """When host buffers are page-locked."""
+    """Whether host buffers are page-locked.
 
-    ASYNC = "async"
+    There is no background mode: pinning that runs after the allocation hook
+    returns can call the device runtime while the engine captures a CUDA graph
+    (vLLM 0.32 captures right after ``register_kv_caches``, in global capture
+    mode, where a runtime call from any thread breaks the capture: vLLM
+    #45850, reverted by #46958 after #46933).
+    """
+
+    #: Pinned before the allocation hook returns.
     SYNC = "sync"
+    #: Pageable buffers.
     OFF = "off"
 
 
 def pin_mode(value: str | None) -> PinMode:
-    """The mode ``KVHAL_PIN_HOST`` asks for (unset or empty: ``async``)."""
+    """The mode ``KVHAL_PIN_HOST`` asks for (unset or empty: ``sync``).
+
+    ``async`` is accepted as a deprecated alias of ``sync``, with a
+    ``FutureWarning``: it was the default once, so configurations spell it out,
+    and refusing it would stop their engine at start-up when ``sync`` gives
+    them the pinned buffers they asked for.
+
+    :raises ValueError: ``value`` is none of :data:`PIN_VALUES`.
+    """
     if not value:
-        return PinMode.ASYNC
+        return PinMode.SYNC
+    text = value.strip().lower()
+    if text == "async":
+        warnings.warn(
+            f"{PIN_ENV}=async is deprecated and means sync: host buffers are pinned before they are "
+            "returned, so that pinning never overlaps the engine's CUDA graph capture",
+            FutureWarning,
+            stacklevel=2,
+        )
+        return PinMode.SYNC
     try:
-        return PinMode(value.strip().lower())
+        return PinMode(text)
     except ValueError:
-        raise ValueError(f"{PIN_ENV}={value!r} is not one of {', '.join(m.value for m in PinMode)}") from None
+        raise ValueError(f"{PIN_ENV}={value!r} is not one of {', '.join(PIN_VALUES)}") from None
 
 
 def pin_mode_from_env() -> PinMode:

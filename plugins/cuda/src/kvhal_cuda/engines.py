@@ -5,6 +5,12 @@
 the first copy. Every engine enqueues on ``job.stream``: driver and runtime
 calls take its handle, vLLM's op and ``Tensor.copy_`` use the current stream,
 which the plugin sets to ``job.stream`` around the call.
+
+A vendor call that rejects one named copy with ``INVALID_VALUE`` (a batch's
+``failIdx``, a loop's position) raises :class:`~kvhal.accel.engines.CopyArgumentError`:
+that job's pointers were wrong, not the engine, so the chain keeps the engine.
+An error that names no copy (a missing or mismatched entry point, vllm#39491)
+is the engine's.
 """
 
 from __future__ import annotations
@@ -13,7 +19,14 @@ from collections.abc import Callable
 
 import torch
 
-from kvhal.accel.engines import CopyEngine, CopyJob, TorchCopyEngine, apply_forced, op_has_argument
+from kvhal.accel.engines import (
+    CopyArgumentError,
+    CopyEngine,
+    CopyJob,
+    TorchCopyEngine,
+    apply_forced,
+    op_has_argument,
+)
 from kvhal_cuda import native
 from kvhal_cuda.facts import TorchFacts
 
@@ -62,8 +75,19 @@ class BatchEngine:
         self.name = call.name
 
     def run(self, job: CopyJob) -> None:
+        handle = job.stream.cuda_stream
+        if handle in native.LEGACY_STREAM_HANDLES:
+            raise CopyArgumentError(
+                f"{self.name} rejects the legacy default stream (handle {handle}, vllm#46379); "
+                "enqueue on a created stream"
+            )
         for chunk in job.descriptors.chunks(self.max_descriptors):
-            self.call(chunk, job.source_early, job.stream.cuda_stream)
+            try:
+                self.call(chunk, job.source_early, handle)
+            except native.NativeError as exc:
+                if exc.names_a_bad_copy:
+                    raise CopyArgumentError(str(exc)) from exc
+                raise
 
 
 class RuntimeLoopEngine:
@@ -79,8 +103,14 @@ class RuntimeLoopEngine:
         handle = job.stream.cuda_stream
         d = job.descriptors
         copy = self.runtime.memcpy_async
-        for src, dst, nbytes in zip(d.src.tolist(), d.dst.tolist(), d.sizes.tolist(), strict=True):
-            copy(dst, src, nbytes, handle)
+        src, dst, sizes = d.src.tolist(), d.dst.tolist(), d.sizes.tolist()
+        for i in range(len(sizes)):
+            try:
+                copy(dst[i], src[i], sizes[i], handle)
+            except native.NativeError as exc:
+                if exc.code == native.INVALID_VALUE:  # this descriptor's pointers or size
+                    raise CopyArgumentError(f"{exc} (descriptor {i} of {len(sizes)})") from exc
+                raise
 
 
 class VllmSwapBlocksBatchEngine:

@@ -104,3 +104,54 @@ class FakeVendorLibrary:
         for d, s, n in zip(array(dsts), array(srcs), array(sizes), strict=True):
             ctypes.memmove(d, s, n)
         return 0
+
+
+_HOST_REGISTER_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint)
+_HOST_UNREGISTER_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+_GET_LAST_ERROR_FN = ctypes.CFUNCTYPE(ctypes.c_int)
+
+
+class FakeRuntime(FakeVendorLibrary):
+    """A :class:`FakeVendorLibrary` that also registers host memory and keeps a pending
+    error the way the runtime does: a failing call sets it, ``<prefix>GetLastError``
+    returns and clears it. ``calls`` records ``HostRegister``/``HostUnregister``/``GetLastError``.
+
+    :param register_codes: codes successive ``<prefix>HostRegister`` calls return (then 0).
+    :param unregister_code: what every ``<prefix>HostUnregister`` returns.
+    """
+
+    def __init__(
+        self, prefix: str = "cuda", register_codes: tuple[int, ...] = (), unregister_code: int = 0, **kw: Any
+    ) -> None:
+        super().__init__(prefix=prefix, **kw)
+        self.register_codes = list(register_codes)
+        self.unregister_code = unregister_code
+        self.pending = 0
+        self.calls: list[tuple[Any, ...]] = []
+        setattr(self, f"{prefix}HostRegister", _HOST_REGISTER_FN(self._register))
+        setattr(self, f"{prefix}HostUnregister", _HOST_UNREGISTER_FN(self._unregister))
+        setattr(self, f"{prefix}GetLastError", _GET_LAST_ERROR_FN(self._get_last_error))
+
+    def _fail(self, code: int) -> int:
+        if code:
+            self.pending = code
+        return code
+
+    def _register(self, address: Any, nbytes: int, flags: int) -> int:
+        self.calls.append(("HostRegister", address or 0, nbytes, flags))
+        return self._fail(self.register_codes.pop(0) if self.register_codes else 0)
+
+    def _unregister(self, address: Any) -> int:
+        self.calls.append(("HostUnregister", address or 0))
+        return self._fail(self.unregister_code)
+
+    def _memcpy_impl(self, dst: int, src: int, nbytes: int, kind: int, stream: Any) -> int:
+        return self._fail(super()._memcpy_impl(dst, src, nbytes, kind, stream))
+
+    def _batch_impl(self, *args: Any) -> int:
+        return self._fail(super()._batch_impl(*args))
+
+    def _get_last_error(self) -> int:
+        self.calls.append(("GetLastError",))
+        code, self.pending = self.pending, 0
+        return code

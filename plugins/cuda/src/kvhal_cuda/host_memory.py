@@ -1,30 +1,44 @@
-"""Pinned host buffers: anonymous memory registered with the device, off the critical path.
+"""Pinned host buffers: anonymous memory registered with the device before it is handed out.
 
 ``torch.empty(n, pin_memory=True)`` goes through torch's caching host
 allocator, which rounds every request up to a power of two (vLLM notes
 100 GB becoming 128 GB, ``cuda_mem_ops.pin_tensor``). Instead a buffer is an
 anonymous ``mmap`` (page-aligned, zero-filled by the kernel: no memset on the
-start-up path) registered with ``cudaHostRegister``/``hipHostRegister``. Page
-locking a large buffer takes seconds, so by default it runs on a background
-thread (vLLM #45850); until it has finished, :meth:`HostRegistrar.is_pinned`
-says ``False`` and copies treat the buffer as pageable memory (the runtime
-documents staged copies for ``cudaMemcpyAsync``; for ``cuMemcpyBatchAsync``
-racing a registration this is assumed, not yet run on a GPU). Registration
-pins pages in place and moves no data. ``sync`` removes the window.
+start-up path) registered with ``cudaHostRegister``/``hipHostRegister``.
 
-``KVHAL_PIN_HOST=async`` (default), ``sync`` (register before returning) or
-``off`` (pageable buffers).
+- **Registration finishes before** :meth:`HostRegistrar.allocate` **returns**
+  (``KVHAL_PIN_HOST=sync``, the default; ``off`` leaves buffers pageable).
+  vLLM 0.32 registers its KV caches with the connector, which allocates the
+  host tier, and only then captures CUDA graphs, in global capture mode where
+  a runtime call from any thread breaks the capture (vLLM #46933, #48053). A
+  background registration could still be running then (vLLM tried it in
+  #45850 and reverted it in #46958); one that has finished cannot.
+- **Chunks of at most** :data:`MAX_REGISTER_CHUNK` (64 GiB): one registration
+  of 512 GiB or more fails on recent NVIDIA drivers (vLLM #51080; vLLM 0.32's
+  ``pin_mmap_region`` chunks the same way). Chunks end on page boundaries, so
+  the driver's page rounding never makes two overlap. A copy whose host range
+  spans two registrations is rejected by ``cudaMemcpyBatchAsync`` (sglang
+  #36798), and kvhal coalesces runs of consecutive slots into one descriptor,
+  so ending chunks on slot boundaries (vLLM's choice) would not prevent it:
+  instead copies are cut at the chunk boundaries (:meth:`HostRegistrar.boundaries`,
+  applied by :class:`kvhal.accel.copies.EngineCopyHooks`). Registration is all
+  or nothing: a failing chunk unregisters the ones before it and the buffer
+  stays pageable (copies stay correct, only slower).
+- **Freeing drains the device first, whatever the pin state**: a copy enqueued
+  with ``srcAccessOrder=ANY`` may read its source after the API call returned,
+  pageable or not (cuda-python's ``memcpy_batch_async`` documentation).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import mmap
 import threading
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from kvhal.accel.host_buffers import PinMode
@@ -32,6 +46,8 @@ from kvhal.accel.host_buffers import PinMode
 log = logging.getLogger(__name__)
 
 PAGE = 4096
+#: The largest single registration (vLLM 0.32 ``MAX_HOST_REGISTER_CHUNK_BYTES``).
+MAX_REGISTER_CHUNK = 64 << 30
 
 
 def map_zeroed(nbytes: int) -> torch.Tensor:
@@ -44,6 +60,28 @@ def map_zeroed(nbytes: int) -> torch.Tensor:
     return torch.frombuffer(region, dtype=torch.int8, count=nbytes)
 
 
+def registration_chunks(
+    nbytes: int, granule: int = PAGE, max_chunk: int = MAX_REGISTER_CHUNK
+) -> list[tuple[int, int]]:
+    """``(offset, size)`` pieces covering ``[0, nbytes)``, registered one call each.
+
+    Every piece but the last is the same whole number of ``lcm(granule, PAGE)``
+    units, as many as fit in ``max_chunk`` (at least one: a unit larger than
+    ``max_chunk`` is registered whole, as vLLM does with a row larger than its
+    cap); so each piece ends on a page boundary and on a ``granule`` boundary
+    (a slot size, where the caller knows one).
+
+    :raises ValueError: a size or granule is not positive.
+    """
+    if nbytes <= 0 or granule <= 0 or max_chunk <= 0:
+        raise ValueError(
+            f"nbytes, granule and max_chunk must be positive, got {nbytes}, {granule}, {max_chunk}"
+        )
+    unit = math.lcm(granule, PAGE)
+    step = max(max_chunk // unit, 1) * unit
+    return [(offset, min(step, nbytes - offset)) for offset in range(0, nbytes, step)]
+
+
 #: ``register(address, nbytes) -> error code`` and ``unregister(address) -> error code``.
 Register = Callable[[int, int], int]
 Unregister = Callable[[int], int]
@@ -53,61 +91,81 @@ Unregister = Callable[[int], int]
 class _Buffer:
     tensor: torch.Tensor
     nbytes: int
-    registration: Future | None
+    #: Addresses of the registered chunks (all of them, or none).
+    registered: list[int] = field(default_factory=list)
 
 
 class HostRegistrar:
     """Allocates host buffers and registers them with the device (see the module docstring).
 
-    :param register: page-locks ``[address, address + nbytes)``; returns 0 on success.
-    :param unregister: undoes ``register``; returns 0 on success.
+    :param register: page-locks ``[address, address + nbytes)``; returns 0 on
+        success (and leaves no pending runtime error either way).
+    :param unregister: undoes one ``register`` of ``address``; returns 0 on success.
     :param mode: :class:`PinMode`.
-    :param before_unregister: called before a buffer is unregistered, to drain
-        copies that may still use it (a device synchronize).
+    :param before_unregister: called before a buffer is released, to drain
+        copies that may still read it (a device synchronize).
+    :param max_chunk: the largest single registration.
     """
 
     def __init__(
         self,
         register: Register,
         unregister: Unregister,
-        mode: PinMode = PinMode.ASYNC,
+        mode: PinMode = PinMode.SYNC,
         before_unregister: Callable[[], None] | None = None,
+        max_chunk: int = MAX_REGISTER_CHUNK,
     ) -> None:
         self._register, self._unregister = register, unregister
         self.mode = mode
         self._before_unregister = before_unregister
+        self.max_chunk = max_chunk
         self._buffers: dict[int, _Buffer] = {}
         self._lock = threading.Lock()
-        self._pool: ThreadPoolExecutor | None = None
+        self._boundaries = np.zeros(0, dtype=np.int64)
 
-    def _executor(self) -> ThreadPoolExecutor:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvhal-host-register")
-        return self._pool
-
-    def _pin(self, address: int, nbytes: int) -> bool:
-        code = int(self._register(address, nbytes))
-        if code != 0:
+    def _pin(self, address: int, nbytes: int) -> list[int]:
+        """Register every chunk, or none: the registered addresses."""
+        done: list[int] = []
+        for offset, size in registration_chunks(nbytes, PAGE, self.max_chunk):
+            code = int(self._register(address + offset, size))
+            if code == 0:
+                done.append(address + offset)
+                continue
             log.warning(
-                "kvhal: registering %d bytes of host memory failed (error %d); "
-                "copies stay correct but use pageable memory",
-                nbytes,
+                "kvhal: registering host memory failed (error %d) for the chunk of %d bytes at offset %d "
+                "of a %d-byte buffer; %d chunk(s) before it unregistered, the buffer stays pageable "
+                "(copies stay correct, only slower)",
                 code,
+                size,
+                offset,
+                nbytes,
+                len(done),
             )
-        return code == 0
+            self._release(reversed(done))
+            return []
+        return done
+
+    def _release(self, addresses: Iterable[int]) -> None:
+        for address in addresses:
+            code = int(self._unregister(address))
+            if code != 0:
+                log.warning("kvhal: unregistering host memory at %#x failed (error %d)", address, code)
+
+    def _update_boundaries(self) -> None:
+        # Where two registrations of one buffer meet: no copy descriptor may span one.
+        with self._lock:
+            points = [a for record in self._buffers.values() for a in record.registered[1:]]
+            self._boundaries = np.array(sorted(points), dtype=np.int64)
 
     def allocate(self, nbytes: int) -> torch.Tensor:
-        """A zeroed, page-aligned buffer of ``nbytes``, registered now, later, or never (by mode)."""
+        """A zeroed, page-aligned buffer of ``nbytes``, registered on return unless the mode is ``off``."""
         tensor = map_zeroed(nbytes)
         address, size = tensor.data_ptr(), (nbytes + PAGE - 1) // PAGE * PAGE
-        registration: Future | None = None
-        if self.mode is PinMode.SYNC:
-            registration = Future()
-            registration.set_result(self._pin(address, size))
-        elif self.mode is PinMode.ASYNC:
-            registration = self._executor().submit(self._pin, address, size)
+        registered = self._pin(address, size) if self.mode is PinMode.SYNC else []
         with self._lock:
-            self._buffers[address] = _Buffer(tensor, size, registration)
+            self._buffers[address] = _Buffer(tensor, size, registered)
+        if len(registered) > 1:
+            self._update_boundaries()
         return tensor
 
     def owns(self, buffer: torch.Tensor) -> bool:
@@ -115,50 +173,33 @@ class HostRegistrar:
             return buffer.data_ptr() in self._buffers
 
     def is_pinned(self, buffer: torch.Tensor) -> bool:
-        """For its own buffers, ``True`` once registration has finished and succeeded;
+        """For its own buffers, whether every chunk is registered;
         for any other buffer, what torch says (``Tensor.is_pinned()``)."""
         with self._lock:
             record = self._buffers.get(buffer.data_ptr())
         if record is None:
             return bool(buffer.is_pinned())
-        if record.registration is None or not record.registration.done():
-            return False
-        return (
-            not record.registration.cancelled()
-            and record.registration.exception() is None
-            and bool(record.registration.result())
-        )
+        return bool(record.registered)
 
     def wait(self, buffer: torch.Tensor) -> bool:
-        """Block until ``buffer``'s registration has finished; whether it is pinned."""
-        with self._lock:
-            record = self._buffers.get(buffer.data_ptr())
-        if record is not None and record.registration is not None:
-            try:
-                record.registration.result()
-            except Exception:
-                return False
+        """Whether ``buffer`` is pinned (registration has always finished by now)."""
         return self.is_pinned(buffer)
 
-    def free(self, buffer: torch.Tensor) -> None:
-        """Unregister ``buffer`` (after its registration, if one is running, finishes).
+    def boundaries(self) -> np.ndarray:
+        """Sorted host addresses where two registrations of one live buffer meet."""
+        return self._boundaries
 
-        Its memory is unmapped when the last tensor viewing it is dropped.
-        """
+    def free(self, buffer: torch.Tensor) -> None:
+        """Drain the device, then unregister ``buffer``'s chunks; its memory is unmapped
+        when the last tensor viewing it is dropped. A buffer it does not own, or one
+        already freed, is left alone."""
         with self._lock:
             record = self._buffers.pop(buffer.data_ptr(), None)
-        if record is None or record.registration is None:
+        if record is None:
             return
-        if record.registration.cancel():
-            return
-        try:
-            pinned = record.registration.result()
-        except Exception:
-            pinned = False
-        if not pinned:
-            return
+        # Pinned or not: an ANY-order copy may still read the buffer after its call returned.
         if self._before_unregister is not None:
             self._before_unregister()
-        code = int(self._unregister(record.tensor.data_ptr()))
-        if code != 0:
-            log.warning("kvhal: unregistering host memory failed (error %d)", code)
+        self._release(record.registered)
+        if len(record.registered) > 1:
+            self._update_boundaries()

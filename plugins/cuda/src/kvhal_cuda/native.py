@@ -6,6 +6,13 @@ version and a missing symbol is a fallback, not an import error.
 
 - ``cudaMemcpyAsync`` / ``hipMemcpyAsync`` (``kind = Default``, UVA infers the
   direction) from the runtime library torch already loaded;
+- ``cudaHostRegister``/``cudaHostUnregister`` (``hip*`` on ROCm) through that
+  same handle, and after any non-zero code ``cudaGetLastError`` /
+  ``hipGetLastError`` on it, so the failure is not left pending for torch to
+  report against a later, unrelated call (vLLM #51081). torch's own
+  ``torch.cuda.cudart()`` binds no ``cudaGetLastError``, and clearing through
+  another runtime instance than the one that failed clears nothing (vLLM
+  #50070): one handle makes the call and clears it;
 - ``cuMemcpyBatchAsync`` from ``libcuda`` through ``cuGetProcAddress`` asking for
   the CUDA 12.8 ABI (nine arguments, with ``failIdx``): the driver returns the
   entry point "ABI compatible" with the requested version, so CUDA 13 drivers,
@@ -34,14 +41,34 @@ SRC_ACCESS_ORDER_ANY = 3
 HOST_REGISTER_PORTABLE = 1
 #: The ABI vLLM resolves: CUDA 12.8's ``cuMemcpyBatchAsync`` (with ``failIdx``).
 CU_MEMCPY_BATCH_ABI = 12080
+#: ``CUDA_ERROR_INVALID_VALUE``, ``cudaErrorInvalidValue`` and ``hipErrorInvalidValue`` alike.
+INVALID_VALUE = 1
+#: What a batch call leaves in ``failIdx`` when its error concerns no single copy
+#: (``SIZE_MAX``, as NVIDIA documents ``cuMemcpyBatchAsync``'s ``failIdx``).
+NO_FAILED_COPY = 2**64 - 1
+#: Stream handles meaning the legacy default stream: ``0`` and ``CU_STREAM_LEGACY``.
+#: ``cuMemcpyBatchAsync`` rejects them with ``CUDA_ERROR_INVALID_VALUE`` (vllm#46379);
+#: the per-thread default stream (``CU_STREAM_PER_THREAD``, 2) is a real stream to it.
+LEGACY_STREAM_HANDLES = frozenset({0, 1})
 
 
 class NativeError(RuntimeError):
-    """A vendor call returned an error code."""
+    """A vendor call returned an error code.
 
-    def __init__(self, call: str, code: int, detail: str = "") -> None:
-        self.call, self.code = call, code
+    :param index: the copy the call names as the failing one (a batch's
+        ``failIdx``, a loop's position), or ``None`` when the error concerns
+        the call as a whole.
+    """
+
+    def __init__(self, call: str, code: int, detail: str = "", index: int | None = None) -> None:
+        self.call, self.code, self.index = call, code, index
         super().__init__(f"{call} returned {code}{': ' + detail if detail else ''}")
+
+    @property
+    def names_a_bad_copy(self) -> bool:
+        """The vendor rejected one copy's arguments (``INVALID_VALUE`` for a named copy):
+        that job's pointers or sizes, not the call itself, so the call may work for others."""
+        return self.code == INVALID_VALUE and self.index is not None
 
 
 def find_loaded_library(prefix: str, maps: str = "/proc/self/maps") -> str | None:
@@ -105,10 +132,15 @@ class BatchMemcpy:
 
     :param fn: a callable with :data:`BATCH_MEMCPY_FN`'s signature.
     :param name: the vendor symbol, for errors.
+    :param clear_error: called after a failure to clear the runtime's pending
+        error (``hipGetLastError`` for the HIP runtime's entry point; ``None``
+        for the driver's ``cuMemcpyBatchAsync``, whose errors the runtime never sees).
     """
 
-    def __init__(self, fn: Callable[..., int], name: str) -> None:
-        self.fn, self.name = fn, name
+    def __init__(
+        self, fn: Callable[..., int], name: str, clear_error: Callable[[], object] | None = None
+    ) -> None:
+        self.fn, self.name, self.clear_error = fn, name, clear_error
 
     def __call__(self, descriptors: Descriptors, source_early: bool, stream_handle: int) -> None:
         """Enqueue every descriptor in one call; raise :class:`NativeError` on failure.
@@ -124,7 +156,8 @@ class BatchMemcpy:
             srcAccessOrder=SRC_ACCESS_ORDER_ANY if source_early else SRC_ACCESS_ORDER_STREAM
         )
         attrs_idx = (ctypes.c_size_t * 1)(0)
-        fail_idx = ctypes.c_size_t(0)
+        # Preset to "no copy": a call that fails before naming a copy leaves it so.
+        fail_idx = ctypes.c_size_t(NO_FAILED_COPY)
         code = self.fn(
             dsts.ctypes.data,
             srcs.ctypes.data,
@@ -137,7 +170,11 @@ class BatchMemcpy:
             stream_handle,
         )
         if code != 0:
-            raise NativeError(self.name, int(code), f"failIdx={fail_idx.value} of {count}")
+            if self.clear_error is not None:
+                self.clear_error()
+            index = fail_idx.value if fail_idx.value < count else None
+            shown = "none" if index is None else str(index)
+            raise NativeError(self.name, int(code), f"failIdx={shown} of {count}", index)
 
 
 class RuntimeLibrary:
@@ -174,7 +211,38 @@ class RuntimeLibrary:
     def memcpy_async(self, dst: int, src: int, nbytes: int, stream_handle: int) -> None:
         code = self._memcpy_async(dst, src, nbytes, MEMCPY_DEFAULT, stream_handle)
         if code != 0:
+            self.clear_error()
             raise NativeError(self.memcpy_name, int(code), self.error_string(code))
+
+    def _function(self, suffix: str, argtypes: list[type]) -> Callable[..., int]:
+        fn = getattr(self.lib, f"{self.prefix}{suffix}")
+        fn.restype = ctypes.c_int
+        fn.argtypes = argtypes
+        return fn
+
+    def clear_error(self) -> int:
+        """``cudaGetLastError``/``hipGetLastError``: clear this thread's pending error
+        in this runtime; the code it cleared (0 when the library lacks the call)."""
+        try:
+            fn = self._function("GetLastError", [])
+        except AttributeError:
+            return 0
+        return int(fn())
+
+    def host_register(self, address: int, nbytes: int, flags: int = HOST_REGISTER_PORTABLE) -> int:
+        """``cudaHostRegister``/``hipHostRegister``; the error code, its pending error cleared."""
+        fn = self._function("HostRegister", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint])
+        code = int(fn(address, nbytes, flags))
+        if code != 0:
+            self.clear_error()
+        return code
+
+    def host_unregister(self, address: int) -> int:
+        """``cudaHostUnregister``/``hipHostUnregister``; the error code, its pending error cleared."""
+        code = int(self._function("HostUnregister", [ctypes.c_void_p])(address))
+        if code != 0:
+            self.clear_error()
+        return code
 
     def error_string(self, code: int) -> str:
         try:
@@ -191,6 +259,7 @@ class RuntimeLibrary:
         try:
             fn = getattr(self.lib, f"{self.prefix}RuntimeGetVersion")
             if fn(ctypes.byref(value)) != 0:
+                self.clear_error()
                 return None
         except (AttributeError, TypeError, OSError):
             return None
@@ -202,7 +271,7 @@ class RuntimeLibrary:
         fn = getattr(self.lib, name)
         fn.restype = ctypes.c_uint
         fn.argtypes = list(BATCH_MEMCPY_FN._argtypes_)
-        return BatchMemcpy(fn, name)
+        return BatchMemcpy(fn, name, self.clear_error)
 
 
 def _libcuda() -> ctypes.CDLL | None:

@@ -46,9 +46,11 @@ def hip_batch_engine(runtime: native.RuntimeLibrary, policy: BatchPolicy) -> Siz
 
 
 class ROCmPlugin(TorchGpuPlugin):
-    """AMD GPUs through HIP: torch.cuda on a ROCm build, libamdhip64 for copies."""
+    """AMD GPUs through HIP: torch.cuda on a ROCm build, libamdhip64 for copies and
+    host registration (``hipHostRegister``, ``hipGetLastError`` after a failure)."""
 
     engine_env = ENGINE_ENV
+    runtime_prefix = "hip"
 
     def policy(self) -> BatchPolicy:
         return BatchPolicy.from_env(dict(os.environ))
