@@ -114,10 +114,12 @@ def kvhal_allocate_host_buffer(nbytes: int) -> torch.Tensor:
     """Allocate ``nbytes`` of host memory the device copies to and from fastest.
 
     Pinned (page-locked) or registered with the device where it can be, else
-    the device's best equivalent. Off the engine's start-up critical path
-    where pinning is slow: pinning may finish in the background after the
-    buffer is returned (copies must be correct meanwhile, only slower), and
-    :func:`kvhal_host_buffer_is_pinned` says ``False`` until it has. A plugin
+    the device's best equivalent. Pinning may finish in the background after
+    the buffer is returned (copies must be correct meanwhile, only slower, and
+    :func:`kvhal_host_buffer_is_pinned` says ``False`` until it has) only
+    where that cannot disturb the engine: on CUDA and ROCm a runtime call from
+    any thread breaks the graph capture vLLM starts right after registering
+    its KV caches (vLLM #46933), so their plugins pin before returning. A plugin
     declaring ``host.pinned`` pins every buffer within a bounded time (the
     conformance suite waits 60 s).
 
