@@ -342,3 +342,43 @@ def test_only_the_selected_device_plugin_answers(registry):
     host = device.allocate_host_cache(g, LBHNC, 4)
     device.synchronize_event(device.copy_blocks(cache, host, [(1, 0), (2, 1)]))
     assert calls == [("tracer", 2), ("accel", 2)]
+
+
+def test_probes_and_policy_offers_go_through_the_hook_caller(registry):
+    """A non-device wrapper (tracing, fault injection) sees every probe and every policy offer."""
+    seen = []
+
+    class Tracer:
+        @hookimpl(wrapper=True)
+        def kvhal_probe(self):
+            result = yield
+            seen.append(("probe", [type(r).__name__ for r in result]))
+            return result
+
+        @hookimpl(wrapper=True)
+        def kvhal_eviction_policies(self):
+            result = yield
+            seen.append(("policies", sorted(name for offer in result for name in offer)))
+            return result
+
+    registry.register(Tracer(), "tracer", "tests")
+    assert registry.select().plugin_name == "cpu"
+    from kvhal.eviction import available_policies
+
+    assert set(available_policies(registry)) == {"lru", "s3fifo"}
+    assert ("probe", ["DeviceDescriptor"]) in seen
+    assert ("policies", ["lru", "s3fifo"]) in seen
+
+
+def test_a_refused_hook_signature_is_named_without_parsing_pluggys_message(registry):
+    class Misnamed:
+        @hookimpl
+        def kvhal_probe(self):
+            return DeviceDescriptor("misnamed", "cpu", "tests")
+
+        @hookimpl
+        def kvhal_copy_blocks(self, plan, stream, priority):  # 'priority' is no argument of the spec
+            return None
+
+    info = registry.register(Misnamed(), "misnamed", "kvhal-misnamed 0.1")
+    assert info.error is not None and info.error.hook == "kvhal_copy_blocks"

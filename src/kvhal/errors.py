@@ -38,7 +38,7 @@ class BlockStateError(ValidationError):
 
 class PolicyError(KVHALError):
     """An eviction policy broke its contract (e.g. chose a block in use); see
-    :class:`kvhal.eviction.EvictionPolicy`."""
+    :class:`kvhal.eviction_policy.EvictionPolicy`."""
 
 
 class PluginError(KVHALError):

@@ -11,61 +11,31 @@ more. :func:`create_policy` picks one by name.
 
 from __future__ import annotations
 
-import abc
 from collections import OrderedDict, deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from kvhal.errors import MalformedResultError, PluginError, PolicyError, ValidationError
+from kvhal.errors import PolicyError
+from kvhal.eviction_policy import EvictionPolicy, PolicyFactory
 from kvhal.hookspecs import hookimpl
 
 if TYPE_CHECKING:
     from kvhal.registry import PluginRegistry
 
-PolicyFactory = Callable[[int], "EvictionPolicy"]
+__all__ = [
+    "DEFAULT_POLICY",
+    "HOOK",
+    "BuiltinPolicies",
+    "EvictionPolicy",
+    "LRUPolicy",
+    "PolicyFactory",
+    "S3FIFOPolicy",
+    "available_policies",
+    "create_policy",
+]
+
 HOOK = "kvhal_eviction_policies"
 DEFAULT_POLICY = "lru"
-
-
-class EvictionPolicy(abc.ABC):
-    """Recency/frequency bookkeeping over a manager's slots, and the choice of victims.
-
-    The manager calls, with slot ids it owns:
-
-    - :meth:`insert` when blocks enter (at ``prepare_store``, before their
-      bytes are written; they stay pinned until the store completes);
-    - :meth:`touch` when blocks are used;
-    - :meth:`remove` when blocks leave other than by :meth:`evict` (a failed store);
-    - :meth:`evict` to free room.
-
-    :param num_slots: the manager's slot count; every slot id is below it.
-    """
-
-    def __init__(self, num_slots: int) -> None:
-        self.num_slots = num_slots
-
-    @abc.abstractmethod
-    def insert(self, slots: Sequence[int], keys: Sequence[bytes]) -> None:
-        """``slots`` now hold ``keys`` (in order: the last one entered last)."""
-
-    @abc.abstractmethod
-    def touch(self, slots: Sequence[int]) -> None:
-        """``slots`` were used, the *first* one most recently: a prefix's head
-        serves every request that its tail serves, so it should outlive it
-        (vLLM's LRU orders a request's blocks the same way)."""
-
-    @abc.abstractmethod
-    def remove(self, slots: Sequence[int]) -> None:
-        """Forget ``slots`` (their store failed)."""
-
-    @abc.abstractmethod
-    def evict(self, n: int, pinned: Sequence[int]) -> list[int]:
-        """Choose and forget exactly ``n`` distinct slots none of which is pinned.
-
-        ``pinned[slot] != 0`` marks a slot that must stay: its store or a load
-        is in flight, or the caller protects it. The manager calls this only
-        when at least ``n`` unpinned slots are inserted.
-        """
 
 
 class LRUPolicy(EvictionPolicy):
@@ -237,34 +207,6 @@ class BuiltinPolicies:
         return {"lru": LRUPolicy, "s3fifo": S3FIFOPolicy}
 
 
-def _offers(registry: PluginRegistry) -> dict[str, tuple[PolicyFactory, str, str | None]]:
-    """Policy name -> (factory, plugin, distribution), checked."""
-    from kvhal.registry import BUILTIN_DISTRIBUTION, BUILTIN_POLICIES
-
-    distributions = {p.name: p.distribution for p in registry.plugins}
-    distributions[BUILTIN_POLICIES] = BUILTIN_DISTRIBUTION
-    found: dict[str, tuple[PolicyFactory, str, str | None]] = {}
-    for impl in registry.pm.hook.kvhal_eviction_policies.get_hookimpls():
-        plugin = impl.plugin_name
-        distribution = distributions.get(plugin)
-        try:
-            result = impl.function()
-        except Exception as exc:
-            raise PluginError(plugin, distribution, HOOK, f"raised {type(exc).__name__}: {exc}") from exc
-        if not isinstance(result, Mapping) or not all(
-            isinstance(k, str) and callable(v) for k, v in result.items()
-        ):
-            raise MalformedResultError(
-                plugin, distribution, HOOK, f"returned {result!r:.80}; expected a mapping of name to factory"
-            )
-        for name, factory in result.items():
-            if name in found:
-                other = found[name][1]
-                raise PluginError(plugin, distribution, HOOK, f"offers policy {name!r}, as {other!r} does")
-            found[name] = (factory, plugin, distribution)
-    return found
-
-
 def available_policies(registry: PluginRegistry) -> dict[str, PolicyFactory]:
     """Every policy the registry's plugins offer, by name.
 
@@ -272,39 +214,23 @@ def available_policies(registry: PluginRegistry) -> dict[str, PolicyFactory]:
         a mapping of names to factories.
     :raises PluginError: two plugins offer the same name.
     """
-    return {name: offer[0] for name, offer in _offers(registry).items()}
+    return {name: offer.factory for name, offer in registry.named_factories(HOOK, "policy").items()}
 
 
-def create_policy(name: str, num_slots: int, registry: PluginRegistry | None = None) -> EvictionPolicy:
+def create_policy(name: str, num_slots: int, registry: PluginRegistry) -> EvictionPolicy:
     """A fresh policy ``name`` for ``num_slots`` slots, from ``registry``'s plugins.
 
-    :param registry: where to look; by default a :class:`~kvhal.registry.PluginRegistry`
-        with the installed plugins.
     :raises ValidationError: no plugin offers ``name`` (the message lists those known).
     :raises MalformedResultError: its factory returned something else than an
         :class:`EvictionPolicy` (names the plugin).
     :raises PluginError: the hook or the factory raised (names the plugin).
     """
-    if registry is None:
-        from kvhal.registry import PluginRegistry
-
-        registry = PluginRegistry()
-    offers = _offers(registry)
-    if name not in offers:
-        raise ValidationError(
-            "policy", f"unknown eviction policy {name!r}; known: {', '.join(sorted(offers)) or 'none'}"
-        )
-    factory, plugin, distribution = offers[name]
-    try:
-        policy = factory(num_slots)
-    except Exception as exc:
-        message = f"factory of {name!r} raised {type(exc).__name__}: {exc}"
-        raise PluginError(plugin, distribution, HOOK, message) from exc
-    if not isinstance(policy, EvictionPolicy):
-        raise MalformedResultError(
-            plugin,
-            distribution,
-            HOOK,
-            f"factory of {name!r} returned {type(policy).__name__}; expected an EvictionPolicy",
-        )
-    return policy
+    return registry.create_named(
+        HOOK,
+        name,
+        (num_slots,),
+        expected=EvictionPolicy,
+        what="policy",
+        argument="policy",
+        label="eviction policy",
+    )

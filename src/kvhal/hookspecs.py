@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from kvhal.cache import KVCache
     from kvhal.copyplan import CopyPlan
     from kvhal.descriptor import DeviceDescriptor, Refusal
-    from kvhal.eviction import EvictionPolicy
+    from kvhal.eviction_policy import EvictionPolicy
     from kvhal.geometry import KVGeometry
     from kvhal.layouts import KVLayout
 
@@ -256,7 +256,7 @@ def kvhal_eviction_policies() -> Mapping[str, Callable[[int], EvictionPolicy]]:
     listing the known ones.
 
     :return: a mapping from policy name to a factory: ``factory(num_slots)``
-        returns a fresh :class:`~kvhal.eviction.EvictionPolicy` for a manager
+        returns a fresh :class:`~kvhal.eviction_policy.EvictionPolicy` for a manager
         of ``num_slots`` slots. A name offered by two plugins is an error
         naming both; a result that is not such a mapping, or a factory that
         returns something else, is a

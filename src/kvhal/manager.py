@@ -33,15 +33,12 @@ import sys
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from kvhal.errors import BlockStateError, PolicyError, ValidationError
 from kvhal.eviction import DEFAULT_POLICY, EvictionPolicy, create_policy
 from kvhal.host_tier import SlotPool
 from kvhal.keyindex import KeyIndex
-
-if TYPE_CHECKING:
-    from kvhal.registry import PluginRegistry
+from kvhal.registry import PluginRegistry
 
 #: ``_refs[slot]`` of a block whose store is in flight; ``0`` is ready and
 #: idle, ``k > 0`` is ready with ``k`` loads in flight.
@@ -128,7 +125,7 @@ class OffloadingManager:
         if self._pool.num_free != num_slots:
             raise ValidationError("slots", "the slot pool must be entirely free")
         if isinstance(policy, str):
-            policy = create_policy(policy, num_slots, registry)
+            policy = create_policy(policy, num_slots, registry or PluginRegistry())
         elif not isinstance(policy, EvictionPolicy):
             raise ValidationError("policy", f"must be a name or an EvictionPolicy, got {policy!r:.60}")
         self.policy = policy

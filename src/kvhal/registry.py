@@ -19,10 +19,11 @@ another device. ``KVHAL_PLUGINS`` (allowlist) and ``KVHAL_DISABLE_PLUGINS``
 from __future__ import annotations
 
 import importlib.metadata
+import inspect
 import os
-import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import pluggy
 
@@ -36,7 +37,10 @@ from kvhal.errors import (
     MissingHookError,
     PluginError,
     PluginLoadError,
+    ValidationError,
 )
+
+T = TypeVar("T")
 
 ENTRY_POINT_GROUP = "kvhal.plugins"
 ENV_DEVICE = "KVHAL_DEVICE"
@@ -76,6 +80,16 @@ class ProbeOutcome:
         return self.descriptor is not None
 
 
+@dataclass(frozen=True)
+class NamedFactory:
+    """One factory a plugin offers by name through a hook (a policy, a tier backend)."""
+
+    name: str
+    factory: Callable[..., Any]
+    plugin: str
+    distribution: str | None
+
+
 @dataclass
 class Selection:
     """The outcome of device selection, with every probe, for ``kvhal devices``."""
@@ -93,6 +107,10 @@ def _split_names(value: str | Iterable[str] | None) -> set[str] | None:
     if isinstance(value, str):
         return {v.strip() for v in value.split(",") if v.strip()}
     return set(value)
+
+
+def _is_wrapper(impl: pluggy.HookImpl) -> bool:
+    return bool(impl.hookwrapper or getattr(impl, "wrapper", False))
 
 
 def _distribution_of(ep: importlib.metadata.EntryPoint) -> str | None:
@@ -180,8 +198,7 @@ class PluginRegistry:
         try:
             self.pm.register(plugin, name=name)
         except pluggy.PluginValidationError as exc:
-            match = re.search(r"hook '(\w+)'", str(exc))
-            info.error = PluginLoadError(name, distribution, match.group(1) if match else None, str(exc))
+            info.error = PluginLoadError(name, distribution, self._mismatched_hook(plugin), str(exc))
             self.plugins.append(info)
             return info
         except ValueError as exc:  # duplicate name
@@ -203,10 +220,139 @@ class PluginRegistry:
         self.plugins.append(info)
         return info
 
+    def _mismatched_hook(self, plugin: object) -> str | None:
+        """The hook whose implementation pluggy refused: it takes an argument its spec lacks."""
+        for attr in dir(plugin):
+            prefixed = attr.startswith(f"{hookspecs.PROJECT}_")
+            if not prefixed or self.pm.parse_hookimpl_opts(plugin, attr) is None:
+                continue
+            caller = getattr(self.pm.hook, attr, None)
+            spec = getattr(caller, "spec", None)
+            if spec is None:
+                continue
+            try:
+                parameters = inspect.signature(getattr(plugin, attr)).parameters
+            except (TypeError, ValueError):
+                return attr
+            if set(parameters) - set(spec.argnames):
+                return attr
+        return None
+
+    def call_one(self, hook: str, info: PluginInfo, **kwargs: Any) -> list[Any]:
+        """Call ``hook`` on one plugin through pluggy's hook caller, so that wrappers
+        (tracing, fault injection) see the call; its results, ``None`` left out."""
+        caller = getattr(self.pm.hook, hook)
+        others = [
+            impl.plugin
+            for impl in caller.get_hookimpls()
+            if impl.plugin is not info.plugin and not _is_wrapper(impl)
+        ]
+        result = self.pm.subset_hook_caller(hook, remove_plugins=others)(**kwargs)
+        if caller.spec is not None and caller.spec.opts.get("firstresult"):
+            return [] if result is None else [result]
+        return list(result)
+
+    def _info_of(self, plugin: object, name: str) -> PluginInfo:
+        for info in self.plugins:
+            if info.plugin is plugin:
+                return info
+        distribution = BUILTIN_DISTRIBUTION if name == BUILTIN_POLICIES else None
+        return PluginInfo(name, distribution, plugin)
+
+    # -- named factories -----------------------------------------------------
+
+    def named_factories(self, hook: str, what: str) -> dict[str, NamedFactory]:
+        """Merge the ``{name: factory}`` mappings every plugin offers through ``hook``.
+
+        Each plugin is called through the hook caller (wrappers see it).
+
+        :param what: what a factory makes, for messages (``"policy"``).
+        :raises PluginError: a plugin's hook raised, or two plugins offer one name.
+        :raises MalformedResultError: a plugin answered with something other
+            than a mapping of names to callables.
+        """
+        found: dict[str, NamedFactory] = {}
+        for impl in getattr(self.pm.hook, hook).get_hookimpls():
+            if _is_wrapper(impl):
+                continue
+            info = self._info_of(impl.plugin, impl.plugin_name)
+            try:
+                results = self.call_one(hook, info)
+            except Exception as exc:
+                raise PluginError(
+                    info.name, info.distribution, hook, f"raised {type(exc).__name__}: {exc}"
+                ) from exc
+            for result in results:
+                if not isinstance(result, Mapping) or not all(
+                    isinstance(k, str) and callable(v) for k, v in result.items()
+                ):
+                    raise MalformedResultError(
+                        info.name,
+                        info.distribution,
+                        hook,
+                        f"returned {result!r:.80}; expected a mapping of name to factory",
+                    )
+                for name, factory in result.items():
+                    if name in found:
+                        other = found[name].plugin
+                        raise PluginError(
+                            info.name, info.distribution, hook, f"offers {what} {name!r}, as {other!r} does"
+                        )
+                    found[name] = NamedFactory(name, factory, info.name, info.distribution)
+        return found
+
+    def create_named(
+        self,
+        hook: str,
+        name: str,
+        args: Sequence[Any],
+        *,
+        expected: type[T],
+        what: str,
+        argument: str,
+        label: str | None = None,
+    ) -> T:
+        """``factory(*args)`` of the factory offered as ``name`` through ``hook``, checked.
+
+        :param expected: the type the factory must return.
+        :param what: what it makes, for messages (``"policy"``).
+        :param label: a longer name for it in the unknown-name message (``"eviction policy"``).
+        :param argument: the caller's argument that named it, for a :class:`ValidationError`.
+        :raises ValidationError: no plugin offers ``name`` (the message lists those known).
+        :raises PluginError: the hook or the factory raised (names the plugin).
+        :raises MalformedResultError: the factory returned something else than ``expected``.
+        """
+        offers = self.named_factories(hook, what)
+        if name not in offers:
+            known = ", ".join(sorted(offers)) or "none"
+            raise ValidationError(argument, f"unknown {label or what} {name!r}; known: {known}")
+        offer = offers[name]
+        try:
+            made = offer.factory(*args)
+        except Exception as exc:
+            message = f"factory of {name!r} raised {type(exc).__name__}: {exc}"
+            raise PluginError(offer.plugin, offer.distribution, hook, message) from exc
+        if not isinstance(made, expected):
+            raise MalformedResultError(
+                offer.plugin,
+                offer.distribution,
+                hook,
+                f"factory of {name!r} returned {type(made).__name__}; expected an {expected.__name__}",
+            )
+        return made
+
     # -- probing ------------------------------------------------------------
 
     def implemented_hooks(self, info: PluginInfo) -> set[str]:
-        return {c.name for c in self.pm.get_hookcallers(info.plugin) or []} if info.plugin else set()
+        """The hooks ``info``'s plugin implements (wrappers around a hook do not count)."""
+        if info.plugin is None:
+            return set()
+        return {
+            caller.name
+            for caller in self.pm.get_hookcallers(info.plugin) or []
+            for impl in caller.get_hookimpls()
+            if impl.plugin is info.plugin and not _is_wrapper(impl)
+        }
 
     def device_plugins(self) -> list[PluginInfo]:
         """Loaded plugins implementing ``kvhal_probe``, plus ones that failed to load."""
@@ -215,9 +361,9 @@ class PluginRegistry:
     def probe(self, info: PluginInfo) -> ProbeOutcome:
         if info.error is not None:
             return ProbeOutcome(info, reason=str(info.error), error=info.error)
-        impl = next(i for i in self.pm.hook.kvhal_probe.get_hookimpls() if i.plugin is info.plugin)
         try:
-            result = impl.function()
+            results = self.call_one("kvhal_probe", info)
+            result = results[0] if len(results) == 1 else results or None
         except Exception as exc:
             error = PluginError(
                 info.name, info.distribution, "kvhal_probe", f"raised {type(exc).__name__}: {exc}"
