@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvhal import KVGeometry, get_kv_from_block, put_kv_into_block
-from kvhal.errors import ValidationError
+from kvhal.errors import ClosedError, ValidationError
 from kvhal.geometry import KVFormat
 from kvhal.hookspecs import hookimpl
 from kvhal.host_tier import HostTier, SlotPool
@@ -203,5 +203,5 @@ def test_close_frees_the_buffer_through_the_device_once(registry):
         tier.view(g, LBHNC)
     tier.close()
     assert recorder.freed == [address]
-    with pytest.raises(ValidationError, match="closed"):
+    with pytest.raises(ClosedError, match="the host tier is closed"):
         tier.view(g, LBHNC)

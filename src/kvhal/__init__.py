@@ -6,6 +6,8 @@ from kvhal.copyplan import CopyPlan, Direction, plan_copy
 from kvhal.descriptor import Capability, DeviceDescriptor, Refusal
 from kvhal.device import Device
 from kvhal.errors import (
+    BlockStateError,
+    ClosedError,
     CopyValidationError,
     DeviceSelectionError,
     KVHALError,
@@ -14,6 +16,8 @@ from kvhal.errors import (
     MissingHookError,
     PluginError,
     PluginLoadError,
+    PluginValidationError,
+    PolicyError,
     TransferError,
     ValidationError,
 )
@@ -26,7 +30,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "STANDARD_LAYOUTS",
+    "BlockStateError",
     "Capability",
+    "ClosedError",
     "CopyPlan",
     "CopyValidationError",
     "Device",
@@ -44,6 +50,8 @@ __all__ = [
     "PluginError",
     "PluginLoadError",
     "PluginRegistry",
+    "PluginValidationError",
+    "PolicyError",
     "Refusal",
     "TransferError",
     "ValidationError",

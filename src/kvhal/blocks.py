@@ -5,14 +5,13 @@ from __future__ import annotations
 import torch
 
 from kvhal.cache import KVCache
-from kvhal.errors import ValidationError
+from kvhal.errors import ValidationError, check_int
 
 BlockKV = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
 
 def _check_block(cache: KVCache, block_id: int) -> None:
-    if isinstance(block_id, bool) or not isinstance(block_id, int):
-        raise ValidationError("block_id", f"must be an int, got {block_id!r}")
+    check_int("block_id", block_id, minimum=None)
     if not 0 <= block_id < cache.num_blocks:
         raise ValidationError("block_id", f"{block_id} is out of range [0, {cache.num_blocks})")
 

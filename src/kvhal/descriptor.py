@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvhal.errors import ValidationError
+from kvhal.errors import ValidationError, check_int
 
 
 class Capability(str, enum.Enum):
@@ -64,14 +64,8 @@ class DeviceDescriptor:
                 raise ValidationError(attr, f"must be a non-empty str, got {value!r}")
         caps = frozenset(str(c.value if isinstance(c, Capability) else c) for c in self.capabilities)
         object.__setattr__(self, "capabilities", caps)
-        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
-            raise ValidationError("priority", f"must be an int, got {self.priority!r}")
-        if (
-            isinstance(self.device_count, bool)
-            or not isinstance(self.device_count, int)
-            or self.device_count < 1
-        ):
-            raise ValidationError("device_count", f"must be an int >= 1, got {self.device_count!r}")
+        check_int("priority", self.priority, minimum=None)
+        check_int("device_count", self.device_count, message="must be an int >= 1, got {value!r}")
         object.__setattr__(self, "details", {str(k): str(v) for k, v in dict(self.details).items()})
 
     def supports(self, capability: Capability | str) -> bool:

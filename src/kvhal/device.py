@@ -26,6 +26,7 @@ from kvhal.errors import (
     PluginValidationError,
     TransferError,
     ValidationError,
+    check_int,
 )
 from kvhal.geometry import KVFormat, KVGeometry
 from kvhal.layouts import LOGICAL_DIMS, KVLayout
@@ -201,8 +202,7 @@ class Device:
 
     def allocate_host_buffer(self, nbytes: int) -> torch.Tensor:
         """A zeroed, 4 KiB-aligned flat host byte buffer, pinned where the device can."""
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
-            raise ValidationError("nbytes", f"must be a positive int, got {nbytes!r}")
+        check_int("nbytes", nbytes)
         hook = "kvhal_allocate_host_buffer"
         buf = self._call_first(hook, nbytes=nbytes)
         if (
@@ -235,8 +235,7 @@ class Device:
     def allocate_host_cache(self, geometry: KVGeometry, layout: KVLayout, num_blocks: int) -> KVCache:
         """A host-side cache of ``num_blocks`` in ``layout``, mirroring a device cache so
         that runs of blocks copy as one piece. Free it with :meth:`free_host_cache`."""
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
-            raise ValidationError("num_blocks", f"must be a positive int, got {num_blocks!r}")
+        check_int("num_blocks", num_blocks)
         host_geometry = geometry.with_num_blocks(num_blocks)
         buffer = self.allocate_host_buffer(dense_nbytes(host_geometry))
         return dense_kv_cache(host_geometry, layout, buffer)

@@ -31,9 +31,29 @@ class CopyValidationError(ValidationError):
     """A block copy was refused before any byte moved (bad ids, mismatched caches)."""
 
 
-class BlockStateError(ValidationError):
+class BlockStateError(KVHALError):
     """Keys are not in the state an offloading-manager call needs (unknown, not
-    ready, no load in flight, store already completed); nothing was changed."""
+    ready, no load in flight, store already completed); nothing was changed.
+
+    A state, not a bad value: not a :class:`ValueError`.
+
+    :param argument: the argument holding the keys (``"keys"``).
+    """
+
+    def __init__(self, argument: str, message: str) -> None:
+        self.argument = argument
+        super().__init__(f"{argument}: {message}")
+
+
+class ClosedError(KVHALError):
+    """The object (a host tier, a transfer engine) was closed; it cannot be used any more.
+
+    :param what: what was closed, e.g. ``"host tier"``.
+    """
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        super().__init__(f"the {what} is closed")
 
 
 class PolicyError(KVHALError):
@@ -95,3 +115,38 @@ class DeviceSelectionError(KVHALError):
 
 class TransferError(KVHALError):
     """An asynchronous block copy failed; the destination blocks hold no valid KV."""
+
+
+def check_int(
+    argument: str,
+    value: object,
+    *,
+    minimum: int | None = 1,
+    below: int | None = None,
+    message: str | None = None,
+) -> int:
+    """``value`` if it is an ``int`` (a ``bool`` is not) in ``[minimum, below)``, else a
+    :class:`ValidationError` naming ``argument``.
+
+    :param minimum: the smallest value allowed (default 1: a positive int); ``None`` for no bound.
+    :param below: the first value not allowed above, or ``None``.
+    :param message: the error's text, formatted with ``value`` (``"slot {value!r} ..."``);
+        by default it says what was expected.
+    """
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or (minimum is not None and value < minimum)
+        or (below is not None and value >= below)
+    ):
+        if message is None:
+            if below is not None:
+                message = f"{{value!r}} is not in [{minimum}, {below})"
+            elif minimum == 1:
+                message = "must be a positive int, got {value!r}"
+            elif minimum is not None:
+                message = f"must be an int >= {minimum}, got {{value!r}}"
+            else:
+                message = "must be an int, got {value!r}"
+        raise ValidationError(argument, message.format(value=value))
+    return value

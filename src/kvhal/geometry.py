@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvhal.errors import ValidationError
+from kvhal.errors import ValidationError, check_int
 
 
 class KVFormat(str, enum.Enum):
@@ -47,8 +47,7 @@ class KVGeometry:
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_blocks", "block_size", "num_kv_heads", "head_size"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValidationError(name, f"must be a positive int, got {value!r}")
+            check_int(name, value)
         if not isinstance(self.dtype, torch.dtype):
             raise ValidationError("dtype", f"must be a torch.dtype, got {self.dtype!r}")
         try:
@@ -60,8 +59,7 @@ class KVGeometry:
         if self.head_size_v is None:
             object.__setattr__(self, "head_size_v", self.head_size)
         v = self.head_size_v
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise ValidationError("head_size_v", f"must be an int >= 0, got {v!r}")
+        check_int("head_size_v", v, minimum=0)
         if v == 0 and self.kv_format is KVFormat.SPLIT:
             raise ValidationError("head_size_v", "a SPLIT cache needs a V head size > 0")
 

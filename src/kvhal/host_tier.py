@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from kvhal.cache import DEFAULT_ALIGNMENT, KVCache, dense_kv_cache
-from kvhal.errors import ValidationError
+from kvhal.errors import ClosedError, ValidationError, check_int
 from kvhal.geometry import KVGeometry
 from kvhal.layouts import KVLayout
 
@@ -28,10 +28,6 @@ if TYPE_CHECKING:
     from kvhal.device import Device
 
 
-def _positive_int(argument: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValidationError(argument, f"must be a positive int, got {value!r}")
-    return value
 
 
 class SlotPool:
@@ -43,7 +39,7 @@ class SlotPool:
     """
 
     def __init__(self, num_slots: int) -> None:
-        self.num_slots = _positive_int("num_slots", num_slots)
+        self.num_slots = check_int("num_slots", num_slots)
         self.ids: tuple[int, ...] = tuple(range(num_slots))
         self._free = list(reversed(self.ids))  # popped from the end: 0, 1, 2, ...
         self._taken = bytearray(num_slots)
@@ -54,8 +50,7 @@ class SlotPool:
 
     def allocate(self, n: int) -> list[int] | None:
         """``n`` free slot ids (ascending where the free list allows), or ``None`` if fewer are free."""
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValidationError("n", f"must be an int >= 0, got {n!r}")
+        check_int("n", n, minimum=0)
         free = self._free
         if n > len(free):
             return None
@@ -74,9 +69,9 @@ class SlotPool:
         ids = list(ids)
         taken = self._taken
         seen = set()
+        not_a_slot = f"slot {{value!r}} is not in [0, {self.num_slots})"
         for slot in ids:
-            if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.num_slots:
-                raise ValidationError("ids", f"slot {slot!r} is not in [0, {self.num_slots})")
+            check_int("ids", slot, minimum=0, below=self.num_slots, message=not_a_slot)
             if not taken[slot] or slot in seen:
                 raise ValidationError("ids", f"slot {slot} is already free (double free)")
             seen.add(slot)
@@ -111,8 +106,8 @@ class HostTier:
     """
 
     def __init__(self, device: Device, capacity_bytes: int, slot_bytes: int) -> None:
-        _positive_int("capacity_bytes", capacity_bytes)
-        self.slot_bytes = _positive_int("slot_bytes", slot_bytes)
+        check_int("capacity_bytes", capacity_bytes)
+        self.slot_bytes = check_int("slot_bytes", slot_bytes)
         if capacity_bytes < slot_bytes:
             raise ValidationError(
                 "capacity_bytes", f"{capacity_bytes} bytes cannot hold one slot of {slot_bytes} bytes"
@@ -141,7 +136,7 @@ class HostTier:
 
     def _buffer(self) -> torch.Tensor:
         if self.buffer is None:
-            raise ValidationError("tier", "the host tier is closed")
+            raise ClosedError("host tier")
         return self.buffer
 
     def view(self, geometry: KVGeometry, layout: KVLayout) -> KVCache:

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvhal.cache import KVCache
-from kvhal.errors import ValidationError
+from kvhal.errors import ValidationError, check_int
 from kvhal.host_tier import HostTier
 from kvhal.manager import OffloadingManager
 from kvhal.transfer import TransferEngine, TransferKind, TransferResult
@@ -37,9 +37,9 @@ def _check_block_ids(block_ids: Sequence[int], keys: Sequence[bytes], cache: KVC
     ids = list(block_ids)
     if len(ids) != len(keys):
         raise ValidationError("block_ids", f"{len(ids)} block ids for {len(keys)} keys")
+    not_a_block = f"{{value!r}} is not a block id in [0, {cache.num_blocks})"
     for block in ids:
-        if isinstance(block, bool) or not isinstance(block, int) or not 0 <= block < cache.num_blocks:
-            raise ValidationError("block_ids", f"{block!r} is not a block id in [0, {cache.num_blocks})")
+        check_int("block_ids", block, minimum=0, below=cache.num_blocks, message=not_a_block)
     if len(set(ids)) != len(ids):
         raise ValidationError("block_ids", "a device block is listed twice")
     return ids
@@ -69,9 +69,9 @@ class Offloader:
         self.views = [host_tier.view(cache.geometry, cache.layout) for cache in self.caches]
 
     def _group(self, group: int) -> int:
-        if isinstance(group, bool) or not isinstance(group, int) or not 0 <= group < len(self.caches):
-            raise ValidationError("group", f"{group!r} is not a KV cache group in [0, {len(self.caches)})")
-        return group
+        groups = len(self.caches)
+        message = f"{{value!r}} is not a KV cache group in [0, {groups})"
+        return check_int("group", group, minimum=0, below=groups, message=message)
 
     def store(self, group: int, keys: Sequence[bytes], block_ids: Sequence[int]) -> StoreJob | None:
         """Offload device blocks ``block_ids`` of ``group`` under ``keys``.
