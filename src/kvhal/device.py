@@ -77,6 +77,7 @@ class Device:
 
     @property
     def name(self) -> str:
+        """The device's name as its plugin's probe declared it (``"cpu"``, ``"cuda"``)."""
         return self.descriptor.name
 
     def on(self, index: int) -> Device:
@@ -223,9 +224,12 @@ class Device:
         return buf
 
     def free_host_buffer(self, buffer: torch.Tensor) -> None:
+        """Release a buffer from :meth:`allocate_host_buffer` (unpin it); call once, after
+        the copies that use it have finished and its views are dropped."""
         self._call("kvhal_free_host_buffer", buffer=buffer)
 
     def host_buffer_is_pinned(self, buffer: torch.Tensor) -> bool:
+        """Whether ``buffer`` is page-locked (pinned, registered or locked) as the device defines it."""
         hook = "kvhal_host_buffer_is_pinned"
         result = self._call_first(hook, buffer=buffer)
         if not isinstance(result, bool):
@@ -241,21 +245,26 @@ class Device:
         return dense_kv_cache(host_geometry, layout, buffer)
 
     def free_host_cache(self, cache: KVCache) -> None:
+        """Release the host buffers under a cache from :meth:`allocate_host_cache`."""
         for buffer in cache.storage:
             self.free_host_buffer(buffer)
 
     # -- streams and events -------------------------------------------------
 
     def create_stream(self, device: torch.device | str | None = None) -> Any:
+        """A new copy stream on ``device`` (default: this facade's device)."""
         return self._call_first("kvhal_create_stream", device=self._dev(device))
 
     def current_stream(self, device: torch.device | str | None = None) -> Any:
+        """The stream the engine computes on: copies are ordered after its work."""
         return self._call_first("kvhal_current_stream", device=self._dev(device))
 
     def create_event(self, device: torch.device | str | None = None) -> Any:
+        """A new event, to record on a stream and wait for."""
         return self._call_first("kvhal_create_event", device=self._dev(device))
 
     def record_event(self, event: Any, stream: Any) -> None:
+        """Mark ``event`` to complete when the work submitted to ``stream`` so far has finished."""
         self._call("kvhal_record_event", event=event, stream=stream)
 
     def query_event(self, event: Any) -> bool:
@@ -267,9 +276,11 @@ class Device:
         return result
 
     def synchronize_event(self, event: Any) -> None:
+        """Block until ``event`` completes; raises :class:`TransferError` if its copy failed."""
         self._call("kvhal_synchronize_event", event=event)
 
     def stream_wait_event(self, stream: Any, event: Any) -> None:
+        """Make work submitted to ``stream`` from now on wait for ``event`` (without blocking)."""
         self._call("kvhal_stream_wait_event", stream=stream, event=event)
 
     def order_after_compute(self, stream: Any) -> None:

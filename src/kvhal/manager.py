@@ -20,8 +20,8 @@ stored or loaded are never evicted (vLLM PR #20075's race).
 
 Not thread-safe: like vLLM's scheduler, one thread calls it.
 
-Memory per tracked block (the 128-byte budget; vLLM 0.32's manager takes
-about 500): the key index, 16-24 bytes natively (:mod:`kvhal.keyindex`),
+Memory per tracked block (about 80 bytes; vLLM 0.32's manager takes about
+500, BENCHMARKS.md): the key index, 16-24 bytes natively (:mod:`kvhal.keyindex`),
 4 bytes of state (``array('i')``), the free list's 4 bytes and 1 taken byte,
 and the policy's own (LRU: 8 bytes of links).
 """
@@ -144,18 +144,22 @@ class OffloadingManager:
 
     @property
     def num_slots(self) -> int:
+        """Slots in all (each holds one block of one KV cache group)."""
         return self._pool.num_slots
 
     @property
     def num_free(self) -> int:
+        """Slots holding nothing."""
         return self._pool.num_free
 
     @property
     def num_storing(self) -> int:
+        """Blocks between ``prepare_store`` and ``complete_store``."""
         return self._num_storing
 
     @property
     def num_evictable(self) -> int:
+        """Ready blocks with no load in flight: what eviction may take."""
         return self._num_evictable
 
     def __len__(self) -> int:
@@ -163,16 +167,19 @@ class OffloadingManager:
         return len(self._index)
 
     def state(self, key: bytes) -> BlockState:
+        """Whether ``key`` is absent, being stored, or ready to load."""
         slot = self._index.get(key)
         if slot is None:
             return BlockState.ABSENT
         return BlockState.STORING if self._refs[slot] == STORING else BlockState.READY
 
     def loads_in_flight(self, key: bytes) -> int:
+        """Loads of ``key`` prepared and not yet completed (0 for an unknown key)."""
         slot = self._index.get(key)
         return 0 if slot is None else max(self._refs[slot], 0)
 
     def slot(self, key: bytes) -> int | None:
+        """The host slot holding ``key``, or ``None``."""
         return self._index.get(key)
 
     def _slots(self, keys: Iterable[bytes]) -> list[int | None]:

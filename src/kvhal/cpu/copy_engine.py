@@ -1,7 +1,7 @@
 """Executing byte descriptors on the CPU: the native batch kernel, split over threads.
 
-One plain memcpy on these machines reaches its bandwidth only with both cores
-and non-temporal stores (BENCHMARKS.md); a batch is therefore cut into
+A single thread's memcpy does not reach a machine's memory bandwidth, and
+regular stores pollute the cache with KV nobody reads soon (BENCHMARKS.md); a batch is therefore cut into
 byte-balanced shares, one per thread, each run by ``kvhal.cpu._memcpy`` with
 the GIL released. Without the compiled kernel, ``ctypes.memmove`` does the
 same work one descriptor at a time.
