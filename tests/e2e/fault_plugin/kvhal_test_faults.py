@@ -7,16 +7,29 @@ its destination blocks are overwritten with noise and its event raises
 TransferError: if kvhal or vLLM used those blocks anyway, outputs would change.
 ``corrupt_load`` is the negative control that works across processes: loads
 succeed, but their destination blocks are overwritten with noise first.
+``slow_store`` and ``slow_load`` make copies slow, not wrong: the copy stream
+sleeps ``KVHAL_TEST_FAULT_DELAY_S`` seconds (default 1) before the copy reads
+its source, so a block rewritten while the copy is in flight is copied wrong.
+``KVHAL_TEST_FAULT_RANKS`` (e.g. ``1``) limits every mode to those ranks of
+``torch.distributed`` (a tensor-parallel engine's workers; an engine that has
+not set up ``torch.distributed`` is rank 0).
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import sys
+import time
+
+import torch.distributed as dist
 
 from kvhal.cpu.streams import CPUEvent, _Marker
 from kvhal.errors import TransferError
 from kvhal.hookspecs import hookimpl
+
+#: What each injected fault writes to stderr, followed by the mode and ``rank=N``.
+INJECTED = "kvhal_test_faults: injected"
 
 
 def failed_event() -> CPUEvent:
@@ -32,6 +45,16 @@ class FaultInjector:
     def __init__(self) -> None:
         self.modes = {m.strip() for m in os.environ.get("KVHAL_TEST_FAULTS", "").split(",") if m.strip()}
         self.host_buffers: list[tuple[int, int]] = []
+        ranks = os.environ.get("KVHAL_TEST_FAULT_RANKS", "")
+        self.ranks = {int(r) for r in ranks.split(",") if r.strip()} or None
+
+    @staticmethod
+    def _rank() -> int:
+        # read at copy time: vLLM sets up torch.distributed after plugins are loaded
+        return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+    def _rank_selected(self) -> bool:
+        return self.ranks is None or self._rank() in self.ranks
 
     def _in_host_tier(self, cache) -> bool:
         ptr = cache.storage[0].data_ptr() if cache.storage else cache.layers[0][0].data_ptr()
@@ -43,14 +66,24 @@ class FaultInjector:
         self.host_buffers.append((buffer.data_ptr(), buffer.numel()))
         return buffer
 
+    def _delay(self, plan, stream) -> None:
+        kind = "store" if self._in_host_tier(plan.dst) else "load" if self._in_host_tier(plan.src) else None
+        if kind is not None and f"slow_{kind}" in self.modes:
+            delay = float(os.environ.get("KVHAL_TEST_FAULT_DELAY_S", "1"))
+            stream.submit(lambda: time.sleep(delay))  # runs before the copy, on its stream
+
     @hookimpl(wrapper=True)
     def kvhal_copy_blocks(self, plan, stream):
+        self._delay(plan, stream)
         event = yield
         kind = "store" if self._in_host_tier(plan.dst) else "load" if self._in_host_tier(plan.src) else None
         corrupt = kind == "load" and "corrupt_load" in self.modes
-        if kind not in self.modes and not corrupt:
+        if (kind not in self.modes and not corrupt) or not self._rank_selected():
             return event
         event.synchronize()
+        # tests read this line from the engine's log to see which ranks were hit
+        mode = "corrupt_load" if corrupt else kind
+        print(f"{INJECTED} {mode} rank={self._rank()}", file=sys.stderr, flush=True)
         _, dst, sizes = plan.descriptors
         for address, size in zip(dst.tolist(), sizes.tolist(), strict=True):
             ctypes.memset(address, 0x7F, size)
