@@ -11,9 +11,15 @@ block of every layer in one contiguous region ("cross-layer blocks").
 
 from __future__ import annotations
 
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvhal.errors import LayoutError
+
+log = logging.getLogger(__name__)
 
 LOGICAL_DIMS = "LBHNC"
 LAYER_DIM, BLOCK_DIM = 0, 1
@@ -99,3 +105,38 @@ def layout_by_name(name: str) -> KVLayout:
     if upper in LEGACY_ALIASES:
         return LEGACY_ALIASES[upper]
     return KVLayout.from_name(upper)
+
+
+#: Imported by vLLM when it selects attention backends: the sign kvhal runs in an engine.
+VLLM_BACKEND_REGISTRY = "vllm.v1.attention.backends.registry"
+
+
+def layouts_from_engine(
+    attention_backend: str, any_layout: Sequence[KVLayout]
+) -> tuple[KVLayout, ...] | None:
+    """The layouts the running engine's own backend class declares, or ``None``.
+
+    Inside a vLLM engine (vLLM's attention backend registry already imported),
+    asks vLLM's class for ``attention_backend`` (``supported_kv_cache_layouts()``,
+    see :mod:`kvhal.vllm.backends`). Anywhere else it answers ``None`` at once
+    rather than import vLLM (seconds, and platform detection) for what a table
+    answers. Device plugins call it first and fall back to their own tables on
+    ``None``.
+
+    :param attention_backend: vLLM's backend name: an ``AttentionBackendEnum``
+        name or a backend's ``get_name()``.
+    :param any_layout: what "any layout" means on the caller's device, returned
+        when the backend declares no restriction.
+    :return: layouts, preferred first; ``None`` outside a vLLM engine, when vLLM
+        knows no imported backend by that name, or when its answer could not be
+        read (the reason is logged at debug level).
+    """
+    if VLLM_BACKEND_REGISTRY not in sys.modules:
+        return None
+    try:
+        backends = importlib.import_module("kvhal.vllm.backends")
+        declared = backends.declared_layouts(attention_backend)
+    except Exception as exc:  # a vLLM lookup never breaks the hook: the caller's table answers
+        log.debug("no KV layouts from vLLM for %r: %s: %s", attention_backend, type(exc).__name__, exc)
+        return None
+    return tuple(any_layout) if declared is None else declared

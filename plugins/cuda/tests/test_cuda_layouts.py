@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import importlib
+import sys
 
 import pytest
 
-from kvhal.layouts import BLHNC, LBHNC, LHBNC, layout_by_name
+from kvhal.layouts import BLHNC, BLNHC, LBHNC, LHBNC, VLLM_BACKEND_REGISTRY, layout_by_name
 from kvhal_cuda.layouts import (
     ANY_LAYOUT,
     CUDA_BACKEND_LAYOUTS,
@@ -15,23 +16,15 @@ from kvhal_cuda.layouts import (
     cuda_kv_layouts,
 )
 from kvhal_cuda.plugin import CUDAPlugin
+from tests import vllm_backend_sources as sources
 
 utils = pytest.importorskip("vllm.v1.attention.backends.utils")
 registry = pytest.importorskip("vllm.v1.attention.backends.registry")
+engine_backends = pytest.importorskip("tests.engine_backends")
 
 
 def as_kvhal(vllm_layouts):
     return tuple(layout_by_name(layout.name) for layout in vllm_layouts)
-
-
-def vllm_backend(name: str):
-    """The backend class of vLLM's enum member ``name``; skips where it needs a GPU library."""
-    path = registry.AttentionBackendEnum[name].value
-    module, _, cls = path.rpartition(".")
-    try:
-        return getattr(importlib.import_module(module), cls)
-    except (ImportError, RuntimeError, OSError, AssertionError) as exc:
-        pytest.skip(f"{name} does not import without a GPU: {type(exc).__name__}: {exc}")
 
 
 def test_any_layout_is_vllms_default_preference():
@@ -39,10 +32,30 @@ def test_any_layout_is_vllms_default_preference():
 
 
 @pytest.mark.parametrize("name", sorted(CUDA_BACKEND_LAYOUTS))
-def test_each_backend_entry_matches_vllm(name):
-    declared = vllm_backend(name).supported_kv_cache_layouts()
-    expected = ANY_LAYOUT if declared is None else as_kvhal(declared)
-    assert cuda_kv_layouts(name, capability_major=9) == expected
+def test_each_backend_entry_matches_vllms_class(name):
+    for cls in engine_backends.vllm_backends(name):
+        declared = cls.supported_kv_cache_layouts()
+        expected = ANY_LAYOUT if declared is None else as_kvhal(declared)
+        assert cuda_kv_layouts(name, capability_major=9) == expected, cls
+
+
+@pytest.mark.parametrize("name", sorted(CUDA_BACKEND_LAYOUTS))
+def test_each_backend_entry_matches_vllms_source(name):
+    # Also covers the classes that need CUDA libraries to import.
+    keys = engine_backends.class_paths(name)
+    answers = {sources.declared(key) for key in keys}
+    assert keys and sources.CONDITIONAL not in answers, f"{name}: {keys} {answers}"
+    for answer in answers:
+        expected = ANY_LAYOUT if answer is None else tuple(layout_by_name(x) for x in answer)
+        assert cuda_kv_layouts(name, capability_major=9) == expected, f"{name}: {keys}"
+
+
+def test_the_issue_backends_are_covered():
+    for name in ("B12X", "HPC_ATTN", "KPOOL_TAIL"):
+        assert name in CUDA_BACKEND_LAYOUTS
+    assert cuda_kv_layouts("B12X", None) == (LBHNC, BLHNC)
+    assert cuda_kv_layouts("hpc_attn", None) == (layout_by_name("LBNHC"),)
+    assert cuda_kv_layouts("KPOOL_TAIL", None) == (BLHNC,)
 
 
 def test_mla_backends_inherit_any_layout_from_mla_common():
@@ -69,7 +82,31 @@ def test_default_and_unknown_backends_accept_any_layout():
     assert cuda_kv_layouts("flex_attention", None) == CUDA_BACKEND_LAYOUTS["FLEX_ATTENTION"]
 
 
-def test_the_hook_answers_without_a_device_for_non_flashinfer_backends():
+def test_outside_an_engine_the_hook_answers_from_the_table(monkeypatch):
+    monkeypatch.delitem(sys.modules, VLLM_BACKEND_REGISTRY)
     plugin = CUDAPlugin()
     assert plugin.kvhal_kv_layouts("FLEX_ATTENTION") == CUDA_BACKEND_LAYOUTS["FLEX_ATTENTION"]
+    assert plugin.kvhal_kv_layouts("B12X") == (LBHNC, BLHNC)
     assert plugin.kvhal_kv_layouts(None) == ANY_LAYOUT
+    with engine_backends.registered("CUSTOM", "KVHAL_TEST_CUDA", ("BLNHC",)):
+        assert plugin.kvhal_kv_layouts("CUSTOM") == ANY_LAYOUT  # unknown to the table
+
+
+def test_in_an_engine_vllms_class_answers():
+    plugin = CUDAPlugin()
+    with engine_backends.registered("CUSTOM", "KVHAL_TEST_CUDA", ("BLNHC",)):
+        assert plugin.kvhal_kv_layouts("CUSTOM") == (BLNHC,)  # the table would say ANY_LAYOUT
+    importlib.import_module("vllm.v1.attention.backends.b12x")
+    assert plugin.kvhal_kv_layouts("B12X") == (LBHNC, BLHNC)
+
+
+@pytest.mark.parametrize(
+    ("declares", "expected"),
+    [(None, FLASHINFER_ANY), (("LBHNC", "BLHNC"), FLASHINFER_SM100)],
+    ids=["any", "sm100"],
+)
+def test_flashinfer_in_an_engine_needs_no_device_query(declares, expected):
+    # vLLM's FlashInfer class already asked the device; the plugin must not (no GPU here:
+    # torch.cuda.get_device_capability would raise). "Any" still excludes LHBNC.
+    with engine_backends.registered("FLASHINFER", "FLASHINFER", declares):
+        assert CUDAPlugin().kvhal_kv_layouts("FLASHINFER") == expected

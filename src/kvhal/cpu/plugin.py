@@ -19,10 +19,18 @@ from kvhal.cpu.streams import CPUEvent, CPUStream, InlineStream
 from kvhal.descriptor import Capability, DeviceDescriptor, Refusal
 from kvhal.geometry import KVGeometry
 from kvhal.hookspecs import hookimpl
-from kvhal.layouts import LBHNC, STANDARD_LAYOUTS, KVLayout
+from kvhal.layouts import BLHNC, BLNHC, LBHNC, STANDARD_LAYOUTS, KVLayout, layouts_from_engine
 
-#: vLLM 0.32's CPU attention backend reads only LBHNC (``cpu_attn.py``).
-VLLM_CPU_BACKENDS = {"CPU_ATTN", "TORCH_SDPA", "CPU"}
+#: vLLM 0.32's CPU backends that read fixed layouts (backend name -> layouts, preferred first),
+#: used when vLLM itself does not answer: the CPU attention backend reads only LBHNC
+#: (``cpu_attn.py:73``; ``TORCH_SDPA`` and ``CPU`` are older names), DeepSeek-V4's CPU
+#: indexer inherits DEEPSEEK_V4_INDEXER's B-outermost pair (``models/deepseek_v4/cpu/cpu_mla.py``).
+VLLM_CPU_BACKEND_LAYOUTS: dict[str, tuple[KVLayout, ...]] = {
+    "CPU_ATTN": (LBHNC,),
+    "TORCH_SDPA": (LBHNC,),
+    "CPU": (LBHNC,),
+    "CPU_V4_INDEXER": (BLHNC, BLNHC),
+}
 
 
 class CPUPlugin:
@@ -70,10 +78,13 @@ class CPUPlugin:
 
     @hookimpl
     def kvhal_kv_layouts(self, attention_backend: str | None) -> Sequence[KVLayout]:
-        if attention_backend is not None and attention_backend.upper() in VLLM_CPU_BACKENDS:
-            return (LBHNC,)
-        # Torch-level CPU kernels index any strided view.
-        return STANDARD_LAYOUTS
+        if attention_backend is None:
+            # Torch-level CPU kernels index any strided view.
+            return STANDARD_LAYOUTS
+        derived = layouts_from_engine(attention_backend, any_layout=STANDARD_LAYOUTS)
+        if derived is not None:
+            return derived
+        return VLLM_CPU_BACKEND_LAYOUTS.get(attention_backend.upper(), STANDARD_LAYOUTS)
 
     @hookimpl
     def kvhal_allocate_kv_cache(

@@ -1,10 +1,14 @@
 """KV layouts of vLLM 0.32's CUDA attention backends.
 
-Values are the backends' ``supported_kv_cache_layouts()`` (first preferred).
-A backend that declares ``None`` accepts any layout; vLLM then prefers
-``_DEFAULT_LAYOUT_PREFERENCE`` (``vllm/v1/attention/backends/utils.py``), which
-:data:`ANY_LAYOUT` mirrors. Tests cross-check every table entry against the
-installed vLLM where the backend class imports without a GPU.
+Inside a vLLM engine the backend class vLLM runs answers
+(:func:`kvhal.layouts.layouts_from_engine`); these tables answer everywhere
+else and whenever vLLM has no answer. Values are the backends'
+``supported_kv_cache_layouts()`` (first preferred), keyed by vLLM's enum name
+and, where it differs, the backend's ``get_name()``. A backend that declares
+``None`` accepts any layout; vLLM then prefers ``_DEFAULT_LAYOUT_PREFERENCE``
+(``vllm/v1/attention/backends/utils.py``), which :data:`ANY_LAYOUT` mirrors.
+Tests cross-check every table entry against the installed vLLM (the class, or
+its source where the class needs a GPU library to import).
 """
 
 from __future__ import annotations
@@ -26,6 +30,18 @@ CUDA_BACKEND_LAYOUTS: dict[str, tuple[KVLayout, ...]] = {
     "TRITON_ATTN": ANY_LAYOUT,  # triton_attn.py:282 inherits None
     "FLEX_ATTENTION": (LBNHC,),  # flex_attention.py:130: only LBNHC's strides flatten (B, N)
     "TURBOQUANT": (LBNHC,),  # turboquant_attn.py:160
+    # triton_flash_attn.py: a composite (composite.py:502) of two backends that declare None.
+    "TRITON_FLASH_ATTN": ANY_LAYOUT,
+    "B12X": (LBHNC, BLHNC),  # b12x.py:248 (compute capability 12.x)
+    "HPC_ATTN": (LBNHC,),  # hpc_attn.py:321 (Hopper)
+    # Model-driven caches vLLM names only by get_name(): their pages sit beside the
+    # attention pages inside a block, so B is outermost.
+    "KPOOL_TAIL": (BLHNC,),  # mla/indexer.py:313, GLM-5.3-Flash's kpool tail
+    "DEEPSEEK_V4_INDEXER": (BLHNC, BLNHC),  # mla/indexer.py:348
+    "DEEPSEEK_V41_INDEXER": (BLHNC, BLNHC),  # mla/indexer.py: inherits DEEPSEEK_V4_INDEXER's
+    "DEEPSEEK_V41_SPARSE_INDEXER": (BLHNC, BLNHC),  # mla/sparse_indexer.py: inherits the same
+    "DOTS3_NOTE_PADDED_MLA_SPARSE": (BLHNC,),  # models/dots3_note/nvidia/attention.py:697
+    "QWEN4_EXP_EXP_QSA_STATE": (BLNHC, BLHNC),  # models/qwen4_exp/common/qsa_cache.py:754
     # MLA backends inherit None from MLACommonBackend.
     "FLASHMLA": ANY_LAYOUT,
     "CUTLASS_MLA": ANY_LAYOUT,
@@ -35,8 +51,13 @@ CUDA_BACKEND_LAYOUTS: dict[str, tuple[KVLayout, ...]] = {
 }
 
 
+def cuda_any_layout(attention_backend: str) -> tuple[KVLayout, ...]:
+    """What "any layout" means for ``attention_backend`` on a CUDA device."""
+    return FLASHINFER_ANY if attention_backend.upper() == "FLASHINFER" else ANY_LAYOUT
+
+
 def cuda_kv_layouts(attention_backend: str | None, capability_major: int | None) -> tuple[KVLayout, ...]:
-    """Layouts a CUDA device's attention kernels accept, preferred first.
+    """Layouts a CUDA device's attention kernels accept, preferred first, from the tables.
 
     :param attention_backend: vLLM's backend name, or ``None`` for the default kernels.
     :param capability_major: the device's compute capability major (FlashInfer

@@ -9,11 +9,11 @@ import torch
 from kvhal.accel.engines import CopyEngine
 from kvhal.descriptor import DeviceDescriptor, Refusal
 from kvhal.hookspecs import hookimpl
-from kvhal.layouts import KVLayout
+from kvhal.layouts import KVLayout, layouts_from_engine
 from kvhal_cuda.engines import BATCHED_ENGINES, ENGINE_ENV, cuda_engine_factories, cuda_engine_names
 from kvhal_cuda.facts import TorchFacts
 from kvhal_cuda.gpu import TorchGpuPlugin
-from kvhal_cuda.layouts import cuda_kv_layouts
+from kvhal_cuda.layouts import cuda_any_layout, cuda_kv_layouts
 from kvhal_cuda.probe import decide_cuda
 
 
@@ -35,7 +35,12 @@ class CUDAPlugin(TorchGpuPlugin):
 
     @hookimpl
     def kvhal_kv_layouts(self, attention_backend: str | None) -> Sequence[KVLayout]:
+        if attention_backend is None:
+            return cuda_kv_layouts(None, None)
+        derived = layouts_from_engine(attention_backend, any_layout=cuda_any_layout(attention_backend))
+        if derived is not None:
+            return derived
         major = None
-        if attention_backend is not None and attention_backend.upper() == "FLASHINFER":
+        if attention_backend.upper() == "FLASHINFER":
             major = torch.cuda.get_device_capability()[0]
         return cuda_kv_layouts(attention_backend, major)

@@ -15,12 +15,12 @@ from kvhal.cache import KVCache
 from kvhal.descriptor import DeviceDescriptor, Refusal
 from kvhal.geometry import KVGeometry
 from kvhal.hookspecs import hookimpl
-from kvhal.layouts import KVLayout
+from kvhal.layouts import KVLayout, layouts_from_engine
 from kvhal_npu.allocation import allocate_aligned_kv_cache
 from kvhal_npu.engines import ASCEND_SWAP_BLOCKS_BATCH, ENGINE_ENV, npu_engine_factories, npu_engine_names
 from kvhal_npu.facts import NpuFacts, decide_npu, find_ascend_op, gather_npu_facts
 from kvhal_npu.host_memory import AclHost, PinnedHostBuffers
-from kvhal_npu.layouts import npu_kv_layouts
+from kvhal_npu.layouts import ASCEND_BACKEND_NAMES, ASCEND_LAYOUTS, npu_kv_layouts
 
 
 class NPUPlugin(EngineCopyHooks, HostBufferHooks):
@@ -91,6 +91,11 @@ class NPUPlugin(EngineCopyHooks, HostBufferHooks):
 
     @hookimpl
     def kvhal_kv_layouts(self, attention_backend: str | None) -> Sequence[KVLayout]:
+        if attention_backend is not None and attention_backend.upper() in ASCEND_BACKEND_NAMES:
+            # vllm-ascend allocates its own (K, V) tensors: "any layout" leaves the table's answer.
+            derived = layouts_from_engine(attention_backend, any_layout=ASCEND_LAYOUTS)
+            if derived is not None:
+                return derived
         return npu_kv_layouts(attention_backend)
 
     @hookimpl

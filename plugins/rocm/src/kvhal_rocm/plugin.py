@@ -12,7 +12,7 @@ from kvhal.cache import KVCache, dense_kv_cache, dense_nbytes
 from kvhal.descriptor import DeviceDescriptor, Refusal
 from kvhal.geometry import KVGeometry
 from kvhal.hookspecs import hookimpl
-from kvhal.layouts import KVLayout
+from kvhal.layouts import KVLayout, layouts_from_engine
 from kvhal_cuda import native
 from kvhal_cuda.engines import (
     TORCH_COPY,
@@ -30,7 +30,7 @@ from kvhal_rocm.batching import (
     BatchPolicy,
     rocm_engine_names,
 )
-from kvhal_rocm.layouts import rocm_kv_layouts, shuffle_kv_enabled
+from kvhal_rocm.layouts import ANY_LAYOUT, rocm_engine_name, rocm_kv_layouts, shuffle_kv_enabled
 from kvhal_rocm.probe import decide_rocm
 
 #: vLLM pads ROCm KV buffers to whole pages for MoRIIO's RDMA registration
@@ -85,6 +85,10 @@ class ROCmPlugin(TorchGpuPlugin):
 
     @hookimpl
     def kvhal_kv_layouts(self, attention_backend: str | None) -> Sequence[KVLayout]:
+        if attention_backend is not None:
+            derived = layouts_from_engine(rocm_engine_name(attention_backend), any_layout=ANY_LAYOUT)
+            if derived is not None:
+                return derived
         return rocm_kv_layouts(attention_backend, shuffle_kv_enabled(dict(os.environ)))
 
     @hookimpl
