@@ -43,7 +43,7 @@ def test_engine_copies_exactly(kernel, threads, monkeypatch):
     # odd sizes and offsets exercise the unaligned head and tail of the streaming copy
     sizes = np.array([1, 7, 64, 65, 4095, 70_001, 1 << 20], dtype=np.int64)
     offsets = np.concatenate(([3], 3 + np.cumsum(sizes)[:-1] + np.arange(1, len(sizes)) * 5))
-    monkeypatch.setattr(copy_engine, "NT_THRESHOLD", 64)
+    engine.nt_threshold = 64
     engine.run(src.data_ptr() + offsets, dst.data_ptr() + offsets, sizes)
     expected = torch.zeros_like(dst)
     for o, n in zip(offsets.tolist(), sizes.tolist(), strict=True):

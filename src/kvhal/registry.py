@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import importlib.metadata
 import inspect
-import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import pluggy
 
-from kvhal import hookspecs
+from kvhal import env, hookspecs
 from kvhal.descriptor import DeviceDescriptor, Refusal
 from kvhal.device import Device
 from kvhal.errors import (
@@ -133,10 +132,10 @@ class PluginRegistry:
         block: str | Iterable[str] | None = None,
         autoload: bool | None = None,
     ) -> None:
-        self.allow = _split_names(allow if allow is not None else os.environ.get(ENV_ALLOW))
-        self.block = _split_names(block if block is not None else os.environ.get(ENV_BLOCK)) or set()
+        self.allow = _split_names(allow if allow is not None else env.read(ENV_ALLOW))
+        self.block = _split_names(block if block is not None else env.read(ENV_BLOCK)) or set()
         if autoload is None:
-            autoload = os.environ.get(ENV_NO_AUTOLOAD, "") not in ("1", "true", "yes")
+            autoload = (env.read(ENV_NO_AUTOLOAD) or "") not in ("1", "true", "yes")
         self.pm = pluggy.PluginManager(hookspecs.PROJECT)
         self.pm.add_hookspecs(hookspecs)
         self.plugins: list[PluginInfo] = []
@@ -400,7 +399,7 @@ class PluginRegistry:
         outcomes = self.probe_all()
         selection = Selection(outcomes)
         named_by = "argument" if name else ENV_DEVICE
-        name = name or os.environ.get(ENV_DEVICE) or None
+        name = name or env.read(ENV_DEVICE)
         try:
             chosen, selection.why = self._choose(outcomes, name, device_type, named_by)
             selection.device = self._bind(chosen)

@@ -20,13 +20,13 @@ Ordering after compute is :meth:`kvhal.device.Device.submit`'s job: it makes
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from kvhal import env
 from kvhal.accel.descriptors import Descriptors
 from kvhal.accel.engines import CopyEngine, CopyJob, EngineChain, build_engines
 from kvhal.accel.events import CopyEvent
@@ -108,7 +108,7 @@ class EngineCopyHooks(TorchStreamHooks):
         return _NO_POINTS
 
     def forced_engine(self) -> str | None:
-        return (os.environ.get(self.engine_env) or None) if self.engine_env else None
+        return env.read(self.engine_env) if self.engine_env else None
 
     def engine_chain(self) -> EngineChain:
         """The copy engines, built on first use."""

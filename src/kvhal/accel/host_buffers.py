@@ -1,17 +1,21 @@
-"""The three host-buffer hooks, over whatever allocates a plugin's host memory,
-and the ``KVHAL_PIN_HOST`` setting every accelerator plugin reads the same way."""
+"""The three host-buffer hooks, over whatever allocates a plugin's host memory;
+page-aligned anonymous memory to register; and the ``KVHAL_PIN_HOST``
+setting every accelerator plugin reads the same way."""
 
 from __future__ import annotations
 
 import enum
-import os
+import mmap
 import warnings
 from typing import Protocol
 
 import torch
 
+from kvhal import env
 from kvhal.hookspecs import hookimpl
 
+#: The host page size kvhal aligns host buffers to (the hookspecs promise 4096-byte alignment).
+PAGE = 4096
 PIN_ENV = "KVHAL_PIN_HOST"
 #: What ``KVHAL_PIN_HOST`` accepts (``async`` is a deprecated alias of ``sync``).
 PIN_VALUES = ("async", "sync", "off")
@@ -62,7 +66,7 @@ def pin_mode(value: str | None) -> PinMode:
 
 def pin_mode_from_env() -> PinMode:
     """The mode this process's ``KVHAL_PIN_HOST`` asks for (:func:`pin_mode` of its value)."""
-    return pin_mode(os.environ.get(PIN_ENV))
+    return pin_mode(env.read(PIN_ENV))
 
 
 class HostBuffers(Protocol):
@@ -93,3 +97,19 @@ class HostBufferHooks:
     @hookimpl
     def kvhal_host_buffer_is_pinned(self, buffer: torch.Tensor) -> bool:
         return self.host_buffers().is_pinned(buffer)
+
+
+def round_to_pages(nbytes: int) -> int:
+    """``nbytes`` rounded up to a whole number of :data:`PAGE`."""
+    return (nbytes + PAGE - 1) // PAGE * PAGE
+
+
+def map_zeroed(nbytes: int) -> torch.Tensor:
+    """A page-aligned, zero-filled flat ``int8`` CPU tensor of ``nbytes`` over an anonymous mmap.
+
+    The kernel zeroes pages as they are first touched, so there is no memset on the
+    allocating thread; the mapping lives as long as the tensor (or any view of it).
+    """
+    region = mmap.mmap(-1, round_to_pages(nbytes), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(region, dtype=torch.int8, count=nbytes)
+

@@ -15,6 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from kvhal import env
+
 try:
     from kvhal.cpu import _memcpy as native
 except ImportError:  # built without a C compiler
@@ -23,7 +25,7 @@ except ImportError:  # built without a C compiler
 #: Copies at least this large bypass the cache (non-temporal stores). Low enough for
 #: vLLM's layer-separate CPU cache, whose per-layer chunks are 4-32 KiB: at 64 KiB its
 #: 16 KiB chunks were written through the cache, 10 GiB/s where these give 14 (BENCHMARKS.md).
-NT_THRESHOLD = int(os.environ.get("KVHAL_CPU_NT_THRESHOLD", 4 << 10))
+DEFAULT_NT_THRESHOLD = 4 << 10
 #: Batches smaller than this stay on one thread: a hand-off costs more.
 PARALLEL_MIN_BYTES = 1 << 20
 
@@ -67,8 +69,12 @@ def split_shares(
 class CopyEngine:
     """Runs descriptor batches on ``threads`` threads (the caller's plus helpers)."""
 
-    def __init__(self, threads: int | None = None) -> None:
+    def __init__(self, threads: int | None = None, nt_threshold: int | None = None) -> None:
         self.threads = max(1, threads or min(2, os.cpu_count() or 1))
+        if nt_threshold is None:
+            nt_threshold = int(env.read("KVHAL_CPU_NT_THRESHOLD") or DEFAULT_NT_THRESHOLD)
+        #: Copies of at least this many bytes use non-temporal stores.
+        self.nt_threshold = nt_threshold
         self.kernel = native.copy_batch if native is not None else _python_copy_batch
         self.name = "native" if native is not None else "ctypes.memmove"
         self._pool: ThreadPoolExecutor | None = None
@@ -83,12 +89,12 @@ class CopyEngine:
         if not len(sizes):
             return
         if self.threads == 1 or int(sizes.sum()) < PARALLEL_MIN_BYTES:
-            self.kernel(src, dst, sizes, NT_THRESHOLD)
+            self.kernel(src, dst, sizes, self.nt_threshold)
             return
         mine, *theirs = split_shares(src, dst, sizes, self.threads)
-        futures = [self._helpers().submit(self.kernel, *piece, NT_THRESHOLD) for piece in theirs]
+        futures = [self._helpers().submit(self.kernel, *piece, self.nt_threshold) for piece in theirs]
         try:
-            self.kernel(*mine, NT_THRESHOLD)
+            self.kernel(*mine, self.nt_threshold)
         finally:
             for future in futures:
                 future.result()

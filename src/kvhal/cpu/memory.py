@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvhal import env
+
 PAGE = 4096
 MLOCK_ENV = "KVHAL_CPU_MLOCK"
 #: Bit of CAP_IPC_LOCK in /proc/self/status's CapEff (linux/capability.h).
@@ -77,7 +79,7 @@ def _has_cap_ipc_lock() -> bool:
 def lock_policy() -> LockPolicy:
     """This process's :func:`decide_locking`, read now (limits and settings may change)."""
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    return decide_locking(os.environ.get(MLOCK_ENV, "1") != "0", soft, _has_cap_ipc_lock())
+    return decide_locking(env.read(MLOCK_ENV) != "0", soft, _has_cap_ipc_lock())
 
 
 def _mlock(address: int, nbytes: int) -> int:

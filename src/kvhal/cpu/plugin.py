@@ -6,15 +6,15 @@ and is what every other plugin is measured against by the conformance suite.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import torch
 
+from kvhal import env
 from kvhal.cache import KVCache, allocate_dense_kv_cache
 from kvhal.copyplan import CopyPlan
 from kvhal.cpu import memory
-from kvhal.cpu.copy_engine import NT_THRESHOLD, CopyEngine
+from kvhal.cpu.copy_engine import CopyEngine
 from kvhal.cpu.streams import CPUEvent, CPUStream, InlineStream
 from kvhal.descriptor import Capability, DeviceDescriptor, Refusal
 from kvhal.geometry import KVGeometry
@@ -37,7 +37,7 @@ class CPUPlugin:
     """Implements every device hook for ``torch.device("cpu")``."""
 
     def __init__(self, copy_threads: int | None = None) -> None:
-        threads = copy_threads or int(os.environ.get("KVHAL_CPU_COPY_THREADS", "0")) or None
+        threads = copy_threads or int(env.read("KVHAL_CPU_COPY_THREADS") or 0) or None
         self.engine = CopyEngine(threads)
         self._compute = InlineStream()
         self._lock_policy: memory.LockPolicy | None = None
@@ -71,7 +71,7 @@ class CPUPlugin:
                 "torch": torch.__version__,
                 "copy_engine": self.engine.name,
                 "copy_threads": str(self.engine.threads),
-                "non_temporal_threshold": str(NT_THRESHOLD),
+                "non_temporal_threshold": str(self.engine.nt_threshold),
                 "host_memory": f"page-aligned, pre-faulted; {policy.reason}",
             },
         )

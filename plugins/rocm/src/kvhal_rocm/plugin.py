@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from kvhal import env
 from kvhal.accel.engines import CopyEngine, SizeSplitEngine
 from kvhal.cache import KVCache, dense_kv_cache, dense_nbytes
 from kvhal.descriptor import DeviceDescriptor, Refusal
@@ -53,7 +54,7 @@ class ROCmPlugin(TorchGpuPlugin):
     runtime_prefix = "hip"
 
     def policy(self) -> BatchPolicy:
-        return BatchPolicy.from_env(dict(os.environ))
+        return BatchPolicy.from_env(env.snapshot())
 
     def engine_names(self) -> list[str]:
         return rocm_engine_names(self.machine_facts(), self.forced_engine())
