@@ -17,6 +17,11 @@ Nothing here names a vendor: a plugin passes in its stream module
 - :mod:`kvhal.accel.engines`: an ordered chain of copy engines that falls back
   to the next one while an engine has never worked;
 - :mod:`kvhal.accel.copies`: ``kvhal_copy_blocks`` over such a chain;
+- :mod:`kvhal.accel.plugin_base`: the plugin outline (machine facts, stream
+  module, the probe's steps) a torch-driven accelerator plugin fills in;
+- :mod:`kvhal.accel.host_buffers`: the host-buffer hooks, the page size,
+  page-aligned anonymous memory to register, ``KVHAL_PIN_HOST``;
+- :mod:`kvhal.accel.native`: loading a vendor runtime and binding its calls with ctypes;
 - :mod:`kvhal.accel.fakes`: a CPU stand-in for a torch stream module, so a
   plugin's logic can be tested without its device.
 """

@@ -26,6 +26,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import torch
+
 from kvhal.accel.descriptors import Descriptors
 from kvhal.accel.torch_copy import torch_copy
 from kvhal.copyplan import CopyPlan, Direction
@@ -213,6 +215,16 @@ def apply_forced(names: list[str], forced: str | None, known: Sequence[str], env
     if forced not in known:
         raise ValueError(f"{env}={forced!r} is not an engine; choose one of {', '.join(known)}")
     return [forced]
+
+
+def op_registered(namespace: str, name: str) -> bool:
+    """Whether ``torch.ops.<namespace>.<name>`` resolves now (looked up afresh, without
+    importing the library that registers it)."""
+    try:
+        getattr(getattr(torch.ops, namespace), name)
+    except (AttributeError, RuntimeError):
+        return False
+    return True
 
 
 def op_has_argument(op: object, name: str) -> bool:

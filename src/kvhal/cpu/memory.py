@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 
 from kvhal import env
+from kvhal.accel.host_buffers import PAGE
 
-PAGE = 4096
 MLOCK_ENV = "KVHAL_CPU_MLOCK"
 #: Bit of CAP_IPC_LOCK in /proc/self/status's CapEff (linux/capability.h).
 CAP_IPC_LOCK = 14

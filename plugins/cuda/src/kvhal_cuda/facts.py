@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvhal.accel.engines import op_registered
 from kvhal_cuda import native
 
 
@@ -47,15 +48,6 @@ class TorchFacts:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
 
-def vllm_op_registered(namespace: str, name: str) -> bool:
-    """Whether ``torch.ops.<namespace>.<name>`` is registered, without importing its library."""
-    try:
-        getattr(getattr(torch.ops, namespace), name)
-    except (AttributeError, RuntimeError):
-        return False
-    return True
-
-
 def gather_torch_facts() -> TorchFacts:
     """The real facts of this process (see the module docstring)."""
     cuda_version = torch.version.cuda
@@ -66,7 +58,7 @@ def gather_torch_facts() -> TorchFacts:
         cuda_version=cuda_version,
         hip_version=hip_version,
         device_count=torch.cuda.device_count() if compiled else 0,
-        vllm_swap_blocks_batch=vllm_op_registered("_C_cache_ops", "swap_blocks_batch"),
+        vllm_swap_blocks_batch=op_registered("_C_cache_ops", "swap_blocks_batch"),
     )
     if not compiled:
         return facts

@@ -34,10 +34,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvhal.accel.copies import EngineCopyHooks
-from kvhal.accel.host_buffers import HostBufferHooks, PinMode, pin_mode_from_env
+from kvhal.accel.host_buffers import PinMode, pin_mode_from_env
+from kvhal.accel.plugin_base import TorchAcceleratorPlugin
 from kvhal.cache import KVCache, allocate_dense_kv_cache
-from kvhal.descriptor import DeviceDescriptor, Refusal
 from kvhal.errors import ValidationError
 from kvhal.geometry import KVGeometry
 from kvhal.hookspecs import hookimpl
@@ -49,7 +48,7 @@ from kvhal_cuda.host_memory import HostRegistrar
 log = logging.getLogger(__name__)
 
 
-class TorchGpuPlugin(EngineCopyHooks, HostBufferHooks):
+class TorchGpuPlugin(TorchAcceleratorPlugin):
     """Every device hook over ``torch.cuda``, except ``kvhal_probe`` and ``kvhal_kv_layouts``.
 
     :param facts: facts to decide on; gathered from this process when ``None``.
@@ -68,42 +67,23 @@ class TorchGpuPlugin(EngineCopyHooks, HostBufferHooks):
         stream_module: ModuleType | None = None,
         registrar: HostRegistrar | None = None,
     ) -> None:
-        super().__init__()
-        self._facts = facts
-        self._module = stream_module
+        super().__init__(facts, stream_module)
         self._registrar = registrar
 
-    # -- what subclasses decide -------------------------------------------------
+    # -- what TorchAcceleratorPlugin asks (decide() is per vendor) ----------------
 
-    def decide(self, facts: TorchFacts, engines: list[str], pinned_host: bool) -> DeviceDescriptor | Refusal:
-        """The probe's answer (a pure function of its arguments)."""
-        raise NotImplementedError
+    def gather_facts(self) -> TorchFacts:
+        return gather_torch_facts()
 
-    # -- shared plumbing --------------------------------------------------------
-
-    def machine_facts(self) -> TorchFacts:
-        """The facts decisions use, gathered on first use (a method, not a property:
-        older pluggy evaluates attributes while looking for hook implementations)."""
-        if self._facts is None:
-            self._facts = gather_torch_facts()
-        return self._facts
-
-    def stream_module(self) -> ModuleType:
-        return self._module if self._module is not None else torch.cuda
+    def default_stream_module(self) -> ModuleType:
+        return torch.cuda
 
     def pin_mode(self) -> PinMode:
         return pin_mode_from_env()
 
-    @hookimpl
-    def kvhal_probe(self) -> DeviceDescriptor | Refusal:
-        facts = self.machine_facts()
-        try:
-            engines = self.engine_names()
-            # Registration goes through the loaded runtime library; without one, nothing pins.
-            pinned_host = self.pin_mode() is not PinMode.OFF and facts.runtime_library is not None
-        except ValueError as exc:  # a bad KVHAL_* setting
-            return Refusal(str(exc))
-        return self.decide(facts, engines, pinned_host)
+    def pins_host(self) -> bool:
+        # Registration goes through the loaded runtime library; without one, nothing pins.
+        return self.pin_mode() is not PinMode.OFF and self.machine_facts().runtime_library is not None
 
     # -- allocation ---------------------------------------------------------------
 

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import logging
 import math
-import mmap
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -41,23 +40,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kvhal.accel.host_buffers import PinMode
+from kvhal.accel.host_buffers import PAGE, PinMode, map_zeroed, round_to_pages
 
 log = logging.getLogger(__name__)
 
-PAGE = 4096
 #: The largest single registration (vLLM 0.32 ``MAX_HOST_REGISTER_CHUNK_BYTES``).
 MAX_REGISTER_CHUNK = 64 << 30
-
-
-def map_zeroed(nbytes: int) -> torch.Tensor:
-    """A page-aligned, zero-filled flat ``int8`` CPU tensor of ``nbytes`` over an anonymous mmap.
-
-    The mapping lives as long as the tensor (or any view of it).
-    """
-    size = (nbytes + PAGE - 1) // PAGE * PAGE
-    region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return torch.frombuffer(region, dtype=torch.int8, count=nbytes)
 
 
 def registration_chunks(
@@ -160,7 +148,7 @@ class HostRegistrar:
     def allocate(self, nbytes: int) -> torch.Tensor:
         """A zeroed, page-aligned buffer of ``nbytes``, registered on return unless the mode is ``off``."""
         tensor = map_zeroed(nbytes)
-        address, size = tensor.data_ptr(), (nbytes + PAGE - 1) // PAGE * PAGE
+        address, size = tensor.data_ptr(), round_to_pages(nbytes)
         registered = self._pin(address, size) if self.mode is PinMode.SYNC else []
         with self._lock:
             self._buffers[address] = _Buffer(tensor, size, registered)

@@ -31,6 +31,7 @@ from collections.abc import Callable
 import numpy as np
 
 from kvhal.accel.descriptors import Descriptors
+from kvhal.accel.native import bind, load_library
 
 #: ``cudaMemcpyDefault`` and ``hipMemcpyDefault``: direction inferred from the pointers (UVA).
 MEMCPY_DEFAULT = 4
@@ -199,9 +200,10 @@ class RuntimeLibrary:
     @classmethod
     def load(cls, prefix: str, path: str) -> RuntimeLibrary | None:
         """Load ``path``; ``None`` when it cannot be opened or lacks the calls."""
+        lib, _ = load_library(path)
         try:
-            return cls(ctypes.CDLL(path), prefix)
-        except (OSError, AttributeError):
+            return cls(lib, prefix) if lib is not None else None
+        except AttributeError:
             return None
 
     @property
@@ -215,10 +217,7 @@ class RuntimeLibrary:
             raise NativeError(self.memcpy_name, int(code), self.error_string(code))
 
     def _function(self, suffix: str, argtypes: list[type]) -> Callable[..., int]:
-        fn = getattr(self.lib, f"{self.prefix}{suffix}")
-        fn.restype = ctypes.c_int
-        fn.argtypes = argtypes
-        return fn
+        return bind(self.lib, f"{self.prefix}{suffix}", argtypes)
 
     def clear_error(self) -> int:
         """``cudaGetLastError``/``hipGetLastError``: clear this thread's pending error

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvhal.accel.engines import engine_details
+from kvhal.accel.engines import engine_details, op_registered
 from kvhal.descriptor import Capability, DeviceDescriptor, Refusal
 from kvhal_npu.host_memory import choose_pin_routes, load_acl
 
@@ -62,11 +62,7 @@ class NpuFacts:
 
 def ascend_op_registered() -> bool:
     """Whether ``torch.ops._C_ascend.swap_blocks_batch`` resolves now (looked up afresh each call)."""
-    try:
-        getattr(getattr(torch.ops, ASCEND_OP_NAMESPACE), ASCEND_OP_NAME)
-    except (AttributeError, RuntimeError):
-        return False
-    return True
+    return op_registered(ASCEND_OP_NAMESPACE, ASCEND_OP_NAME)
 
 
 def load_ascend_ops() -> str | None:

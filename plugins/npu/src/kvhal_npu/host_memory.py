@@ -44,7 +44,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import mmap
 import os
 import re
 import threading
@@ -54,9 +53,11 @@ from dataclasses import dataclass
 
 import torch
 
+from kvhal.accel.host_buffers import PAGE, map_zeroed, round_to_pages
+from kvhal.accel.native import bind, load_library
+
 log = logging.getLogger(__name__)
 
-PAGE = 4096
 LIBRARY = "libascendcl.so"
 #: ``#define ACL_HOST_REG_PINNED 0x10000000UL`` (CANN runtime docs, ``aclrtHostRegisterV2``).
 ACL_HOST_REG_PINNED = 0x10000000
@@ -98,12 +99,10 @@ class AclHost:
 
 def _symbol(lib: ctypes.CDLL, name: str, argtypes: list, missing: list[str]):
     try:
-        fn = getattr(lib, name)
+        return bind(lib, name, argtypes)  # aclError is int
     except AttributeError:
         missing.append(f"{LIBRARY} has no {name}")
         return None
-    fn.argtypes, fn.restype = argtypes, ctypes.c_int  # aclError is int
-    return fn
 
 
 @functools.cache
@@ -116,10 +115,9 @@ def load_acl(library: str = LIBRARY) -> AclHost:
     ``aclError aclrtMallocHost(void **hostPtr, size_t size)``,
     ``aclError aclrtFreeHost(void *hostPtr)``.
     """
-    try:
-        lib = ctypes.CDLL(library)
-    except OSError as exc:
-        return AclHost(missing=f"{library} could not be loaded ({exc})")
+    lib, why = load_library(library)
+    if lib is None:
+        return AclHost(missing=why)
     missing: list[str] = []
     v2 = _symbol(lib, "aclrtHostRegisterV2", [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32], missing)
     unregister = _symbol(lib, "aclrtHostUnregister", [ctypes.c_void_p], missing)
@@ -163,17 +161,6 @@ def choose_pin_routes(acl: AclHost, kernel_release: str) -> tuple[tuple[str, ...
         left_out.append(acl.missing)
     chosen = ", then ".join(routes) if routes else "no AscendCL pinning call"
     return tuple(routes), chosen + (f" ({'; '.join(left_out)})" if left_out else "")
-
-
-def map_zeroed(nbytes: int) -> torch.Tensor:
-    """A page-aligned, kernel-zeroed flat ``int8`` CPU tensor of ``nbytes`` over an anonymous mmap,
-    mapped as long as any view of it lives (same as kvhal-cuda's ``map_zeroed``)."""
-    region = mmap.mmap(-1, _pages(nbytes), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return torch.frombuffer(region, dtype=torch.int8, count=nbytes)
-
-
-def _pages(nbytes: int) -> int:
-    return (nbytes + PAGE - 1) // PAGE * PAGE
 
 
 def _free_host(free_host: Callable[[int], int], ptr: int) -> None:
@@ -243,7 +230,7 @@ class PinnedHostBuffers:
 
     def _register(self, nbytes: int) -> _Buffer | None:
         assert self._acl is not None and self._acl.register_pinned is not None
-        tensor, size = map_zeroed(nbytes), _pages(nbytes)
+        tensor, size = map_zeroed(nbytes), round_to_pages(nbytes)
         code = self._acl.register_pinned(tensor.data_ptr(), size)
         if code != 0:
             log.warning(

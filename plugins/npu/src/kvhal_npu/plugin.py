@@ -8,9 +8,9 @@ from types import ModuleType
 
 import torch
 
-from kvhal.accel.copies import EngineCopyHooks
 from kvhal.accel.engines import CopyEngine
-from kvhal.accel.host_buffers import HostBufferHooks, PinMode, pin_mode_from_env
+from kvhal.accel.host_buffers import PinMode, pin_mode_from_env
+from kvhal.accel.plugin_base import TorchAcceleratorPlugin
 from kvhal.cache import KVCache
 from kvhal.descriptor import DeviceDescriptor, Refusal
 from kvhal.geometry import KVGeometry
@@ -23,7 +23,7 @@ from kvhal_npu.host_memory import AclHost, PinnedHostBuffers
 from kvhal_npu.layouts import ASCEND_BACKEND_NAMES, ASCEND_LAYOUTS, npu_kv_layouts
 
 
-class NPUPlugin(EngineCopyHooks, HostBufferHooks):
+class NPUPlugin(TorchAcceleratorPlugin):
     """Ascend NPUs through torch_npu (``torch.npu``) and vllm-ascend's copy op.
 
     Copies follow :mod:`kvhal.accel.copies`: enqueued on the given stream,
@@ -49,21 +49,24 @@ class NPUPlugin(EngineCopyHooks, HostBufferHooks):
         find_op: Callable[[], tuple[bool, str | None]] = find_ascend_op,
         acl: AclHost | None = None,
     ) -> None:
-        super().__init__()
-        self._facts = facts
-        self._module = stream_module
+        super().__init__(facts, stream_module)
         self._host = host
         self._find_op = find_op
         self._acl = acl
 
-    def machine_facts(self) -> NpuFacts:
-        """The facts decisions use, gathered (importing torch_npu) on first use."""
-        if self._facts is None:
-            self._facts = gather_npu_facts()
-        return self._facts
+    def gather_facts(self) -> NpuFacts:
+        return gather_npu_facts()  # imports torch_npu
 
-    def stream_module(self) -> ModuleType:
-        return self._module if self._module is not None else torch.npu  # type: ignore[attr-defined]
+    def default_stream_module(self) -> ModuleType:
+        return torch.npu  # type: ignore[attr-defined]
+
+    def pins_host(self) -> bool:
+        return pin_mode_from_env() is not PinMode.OFF
+
+    def decide(self, facts: NpuFacts, engines: list[str], pinned_host: bool) -> DeviceDescriptor | Refusal:
+        return decide_npu(
+            facts, engines, batched=engines[0] == ASCEND_SWAP_BLOCKS_BATCH, pinned_host=pinned_host
+        )
 
     def engine_names(self) -> list[str]:
         """The engines, looking for vllm-ascend's op again if it was absent: the chain is built
@@ -76,18 +79,6 @@ class NPUPlugin(EngineCopyHooks, HostBufferHooks):
 
     def engine_factories(self) -> dict[str, Callable[[], CopyEngine]]:
         return npu_engine_factories()
-
-    @hookimpl
-    def kvhal_probe(self) -> DeviceDescriptor | Refusal:
-        try:
-            engines = self.engine_names()
-            pinned_host = pin_mode_from_env() is not PinMode.OFF
-        except ValueError as exc:  # a bad KVHAL_* setting
-            return Refusal(str(exc))
-        facts = self.machine_facts()  # after engine_names, which may have found the op
-        return decide_npu(
-            facts, engines, batched=engines[0] == ASCEND_SWAP_BLOCKS_BATCH, pinned_host=pinned_host
-        )
 
     @hookimpl
     def kvhal_kv_layouts(self, attention_backend: str | None) -> Sequence[KVLayout]:
