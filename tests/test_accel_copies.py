@@ -9,13 +9,13 @@ import torch
 from kvhal.accel.copies import EngineCopyHooks, split_at
 from kvhal.accel.descriptors import Descriptors
 from kvhal.accel.engines import CopyJob, TorchCopyEngine
-from kvhal.accel.fakes import FakeStreamModule, as_if_direction
 from kvhal.blocks import get_kv_from_block
 from kvhal.cache import allocate_dense_kv_cache
 from kvhal.copyplan import Direction, plan_copy
 from kvhal.errors import TransferError, ValidationError
 from kvhal.geometry import KVGeometry
 from kvhal.layouts import BLHNC
+from kvhal.testing.accel import FakeStreamModule, as_if_direction
 
 
 class Spy(TorchCopyEngine):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kvhal.accel.events import CopyEvent
-from kvhal.accel.fakes import FakeStreamModule
 from kvhal.errors import TransferError
+from kvhal.testing.accel import FakeStreamModule
 
 
 def test_a_failed_submission_surfaces_from_query_and_synchronize():

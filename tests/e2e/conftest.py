@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvhal.tiny_models import HYBRID_MODEL, TEST_MODEL
+from kvhal.testing.models import HYBRID_MODEL, TEST_MODEL
 
 MODEL_CACHE = Path(os.environ.get("KVHAL_TEST_MODELS", Path.home() / ".cache" / "kvhal-test-models"))
 

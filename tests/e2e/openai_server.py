@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvhal.scenario import BASE_ENV
+from kvhal.testing.scenario import BASE_ENV
 from kvhal.vllm.runner import api_server_command
 
 

@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from kvhal.scenario import ScenarioError, run_scenario
+from kvhal.testing.scenario import ScenarioError, run_scenario
 from tests.e2e.common import fault_env, prompts
 
 BLOCK = 32

@@ -17,7 +17,7 @@ import re
 
 import pytest
 
-from kvhal.scenario import run_scenario
+from kvhal.testing.scenario import run_scenario
 from tests.e2e.common import fault_env, prompts
 
 BLOCK = 32

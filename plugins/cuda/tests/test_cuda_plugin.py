@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 import torch
 
-from kvhal.accel.fakes import FakeStreamModule, as_if_direction
 from kvhal.accel.host_buffers import PinMode
 from kvhal.blocks import get_kv_from_block
 from kvhal.cache import allocate_dense_kv_cache, dense_kv_cache
@@ -16,6 +15,7 @@ from kvhal.errors import PluginValidationError, ValidationError
 from kvhal.geometry import KVGeometry
 from kvhal.layouts import BLHNC, LBHNC
 from kvhal.registry import PluginRegistry
+from kvhal.testing.accel import FakeStreamModule, as_if_direction
 from kvhal_cuda import native
 from kvhal_cuda.engines import BatchEngine, RuntimeLoopEngine, TorchCopyEngine
 from kvhal_cuda.facts import TorchFacts

@@ -10,11 +10,11 @@ import torch
 
 from kvhal.accel.descriptors import Descriptors
 from kvhal.accel.engines import CopyJob
-from kvhal.accel.fakes import FakeStreamModule, as_if_direction
 from kvhal.blocks import get_kv_from_block
 from kvhal.copyplan import Direction, plan_copy
 from kvhal.geometry import KVFormat, KVGeometry
 from kvhal.layouts import LBNHC
+from kvhal.testing.accel import FakeStreamModule, as_if_direction
 from kvhal_npu.allocation import allocate_aligned_kv_cache
 from kvhal_npu.engines import (
     ASCEND_SWAP_BLOCKS_BATCH,

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from kvhal.accel.fakes import FakeStreamModule
+from kvhal.testing.accel import FakeStreamModule
 from kvhal_npu.facts import NpuFacts
 from kvhal_npu.host_memory import (
     MALLOC_HOST,

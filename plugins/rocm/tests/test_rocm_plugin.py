@@ -9,13 +9,13 @@ import torch
 
 from kvhal.accel.descriptors import Descriptors
 from kvhal.accel.engines import CopyArgumentError, CopyJob
-from kvhal.accel.fakes import FakeStreamModule
 from kvhal.cache import dense_nbytes
 from kvhal.copyplan import Direction
 from kvhal.errors import ValidationError
 from kvhal.geometry import KVFormat, KVGeometry
 from kvhal.layouts import LBHNC
 from kvhal.registry import PluginRegistry
+from kvhal.testing.accel import FakeStreamModule
 from kvhal_cuda import native
 from kvhal_cuda.facts import TorchFacts
 from kvhal_cuda.fakes import FakeRuntime

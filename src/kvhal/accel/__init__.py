@@ -21,7 +21,8 @@ Nothing here names a vendor: a plugin passes in its stream module
   module, the probe's steps) a torch-driven accelerator plugin fills in;
 - :mod:`kvhal.accel.host_buffers`: the host-buffer hooks, the page size,
   page-aligned anonymous memory to register, ``KVHAL_PIN_HOST``;
-- :mod:`kvhal.accel.native`: loading a vendor runtime and binding its calls with ctypes;
-- :mod:`kvhal.accel.fakes`: a CPU stand-in for a torch stream module, so a
-  plugin's logic can be tested without its device.
+- :mod:`kvhal.accel.native`: loading a vendor runtime and binding its calls with ctypes.
+
+A CPU stand-in for a torch stream module, to test a plugin without its device, is
+:mod:`kvhal.testing.accel`.
 """

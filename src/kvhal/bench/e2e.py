@@ -23,8 +23,8 @@ from rich.table import Table
 
 from kvhal.bench.common import console as make_console
 from kvhal.bench.common import result_header, write_outputs
-from kvhal.scenario import run_scenario
-from kvhal.tiny_models import BENCH_MODEL, TinyLlama
+from kvhal.testing.models import BENCH_MODEL, TinyLlama
+from kvhal.testing.scenario import run_scenario
 
 CATEGORIES = ("cold", "vllm prefix hit", "kvhal hit", "recompute")
 #: glibc malloc hands large buffers (a prefill step's activations) back to the kernel

@@ -3,7 +3,7 @@
 Each engine gets a fresh process (vLLM changes torch threads, environment and
 seeds of the process it runs in, and keeps process-global connector state),
 so tests, the demo and ``kvhal bench e2e`` describe what to do in a JSON spec
-(see :mod:`kvhal.scenario`) and read back a JSON result.
+(see :mod:`kvhal.testing.scenario`) and read back a JSON result.
 
 Steps: ``generate`` (prompts as token ids; records tokens, timing, cached and
 kvhal-loaded tokens), ``reset`` (vLLM's prefix cache, optionally kvhal's),
