@@ -242,3 +242,31 @@ def test_offloader_needs_the_tiers_pool(registry, device):
     with pytest.raises(ValidationError, match="one source of truth"):
         Offloader(OffloadingManager(2, registry=registry), TransferEngine(device), tier, [])
     tier.close()
+
+
+def test_fence_waits_for_the_named_stores_only(device, faults):
+    """The compute stream waits for the stores it is given (default: all), not for others."""
+    engine = TransferEngine(device)
+    cache = filled_cache(device)
+    tier = HostTier.for_geometry(device, GEOMETRY, 4 * GEOMETRY.block_bytes)
+    view = tier.view(GEOMETRY, cache.layout)
+    faults.gate.clear()
+    store = engine.submit_store((), cache, view, [(1, 0)])
+    compute = device.current_stream()  # the CPU plugin's compute "stream" blocks the caller
+    assert engine.fence(compute, []) == 0 and engine.fence(compute, [store + 1]) == 0
+    fenced = []
+    for job_ids in ([store], None):
+        thread = threading.Thread(target=lambda ids=job_ids: fenced.append(engine.fence(compute, ids)))
+        thread.start()
+        thread.join(timeout=0.5)
+        assert fenced == [], "the fence did not wait for the store"
+        faults.gate.set()
+        thread.join(timeout=10)
+        assert fenced == [1]
+        engine.wait()
+        fenced.clear()
+        faults.gate.clear()
+        store = engine.submit_store((), cache, view, [(2, 1)])
+    faults.gate.set()
+    engine.wait()
+    tier.close()

@@ -145,16 +145,27 @@ class TransferEngine:
         except KVHALError as exc:  # TransferError, or a plugin breaking its contract
             return True, str(exc)
 
-    def fence(self, stream: Any) -> None:
-        """Make work submitted to ``stream`` from now on wait for every pending store.
+    def fence(self, stream: Any, job_ids: Iterable[int] | None = None) -> int:
+        """Make work submitted to ``stream`` from now on wait for pending stores.
 
         A block a store still reads must not be rewritten: an engine fences its
-        compute stream before a step that may reuse blocks it freed. Without
-        blocking the caller where the device has real streams.
+        compute stream before a step that reuses blocks such a store reads.
+        Without blocking the caller where the device has real streams.
+
+        :param job_ids: the store jobs to wait for (default: every pending store);
+            ids no longer pending finished already and are skipped, as are loads.
+        :return: how many pending stores the stream now waits for.
         """
-        for job in self._jobs.values():
+        if job_ids is None:
+            jobs = list(self._jobs.values())
+        else:
+            jobs = [self._jobs[i] for i in dict.fromkeys(job_ids) if i in self._jobs]
+        count = 0
+        for job in jobs:
             if job.kind is TransferKind.STORE and job.event is not None:
                 self.device.stream_wait_event(stream, job.event)
+                count += 1
+        return count
 
     def poll(self) -> list[TransferResult]:
         """The jobs finished since the last call, in submission order, without blocking."""

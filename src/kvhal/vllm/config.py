@@ -22,7 +22,11 @@ KNOWN_KEYS = {"cpu_bytes_to_use", "device", "eviction_policy", "offload_prompt_o
 
 @dataclass(frozen=True)
 class GroupInfo:
-    """One KV cache group kvhal offloads."""
+    """One KV cache group kvhal offloads.
+
+    :param page_bytes: what one block of one layer holds, K and V together
+        (whether the engine keeps them in one tensor or a (K, V) pair).
+    """
 
     group_id: int
     layer_names: tuple[str, ...]
@@ -31,6 +35,7 @@ class GroupInfo:
 
     @property
     def slot_bytes(self) -> int:
+        """One block of every layer of the group: one host-tier slot."""
         return self.page_bytes * len(self.layer_names)
 
 
@@ -81,11 +86,15 @@ class ConnectorConfig:
         for group_id in kv_cache_config.prefix_cacheable_group_ids:
             group = kv_cache_config.kv_cache_groups[group_id]
             spec = group.kv_cache_spec
+            # vLLM's page covers K and V of a block (2 x, or head_size + head_size_v);
+            # it may be padded so that groups share one block pool, while copies
+            # move the real bytes only: a slot holds those.
+            page_bytes = getattr(spec, "real_page_size_bytes", None) or spec.page_size_bytes
             groups.append(
                 GroupInfo(
                     group_id=group_id,
                     layer_names=tuple(group.layer_names),
-                    page_bytes=spec.page_size_bytes,
+                    page_bytes=page_bytes,
                     head_size=getattr(spec, "head_size", 0),
                 )
             )

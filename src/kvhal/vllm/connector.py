@@ -81,10 +81,13 @@ class KVHALConnector(KVConnectorBase_V1, SupportsHMA):
         return self.worker_side
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        # vllm-ascend passes a (k_cache, v_cache) pair per layer: WorkerSide takes both
         self._worker().register(kv_caches)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
-        self._worker().fence_stores()
+        # called at the start of every step, before its compute
+        if isinstance(kv_connector_metadata, KVHALMetadata):
+            self._worker().begin_step(kv_connector_metadata)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._connector_metadata
@@ -92,7 +95,7 @@ class KVHALConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker().start_loads(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return None  # loads complete within the step that starts them
+        return None  # loads are asynchronous: their requests are parked until reported
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
@@ -105,8 +108,10 @@ class KVHALConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker().start_stores(meta)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        finished, failed = self._worker().collect()
-        return KVConnectorTransferResults(finished_recving=finished, failed_recving=failed)
+        finished, failed, sent = self._worker().collect()
+        return KVConnectorTransferResults(
+            finished_sending=sent, finished_recving=finished, failed_recving=failed
+        )
 
     def build_connector_worker_meta(self) -> KVHALWorkerMetadata | None:
         return self.worker_side.worker_meta() if self.worker_side is not None else None
@@ -154,6 +159,15 @@ class KVHALConnector(KVConnectorBase_V1, SupportsHMA):
 
     def take_events(self) -> list[KVCacheEvent]:
         return self._scheduler().take_events()
+
+    def has_pending_block_frees(self) -> bool:
+        # a request short of blocks waits for held ones instead of preempting another
+        return self._scheduler().has_held_blocks()
+
+    def has_pending_push_work(self) -> bool:
+        # keeps an idle engine stepping until the workers reported every job, so
+        # that the manager learns of finished stores (and a connector reset can run)
+        return self._scheduler().has_jobs_in_flight()
 
     def reset_cache(self) -> bool | None:
         return self._scheduler().reset()

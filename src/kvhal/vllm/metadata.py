@@ -35,11 +35,22 @@ class TransferJob:
 
 @dataclass
 class KVHALMetadata(KVConnectorMetadata):
-    """One step's work: loads go before the forward (or in a no-forward step),
-    stores after it."""
+    """One step's work for every worker.
+
+    :param loads: submitted once the step's forward is launched; each worker
+        reports a request in ``finished_recving`` in the step it finds its load done.
+    :param stores: submitted after the forward (ordered after its compute).
+    :param fence: store jobs whose source blocks may be rewritten from this step
+        on (their request was preempted, or a block they read was allocated
+        again): the compute stream waits for them before the step's work.
+    :param held: finished requests whose blocks vLLM keeps until every worker
+        reports them in ``finished_sending``, once their store jobs finished there.
+    """
 
     loads: list[TransferJob] = field(default_factory=list)
     stores: list[TransferJob] = field(default_factory=list)
+    fence: list[int] = field(default_factory=list)
+    held: list[str] = field(default_factory=list)
 
 
 @dataclass

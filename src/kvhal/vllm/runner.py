@@ -107,6 +107,26 @@ def _generate(llm: Any, step: dict) -> dict:
     }
 
 
+def _reset(llm: Any, step: dict) -> dict:
+    """``reset_prefix_cache``; with ``drain`` (default) retried while the engine frees
+    blocks that finished requests keep for their stores in flight (kvhal holds them)."""
+    from vllm.v1.engine.core_client import InprocClient
+
+    connector = step.get("connector", False)
+    ok = llm.reset_prefix_cache(reset_connector=connector)
+    attempts, deadline = 1, time.monotonic() + step.get("drain_timeout", 60)
+    while not ok and step.get("drain", True) and time.monotonic() < deadline:
+        if isinstance(llm.llm_engine.engine_core, InprocClient):
+            if not llm.llm_engine.engine_core.engine_core.scheduler.has_requests():
+                break  # nothing left that stepping could free
+            llm.llm_engine.step()  # nothing steps a single-process engine between generate() calls
+        else:
+            time.sleep(0.01)  # the engine core process keeps stepping on its own
+        ok = llm.reset_prefix_cache(reset_connector=connector)
+        attempts += 1
+    return {"ok": ok, "attempts": attempts}
+
+
 def _corrupt_host(seed: int) -> dict:
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
@@ -225,7 +245,7 @@ def run(spec: dict) -> dict:
         if op == "generate":
             record = _generate(llm, step)
         elif op == "reset":
-            record = {"ok": llm.reset_prefix_cache(reset_connector=step.get("connector", False))}
+            record = _reset(llm, step)
         elif op == "corrupt_host":
             record = _corrupt_host(step.get("seed", 0))
         elif op == "metrics":

@@ -8,6 +8,14 @@ reports the load), which is the one path on which vLLM recomputes a failed
 load for hybrid models too; blocks that become full during a step are stored
 by the workers right after it. Job results come back through the workers'
 metadata and complete the manager's loads and stores.
+
+Stores run while later steps compute. A store's source blocks must not be
+rewritten before it has read them, so: a finished request with stores in
+flight keeps its blocks (``request_finished`` returns True) until every
+worker reports it in ``finished_sending``; and each step's metadata names the
+stores whose blocks vLLM may rewrite in that step (the request was preempted,
+or a block was allocated again, as sliding-window blocks are while their
+request runs) for the workers to fence. No other store delays a step.
 """
 
 from __future__ import annotations
@@ -41,6 +49,9 @@ class _RequestState:
     hit_blocks: int = 0
     loaded_tokens: int = 0
     load_failed: bool = False
+    loading: int | None = None  # the load job in flight, if any
+    # store jobs in flight that read the blocks the request holds now
+    store_jobs: set[int] = field(default_factory=set)
 
 
 @dataclass
@@ -48,6 +59,7 @@ class _Job:
     kind: JobKind
     req_id: str
     keys: list[bytes]
+    blocks: frozenset[int] = frozenset()  # a store's source block ids, every group's
     reports: int = 0
     ok: bool = True
 
@@ -69,6 +81,12 @@ class SchedulerSide:
         self._storing: set[bytes] = set()
         self._pending_loads: list[TransferJob] = []
         self._next_job = 0
+        # block id -> store jobs in flight reading it (ids are shared by every
+        # group's layers in vLLM's one block pool, so groups are not told apart)
+        self._readers: dict[int, set[int]] = {}
+        self._load_blocks: set[int] = set()  # blocks this step's loads write
+        self._held: list[str] = []  # finished requests to announce to the workers
+        self._holding: set[str] = set()  # held requests not yet reported in finished_sending
 
     # -- lookups and loads -----------------------------------------------------
 
@@ -127,9 +145,11 @@ class SchedulerSide:
                 group_keys.append(offload_key(hashes[index], group.group_id))
             groups[group.group_id] = (ids, self.manager.prepare_load(group_keys))
             keys.extend(group_keys)
+            self._load_blocks.update(ids)
         self.manager.touch(keys)
         job = self._new_job(JobKind.LOAD, request.request_id, keys, groups)
         self._pending_loads.append(job)
+        state.loading = job.job_id
         state.loaded_tokens = num_external_tokens
         self.stats.add("hit_tokens", num_external_tokens)
         self.stats.add("lookup_tokens", (len(request.block_hashes) - state.hit_start) * bs)
@@ -139,7 +159,12 @@ class SchedulerSide:
     ) -> TransferJob:
         job_id = self._next_job
         self._next_job += 1
-        self._jobs[job_id] = _Job(kind, req_id, keys)
+        blocks = frozenset()
+        if kind is JobKind.STORE:
+            blocks = frozenset(b for ids, _ in groups.values() for b in ids)
+            for block in blocks:
+                self._readers.setdefault(block, set()).add(job_id)
+        self._jobs[job_id] = _Job(kind, req_id, keys, blocks)
         return TransferJob(job_id, kind, req_id, groups)
 
     # -- stores ----------------------------------------------------------------
@@ -183,12 +208,55 @@ class SchedulerSide:
                 ids.append(block_id)
                 slots.append(slot)
             self._storing.update(plan.keys)
-            stores.append(self._new_job(JobKind.STORE, req_id, plan.keys, groups))
+            job = self._new_job(JobKind.STORE, req_id, plan.keys, groups)
+            state.store_jobs.add(job.job_id)
+            stores.append(job)
         return stores
 
+    def _allocated_blocks(self, scheduler_output: SchedulerOutput) -> set[int]:
+        """Blocks vLLM handed out this step: the ones this step may write."""
+        bs = self.config.block_size
+        blocks = set(self._load_blocks)
+        for new in scheduler_output.scheduled_new_reqs:
+            first = new.num_computed_tokens // bs  # before it: prefix-cache hits, only read
+            for ids in new.block_ids:
+                blocks.update(ids[first:])
+        for ids in scheduler_output.scheduled_cached_reqs.new_block_ids:
+            for group_ids in ids or ():  # appended blocks, or a resumed request's whole table
+                blocks.update(group_ids)
+        for copy in scheduler_output.kv_cache_block_copies or ():
+            blocks.add(copy.dst_block_id)
+        blocks.update(scheduler_output.new_block_ids_to_zero or ())
+        blocks.discard(0)  # the null block is never written
+        return blocks
+
+    def _fence(self, scheduler_output: SchedulerOutput) -> list[int]:
+        """Store jobs in flight whose source blocks this step may rewrite."""
+        jobs: set[int] = set()
+        if self._readers:
+            for block in self._allocated_blocks(scheduler_output):
+                jobs.update(self._readers.get(block, ()))
+        for req_id in scheduler_output.preempted_req_ids or ():
+            state = self._requests.get(req_id)
+            if state is not None:
+                # vLLM freed its blocks; once fenced, those stores no longer
+                # hold back the request's end (its new blocks are other ones)
+                jobs.update(state.store_jobs)
+                state.store_jobs.clear()
+        self.stats.add("fenced_stores", len(jobs))
+        return sorted(jobs)
+
     def build_meta(self, scheduler_output: SchedulerOutput) -> KVHALMetadata:
-        meta = KVHALMetadata(loads=self._pending_loads, stores=self._plan_stores(scheduler_output))
-        self._pending_loads = []
+        # fences first: this step's own stores are ordered after its compute anyway
+        fence = self._fence(scheduler_output)
+        meta = KVHALMetadata(
+            loads=self._pending_loads,
+            stores=self._plan_stores(scheduler_output),
+            fence=fence,
+            held=self._held,
+        )
+        self._pending_loads, self._held = [], []
+        self._load_blocks = set()
         return meta
 
     # -- results -----------------------------------------------------------------
@@ -200,6 +268,7 @@ class SchedulerSide:
                 self._report(job_id, count, ok=True)
             for job_id, count in worker_meta.failed.items():
                 self._report(job_id, count, ok=False)
+        self._holding.difference_update(output.finished_sending or ())
         for req_id in output.failed_recving or ():
             state = self._requests.get(req_id)
             if state is not None:
@@ -213,20 +282,35 @@ class SchedulerSide:
         if job.reports < self.config.world_size:
             return
         del self._jobs[job_id]
+        state = self._requests.get(job.req_id)
         if job.kind is JobKind.STORE:
+            for block in job.blocks:
+                readers = self._readers[block]
+                readers.discard(job_id)
+                if not readers:
+                    del self._readers[block]
+            if state is not None:
+                state.store_jobs.discard(job_id)
             self._storing.difference_update(job.keys)
             self.manager.complete_store(job.keys, success=job.ok)
             if not job.ok:
                 self.stats.add("failed_stores", 1)
         else:
+            if state is not None and state.loading == job_id:
+                state.loading = None
             self.manager.complete_load(job.keys)
             if not job.ok:
                 self.stats.add("failed_loads", 1)
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
-        """Mark the request's prompt blocks used (the eviction policy's recency), and
-        let vLLM free its blocks at once: the workers fence their reuse behind
-        pending stores."""
+        """Mark the request's prompt blocks used (the eviction policy's recency).
+
+        Returns True (vLLM keeps the request's blocks) while stores reading them
+        are in flight; the workers then report the request in ``finished_sending``
+        once those stores finished, failed ones included. A request whose load is
+        in flight has no such store (it has not run since its blocks were
+        allocated), and vLLM frees its blocks when the load is reported.
+        """
         state = self._requests.pop(request.request_id, None)
         full = min(len(request.block_hashes), request.num_prompt_tokens // self.config.block_size)
         # block by block, every group's key: the manager makes the first key the most
@@ -234,7 +318,12 @@ class SchedulerSide:
         self.manager.touch(
             [offload_key(h, g.group_id) for h in request.block_hashes[:full] for g in self.config.groups]
         )
-        return False, {LOADED_TOKENS: state.loaded_tokens if state else 0}
+        hold = state is not None and bool(state.store_jobs) and state.loading is None
+        if hold:
+            self._held.append(request.request_id)
+            self._holding.add(request.request_id)
+            self.stats.add("held_requests", 1)
+        return hold, {LOADED_TOKENS: state.loaded_tokens if state else 0}
 
     def take_events(self) -> list[KVCacheEvent]:
         events: list[KVCacheEvent] = []
@@ -260,6 +349,10 @@ class SchedulerSide:
 
     def has_jobs_in_flight(self) -> bool:
         return bool(self._jobs)
+
+    def has_held_blocks(self) -> bool:
+        """Whether finished requests' blocks will be freed once their stores finish."""
+        return bool(self._holding)
 
     def reset(self) -> bool:
         """Forget everything the host tier holds; refused (False) while jobs are in flight."""

@@ -26,6 +26,8 @@ COUNTERS = {
     "evicted_blocks": "Blocks evicted from kvhal's host tier.",
     "store_skipped_blocks": "Blocks not stored because the host tier had no evictable room.",
     "worker_busy_us": "Microseconds engine steps spent in kvhal's worker side (fences, submits, waits).",
+    "fenced_stores": "Store jobs a step's compute waited for: their blocks were preempted or reallocated.",
+    "held_requests": "Finished requests whose blocks vLLM kept until their stores to the host tier ended.",
 }
 
 

@@ -2,12 +2,18 @@
 
 On ``register_kv_caches`` it picks the kvhal device plugin for the device the
 engine's KV cache lives on (or the one the user named), wraps each offloaded
-KV cache group's layer tensors as a :class:`~kvhal.cache.KVCache` and lays
-the same group geometry over one pinned host buffer. Loads run at the start
-of a step and are waited for within it (a parked request resumes next step);
-stores are submitted after the forward, ordered after compute by the device
-facade, and fenced: before the next step's compute the compute stream waits
-for them, so a freed block is never rewritten while it is being read.
+KV cache group's layer tensors (one tensor per layer, or a (K, V) pair as
+vllm-ascend passes) as a :class:`~kvhal.cache.KVCache` and lays the same group
+geometry over one pinned host buffer.
+
+Nothing here waits for a copy on the engine's thread except a fence the
+scheduler asked for. Loads are submitted once the forward is launched and
+polled: a request parked for its load is reported in the step its load is
+found done. Stores are submitted after the forward, ordered after its compute
+by the device facade, and overlap the following steps; the compute stream
+waits only for the stores the step's metadata names (their blocks may be
+rewritten), and a finished request the scheduler held is reported in
+``finished_sending`` once this worker's stores of it finished.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from vllm.logger import init_logger
 
 from kvhal.cache import KVCache
 from kvhal.device import Device
+from kvhal.errors import ValidationError
 from kvhal.host_tier import HostTier
 from kvhal.layouts import layout_by_name
 from kvhal.registry import select_device
@@ -77,23 +84,51 @@ class WorkerSide:
         self._failed: dict[int, int] = {}
         self._finished_loads: set[str] = set()
         self._failed_loads: set[str] = set()
-        self._loads_this_step: set[int] = set()
+        self._stores_of: dict[str, set[int]] = {}  # request -> its store jobs running here
+        self._held: set[str] = set()  # held by the scheduler until their stores finish
+        self._finished_sending: set[str] = set()
         self.busy_seconds = 0.0
 
     # -- set-up ------------------------------------------------------------------
 
-    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        first = next(iter(kv_caches.values()))
+    def register(self, kv_caches: dict[str, torch.Tensor | tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Wrap the engine's KV cache and allocate the host tier.
+
+        :param kv_caches: per layer name, a logical ``[B, H, N, C]`` tensor, or a
+            ``(k_cache, v_cache)`` pair of them (split K and V, as vllm-ascend has).
+        :raises ValidationError: a layer is missing or malformed, or its blocks do
+            not hold the bytes vLLM's KV cache spec says (naming the layer).
+        """
+        layers = {name: _layer_parts(name, value) for name, value in kv_caches.items()}
+        if not layers:
+            raise ValidationError("kv_caches", "vLLM registered no KV cache layer")
+        first = next(iter(layers.values()))[0]
         self.device = select_device(self.config.device, device_type=first.device.type)
         layout = layout_by_name(self.config.layout)
         for group in self.config.groups:
-            views = [kv_caches[name] for name in group.layer_names]
-            self.caches[group.group_id] = KVCache.wrap(views, layout, head_size=group.head_size)
+            missing = [name for name in group.layer_names if name not in layers]
+            if missing:
+                raise ValidationError(
+                    "kv_caches", f"KV cache group {group.group_id} has no tensor for layers {missing}"
+                )
+            views = [layers[name] for name in group.layer_names]
+            cache = KVCache.wrap(views, layout, head_size=group.head_size)
+            if cache.geometry.block_bytes != group.slot_bytes:
+                raise ValidationError(
+                    "kv_caches",
+                    f"KV cache group {group.group_id} (layers {group.layer_names[0]!r}...): a block of "
+                    f"its tensors holds {cache.geometry.block_bytes} bytes, vLLM's KV cache spec says "
+                    f"{group.slot_bytes} ({len(group.layer_names)} layers x {group.page_bytes})",
+                )
+            self.caches[group.group_id] = cache
         self.host_tier = HostTier(
             self.device, self.config.num_slots * self.config.slot_bytes, self.config.slot_bytes
         )
         for group_id, cache in self.caches.items():
-            self.host_views[group_id] = self.host_tier.view(cache.geometry, layout)
+            host = self.host_views[group_id] = self.host_tier.view(cache.geometry, layout)
+            # a copy the device cannot make (a split cache on a plugin without kv.split,
+            # say) fails engine start, naming the plugin, rather than every job later
+            self.device.plan_copy(cache, host, [(0, 0)])
         self.engine = TransferEngine(self.device)
         logger.info(
             "kvhal: device plugin %r (%s), %d host slots of %d bytes, pinned=%s",
@@ -107,15 +142,22 @@ class WorkerSide:
     # -- per step -----------------------------------------------------------------
 
     @_on_engine_thread
-    def fence_stores(self) -> None:
-        """Order the coming step's compute after every store still reading KV blocks."""
-        if self.engine is not None:
-            self.engine.fence(self.device.current_stream())
+    def begin_step(self, meta: KVHALMetadata) -> None:
+        """Before the step's compute: fence the stores whose blocks it may rewrite,
+        and take note of the finished requests the scheduler holds for their stores."""
+        if self.engine is not None and meta.fence:
+            running = [self._running[j] for j in meta.fence if j in self._running]  # others are done
+            engine_jobs = [e for job in running for e in job.engine_jobs]
+            self.engine.fence(self.device.current_stream(), engine_jobs)
+        for req_id in meta.held:
+            if self._stores_of.get(req_id):
+                self._held.add(req_id)
+            else:  # its stores finished here already (or it had none on this worker)
+                self._finished_sending.add(req_id)
 
     @_on_engine_thread
     def start_loads(self, meta: KVHALMetadata) -> None:
         for job in meta.loads:
-            self._loads_this_step.add(job.job_id)
             self._submit(job)
 
     @_on_engine_thread
@@ -126,6 +168,8 @@ class WorkerSide:
     def _submit(self, job: TransferJob) -> None:
         assert self.engine is not None
         running = self._running[job.job_id] = _Running(job, set())
+        if job.kind is JobKind.STORE:
+            self._stores_of.setdefault(job.req_id, set()).add(job.job_id)
         for group_id, (block_ids, slots) in job.groups.items():
             if not block_ids:
                 continue
@@ -172,29 +216,29 @@ class WorkerSide:
             elif job.num_blocks:
                 self.stats.add("loaded_blocks", job.num_blocks)
                 self.stats.add("loaded_bytes", nbytes)
-        elif running.ok:
-            self.stats.add("stored_blocks", job.num_blocks)
-            self.stats.add("stored_bytes", nbytes)
+        else:
+            if running.ok:
+                self.stats.add("stored_blocks", job.num_blocks)
+                self.stats.add("stored_bytes", nbytes)
+            stores = self._stores_of[job.req_id]
+            stores.discard(job_id)
+            if not stores:
+                del self._stores_of[job.req_id]
+                if job.req_id in self._held:  # failed stores too: the blocks are read no more
+                    self._held.discard(job.req_id)
+                    self._finished_sending.add(job.req_id)
 
     @_on_engine_thread
-    def collect(self) -> tuple[set[str], set[str]]:
-        """Finished and failed loads (request ids), waiting for this step's loads first."""
+    def collect(self) -> tuple[set[str], set[str], set[str]]:
+        """Requests whose loads finished, whose loads failed (a subset), and whose
+        held blocks the stores read no more; polls, never waits for a copy."""
         assert self.engine is not None or not self._running
         if self.engine is not None:
-            this_step = [
-                e
-                for job_id in self._loads_this_step
-                if job_id in self._running
-                for e in self._running[job_id].engine_jobs
-            ]
-            for result in self.engine.wait(this_step) if this_step else ():
-                self._on_result(result)
             for result in self.engine.poll():
                 self._on_result(result)
-        self._loads_this_step.clear()
-        finished, failed = self._finished_loads, self._failed_loads
-        self._finished_loads, self._failed_loads = set(), set()
-        return finished, failed
+        finished, failed, sent = self._finished_loads, self._failed_loads, self._finished_sending
+        self._finished_loads, self._failed_loads, self._finished_sending = set(), set(), set()
+        return finished, failed, sent
 
     @property
     def jobs_in_flight(self) -> int:
@@ -208,6 +252,7 @@ class WorkerSide:
         return meta
 
     def shutdown(self) -> None:
+        """Wait for every copy in flight (none may write a freed buffer), then free the tier."""
         if self.engine is not None:
             for result in self.engine.wait():
                 self._on_result(result)
@@ -215,3 +260,20 @@ class WorkerSide:
             self.host_views.clear()
             self.host_tier.close()
             self.host_tier = None
+
+
+def _layer_parts(name: str, value: Any) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """One layer's KV tensor, or its (K, V) pair, checked; naming the layer otherwise."""
+    if isinstance(value, torch.Tensor):
+        return value
+    pair = isinstance(value, (tuple, list)) and len(value) == 2
+    if pair and all(isinstance(t, torch.Tensor) for t in value):
+        k, v = value
+        if k.device != v.device:
+            raise ValidationError("kv_caches", f"layer {name!r}: K is on {k.device}, V on {v.device}")
+        return (k, v)
+    raise ValidationError(
+        "kv_caches",
+        f"layer {name!r}: expected a tensor or a (k_cache, v_cache) pair of tensors, "
+        f"got {type(value).__name__}",
+    )

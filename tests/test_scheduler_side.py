@@ -1,0 +1,246 @@
+"""KVHALConnector's scheduler side, fed vLLM's own request and scheduler-output objects.
+
+What it decides for stores in flight: which finished requests keep their
+blocks (``request_finished`` returns True) until every worker reports them in
+``finished_sending``, and which stores a step's compute must wait for (blocks
+of a preempted request, or blocks vLLM allocates again) -- no other.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm")
+from vllm import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.output import (
+    CachedRequestData,
+    KVConnectorBlockState,
+    NewRequestData,
+    SchedulerOutput,
+)
+from vllm.v1.outputs import KVConnectorOutput
+from vllm.v1.request import Request
+
+from kvhal.vllm.config import ConnectorConfig, GroupInfo
+from kvhal.vllm.metadata import JobKind, KVHALMetadata, KVHALWorkerMetadata
+from kvhal.vllm.scheduler_side import LOADED_TOKENS, SchedulerSide
+
+BS = 4
+PAGE = 1024
+PROMPT = list(range(1, 13))  # three full blocks
+
+init_none_hash(sha256)
+HASHER = get_request_block_hasher(BS, sha256)
+
+
+def side(world_size: int = 1) -> SchedulerSide:
+    config = ConnectorConfig(
+        cpu_bytes_to_use=64 * PAGE * world_size,
+        device=None,
+        eviction_policy="lru",
+        offload_prompt_only=True,
+        block_size=BS,
+        groups=(GroupInfo(0, ("l0",), PAGE, 8),),
+        world_size=world_size,
+        layout="LBHNC",
+    )
+    return SchedulerSide(config)
+
+
+def request(req_id: str, tokens: list[int] = PROMPT) -> Request:
+    return Request(req_id, tokens, SamplingParams(max_tokens=4), None, block_hasher=HASHER)
+
+
+def output(
+    new: list[tuple[Request, list[int], int]] = (),
+    cached: list[tuple[Request, list[int], int]] = (),
+    preempted: set[str] = frozenset(),
+    tables: dict[str, list[int]] | None = None,
+) -> SchedulerOutput:
+    """One step: ``new``/``cached`` are (request, block ids handed out, tokens scheduled);
+    a new request's block ids are its whole table, its prefix hits first."""
+    scheduled = {r.request_id: n for r, _, n in (*new, *cached)}
+    tables = tables or {r.request_id: ids for r, ids, _ in new}
+    return SchedulerOutput(
+        scheduled_new_reqs=[
+            NewRequestData(
+                req_id=r.request_id,
+                prompt_token_ids=r.prompt_token_ids,
+                mm_features=[],
+                sampling_params=r.sampling_params,
+                pooling_params=None,
+                block_ids=(ids,),
+                num_computed_tokens=r.num_computed_tokens,
+                lora_request=None,
+            )
+            for r, ids, _ in new
+        ],
+        scheduled_cached_reqs=CachedRequestData(
+            req_ids=[r.request_id for r, _, _ in cached],
+            resumed_req_ids=set(),
+            new_token_ids=[],
+            all_token_ids={},
+            new_block_ids=[(ids,) if ids else None for _, ids, _ in cached],
+            num_computed_tokens=[r.num_computed_tokens for r, _, _ in cached],
+            num_output_tokens=[0 for _ in cached],
+        ),
+        num_scheduled_tokens=scheduled,
+        total_num_scheduled_tokens=sum(scheduled.values()),
+        scheduled_spec_decode_tokens={},
+        scheduled_encoder_inputs={},
+        finished_req_ids=set(),
+        free_encoder_mm_hashes=[],
+        preempted_req_ids=set(preempted),
+        kv_connector_block_state=KVConnectorBlockState(
+            req_ids=set(tables),
+            resolve_block_ids=lambda req_id: (tables[req_id],),
+            boundary_state_offloads={},
+        ),
+    )
+
+
+def reported(scheduler: SchedulerSide, job_ids, sent: set[str] = frozenset(), ok: bool = True) -> None:
+    """One worker's answer for ``job_ids`` (``sent``: its finished_sending)."""
+    counts = {job_id: 1 for job_id in job_ids}
+    worker_meta = KVHALWorkerMetadata(succeeded=counts if ok else {}, failed={} if ok else counts)
+    scheduler.on_output(KVConnectorOutput(finished_sending=set(sent), kv_connector_worker_meta=worker_meta))
+
+
+def prefill(scheduler: SchedulerSide, req: Request, blocks: list[int]) -> KVHALMetadata:
+    """``req`` runs its whole prompt in one step, in ``blocks``; the step's metadata."""
+    scheduler.track(req)
+    assert scheduler.lookup(req, 0) == (0, False)
+    meta = scheduler.build_meta(output(new=[(req, blocks, len(req.prompt_token_ids))]))
+    req.num_computed_tokens = len(req.prompt_token_ids)
+    return meta
+
+
+def store_ids(meta: KVHALMetadata) -> list[int]:
+    assert all(job.kind is JobKind.STORE for job in meta.stores)
+    return [job.job_id for job in meta.stores]
+
+
+# -- finished requests keep their blocks while their stores run ---------------------
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_finished_request_keeps_its_blocks_until_every_worker_stored_them(world_size):
+    scheduler = side(world_size)
+    a = request("a")
+    [job] = store_ids(prefill(scheduler, a, [1, 2, 3]))
+    hold, params = scheduler.request_finished(a)
+    assert hold and params == {LOADED_TOKENS: 0}
+    assert scheduler.has_held_blocks() and scheduler.stats.data["held_requests"] == 1
+    # the workers hear of it in the next step's metadata, once
+    assert scheduler.build_meta(output()).held == ["a"]
+    assert scheduler.build_meta(output()).held == []
+    for worker in range(world_size):
+        assert scheduler.has_jobs_in_flight()
+        assert scheduler.manager.lookup([k for k in scheduler._jobs[job].keys]) == 0  # not loadable yet
+        last = worker == world_size - 1
+        # vLLM's aggregator passes "a" on only when every worker reported it
+        reported(scheduler, [job], sent={"a"} if last else set())
+        assert scheduler.has_held_blocks() is not last
+    assert not scheduler.has_jobs_in_flight()
+    assert scheduler.lookup(request("again"), 0) == (8, True)  # stored: loadable now
+
+
+def test_a_request_whose_stores_were_reported_is_not_held():
+    scheduler = side()
+    a = request("a")
+    reported(scheduler, store_ids(prefill(scheduler, a, [1, 2, 3])))
+    assert scheduler.request_finished(a)[0] is False
+    assert scheduler.build_meta(output()).held == [] and not scheduler.has_held_blocks()
+
+
+def test_a_failed_store_still_releases_the_request():
+    scheduler = side()
+    a = request("a")
+    jobs = store_ids(prefill(scheduler, a, [1, 2, 3]))
+    assert scheduler.request_finished(a)[0] is True
+    reported(scheduler, jobs, sent={"a"}, ok=False)
+    assert not scheduler.has_held_blocks() and not scheduler.has_jobs_in_flight()
+    assert scheduler.stats.data["failed_stores"] == 1
+    assert scheduler.lookup(request("again"), 0) == (0, False)
+
+
+def test_a_request_finished_during_its_load_is_not_held():
+    """vLLM frees those blocks when the load is reported (finished_recving); holding
+    them for finished_sending as well would free them twice."""
+    scheduler = side()
+    a = request("a")
+    reported(scheduler, store_ids(prefill(scheduler, a, [1, 2, 3])))
+    scheduler.request_finished(a)
+    b = request("b")
+    scheduler.track(b)
+    assert scheduler.lookup(b, 0) == (8, True)
+    scheduler.after_alloc(b, KVCacheBlocks(([KVCacheBlock(7), KVCacheBlock(8)],)), 8)
+    [load] = scheduler.build_meta(output()).loads
+    assert load.groups == {0: ([7, 8], load.groups[0][1])}
+    assert scheduler.request_finished(b) == (False, {LOADED_TOKENS: 8})  # aborted while loading
+
+
+# -- fences: only stores whose blocks are about to be rewritten ----------------------
+
+
+def test_a_step_fences_no_store_when_it_reuses_none_of_their_blocks():
+    scheduler = side()
+    [job] = store_ids(prefill(scheduler, request("a"), [1, 2, 3]))
+    c = request("c", list(range(100, 112)))
+    meta = scheduler.build_meta(output(new=[(c, [4, 5, 6], 12)]))
+    assert meta.fence == [] and store_ids(meta) != [job]
+    # a prefix-cache hit on a block being stored only reads it
+    d = request("d")
+    d.num_computed_tokens = 8
+    assert scheduler.build_meta(output(new=[(d, [1, 2, 9], 4)])).fence == []
+    assert "fenced_stores" not in scheduler.stats.data
+
+
+@pytest.mark.parametrize("how", ["new request", "running request", "kvhal load", "block zeroing"])
+def test_a_step_that_reallocates_a_block_being_stored_fences_that_store(how):
+    """Blocks freed while their store runs (a sliding window's, say) and handed out again."""
+    scheduler = side()
+    [job] = store_ids(prefill(scheduler, request("a"), [1, 2, 3]))
+    [other] = store_ids(prefill(scheduler, request("b", list(range(50, 62))), [4, 5, 6]))
+    c = request("c", list(range(100, 112)))
+    if how == "new request":
+        out = output(new=[(c, [9, 2, 10], 12)])
+    elif how == "running request":
+        c.num_computed_tokens = 8
+        out = output(cached=[(c, [2], 4)], tables={"c": [11, 12, 2]})
+    elif how == "kvhal load":
+        reported(scheduler, [job, other])
+        [job] = store_ids(prefill(scheduler, request("e", list(range(200, 212))), [13, 14, 15]))
+        scheduler.track(c := request("again"))
+        assert scheduler.lookup(c, 0) == (8, True)
+        scheduler.after_alloc(c, KVCacheBlocks(([KVCacheBlock(14), KVCacheBlock(20)],)), 8)
+        out = output()
+    else:
+        out = output()
+        out.new_block_ids_to_zero = [2, 14]
+    meta = scheduler.build_meta(out)
+    assert meta.fence == [job]
+    assert scheduler.stats.data["fenced_stores"] == 1
+
+
+def test_a_preempted_requests_stores_are_fenced_and_no_longer_hold_it():
+    scheduler = side()
+    a = request("a")
+    [job] = store_ids(prefill(scheduler, a, [1, 2, 3]))
+    assert scheduler.build_meta(output(preempted={"a"})).fence == [job]
+    # its blocks went back to vLLM at preemption, their reuse fenced: nothing to hold
+    assert scheduler.request_finished(a)[0] is False
+    reported(scheduler, [job])
+    assert not scheduler.has_jobs_in_flight()
+
+
+def test_reset_is_refused_while_stores_are_in_flight():
+    scheduler = side()
+    a = request("a")
+    jobs = store_ids(prefill(scheduler, a, [1, 2, 3]))
+    assert scheduler.reset() is False
+    reported(scheduler, jobs)
+    assert scheduler.reset() is True and scheduler.lookup(request("again"), 0) == (0, False)
