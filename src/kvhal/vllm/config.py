@@ -153,7 +153,3 @@ class ConnectorConfig:
             )
         return config
 
-
-def offload_key(block_hash: bytes, group_id: int) -> bytes:
-    """The manager key of one block of one group (vLLM 0.32 packs ``OffloadKey`` alike)."""
-    return block_hash + group_id.to_bytes(4, "big")

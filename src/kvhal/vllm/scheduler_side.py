@@ -29,8 +29,10 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
 
+from kvhal.errors import ValidationError
 from kvhal.manager import OffloadingManager
-from kvhal.vllm.config import ConnectorConfig, offload_key
+from kvhal.vllm.config import ConnectorConfig
+from kvhal.vllm.keys import offload_key, split_offload_key
 from kvhal.vllm.metadata import JobKind, KVHALMetadata, KVHALWorkerMetadata, TransferJob
 from kvhal.vllm.stats import KVHALStats
 
@@ -130,7 +132,9 @@ class SchedulerSide:
         bs = self.config.block_size
         count = num_external_tokens // bs
         if state.hit_blocks < count:
-            raise AssertionError(f"vLLM allocated {count} blocks for a hit of {state.hit_blocks}")
+            raise ValidationError(
+                "num_external_tokens", f"{count} blocks allocated for a hit of {state.hit_blocks} blocks"
+            )
         table = blocks.get_block_ids()
         hashes = request.block_hashes
         groups: dict[int, tuple[list[int], list[int]]] = {}
@@ -295,12 +299,16 @@ class SchedulerSide:
             self.manager.complete_store(job.keys, success=job.ok)
             if not job.ok:
                 self.stats.add("failed_stores", 1)
+            elif job.keys:  # once per block, however many workers copied a share of it
+                self.stats.add("stored_blocks", len(job.keys))
         else:
             if state is not None and state.loading == job_id:
                 state.loading = None
             self.manager.complete_load(job.keys)
             if not job.ok:
                 self.stats.add("failed_loads", 1)
+            elif job.keys:
+                self.stats.add("loaded_blocks", len(job.keys))
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         """Mark the request's prompt blocks used (the eviction policy's recency).
@@ -329,7 +337,7 @@ class SchedulerSide:
         events: list[KVCacheEvent] = []
         for event in self.manager.take_events():
             for key in event.keys:
-                block_hash, group_id = key[:-4], int.from_bytes(key[-4:], "big")
+                block_hash, group_id = split_offload_key(key)
                 if event.removed:
                     events.append(BlockRemoved(block_hashes=[block_hash], medium=MEDIUM, group_idx=group_id))
                 else:

@@ -157,11 +157,13 @@ class WorkerSide:
 
     @_on_engine_thread
     def start_loads(self, meta: KVHALMetadata) -> None:
+        """Submit this step's loads (host tier -> KV cache); :meth:`collect` reports them."""
         for job in meta.loads:
             self._submit(job)
 
     @_on_engine_thread
     def start_stores(self, meta: KVHALMetadata) -> None:
+        """Submit this step's stores (KV cache -> host tier), ordered after the step's compute."""
         for job in meta.stores:
             self._submit(job)
 
@@ -208,17 +210,17 @@ class WorkerSide:
         job = running.job
         outcome = self._succeeded if running.ok else self._failed
         outcome[job_id] = outcome.get(job_id, 0) + 1
+        # Bytes are counted where they move: each tensor-parallel worker copies its own
+        # share, and vLLM sums the workers' stats. Blocks are counted once, scheduler-side.
         nbytes = job.num_blocks * self.config.slot_bytes  # one slot per (group, block)
         if job.kind is JobKind.LOAD:
             self._finished_loads.add(job.req_id)
             if not running.ok:
                 self._failed_loads.add(job.req_id)
             elif job.num_blocks:
-                self.stats.add("loaded_blocks", job.num_blocks)
                 self.stats.add("loaded_bytes", nbytes)
         else:
             if running.ok:
-                self.stats.add("stored_blocks", job.num_blocks)
                 self.stats.add("stored_bytes", nbytes)
             stores = self._stores_of[job.req_id]
             stores.discard(job_id)
@@ -242,9 +244,11 @@ class WorkerSide:
 
     @property
     def jobs_in_flight(self) -> int:
+        """Load and store jobs submitted and not yet finished on this worker."""
         return len(self._running)
 
     def worker_meta(self) -> KVHALWorkerMetadata | None:
+        """The jobs finished since the last call, for the scheduler side (``None`` if none)."""
         if not self._succeeded and not self._failed:
             return None
         meta = KVHALWorkerMetadata(succeeded=self._succeeded, failed=self._failed)
