@@ -68,7 +68,7 @@ class FaultInjector:
 
     def _delay(self, plan, stream) -> None:
         kind = "store" if self._in_host_tier(plan.dst) else "load" if self._in_host_tier(plan.src) else None
-        if kind is not None and f"slow_{kind}" in self.modes:
+        if kind is not None and f"slow_{kind}" in self.modes and self._rank_selected():
             delay = float(os.environ.get("KVHAL_TEST_FAULT_DELAY_S", "1"))
             stream.submit(lambda: time.sleep(delay))  # runs before the copy, on its stream
 
