@@ -6,7 +6,8 @@ so tests, the demo and ``kvhal bench e2e`` describe what to do in a JSON spec
 (see :mod:`kvhal.testing.scenario`) and read back a JSON result.
 
 Steps: ``generate`` (prompts as token ids; records tokens, timing, cached and
-kvhal-loaded tokens), ``reset`` (vLLM's prefix cache, optionally kvhal's),
+kvhal-loaded tokens), ``reset`` (vLLM's prefix cache, optionally kvhal's; retried while
+finished requests' blocks wait for their stores, unless ``drain`` is false),
 ``corrupt_host`` (overwrite kvhal's host tier with noise: the negative
 control), ``kvhal_state`` (what kvhal holds and has in flight; both
 single-process engines only), ``metrics`` (``LLM.get_metrics()``),
