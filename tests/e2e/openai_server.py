@@ -1,7 +1,7 @@
 """vLLM's OpenAI-compatible server in a subprocess on loopback, for the end-to-end tests.
 
 Started as ``python -m vllm.entrypoints.openai.api_server`` (see
-:func:`kvhal.vllm.runner.api_server_command`), in its own process group so that
+:func:`kvhal.vllm.testing.runner.api_server_command`), in its own process group so that
 stopping it also stops its engine-core process; every wait is bounded.
 """
 
@@ -21,7 +21,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvhal.testing.scenario import BASE_ENV
-from kvhal.vllm.runner import api_server_command
+from kvhal.vllm.testing.runner import api_server_command
 
 
 def free_port() -> int:

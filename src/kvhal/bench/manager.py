@@ -190,7 +190,7 @@ def vllm_factory(num_slots: int) -> tuple[Callable[[], Driver] | None, str]:
         return None, "vllm is not installed"
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # keep its start-up notes out of the table
     try:
-        from kvhal.vllm.baseline_manager import VLLMManagerDriver
+        from kvhal.vllm.testing.baseline_manager import VLLMManagerDriver
     except Exception as exc:  # an installed but broken vLLM is reported, not fatal
         return None, f"import failed: {type(exc).__name__}: {exc}"
     return (lambda: VLLMManagerDriver(num_slots, "lru")), "vLLM " + _version("vllm")

@@ -1,7 +1,7 @@
 """Run a vLLM scenario in a fresh subprocess and get its JSON result (no vLLM import here).
 
 A scenario is a dict: ``model`` (a folder), ``steps`` (see
-:mod:`kvhal.vllm.runner`), ``kvhal`` (``kv_connector_extra_config``, or
+:mod:`kvhal.vllm.testing.runner`), ``kvhal`` (``kv_connector_extra_config``, or
 ``None`` to run without kvhal), ``engine`` (``vllm.LLM`` argument overrides),
 ``multiprocessing`` (``VLLM_ENABLE_V1_MULTIPROCESSING``) and ``env``.
 """
@@ -33,7 +33,7 @@ class ScenarioError(RuntimeError):
 def run_scenario(
     scenario: dict[str, Any], *, timeout: float = 900, python: str | None = None
 ) -> dict[str, Any]:
-    """Run ``scenario`` with ``python -m kvhal.vllm.runner`` and return its result."""
+    """Run ``scenario`` with ``python -m kvhal.vllm.testing.runner`` and return its result."""
     env = {**os.environ, **BASE_ENV, **{k: str(v) for k, v in scenario.get("env", {}).items()}}
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if scenario.get("multiprocessing") else "0"
     with tempfile.TemporaryDirectory(prefix="kvhal-scenario-") as tmp:
@@ -45,7 +45,7 @@ def run_scenario(
         faults_before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_minflt
         with log.open("w") as sink:  # a file, not a pipe: the engine never waits on its reader
             proc = subprocess.run(
-                [python or sys.executable, "-m", "kvhal.vllm.runner", str(spec), str(out)],
+                [python or sys.executable, "-m", "kvhal.vllm.testing.runner", str(spec), str(out)],
                 env=env,
                 stdout=sink,
                 stderr=subprocess.STDOUT,

@@ -1,4 +1,4 @@
-"""Run a scenario on a real vLLM engine: ``python -m kvhal.vllm.runner SPEC.json OUT.json``.
+"""Run a scenario on a real vLLM engine: ``python -m kvhal.vllm.testing.runner SPEC.json OUT.json``.
 
 Each engine gets a fresh process (vLLM changes torch threads, environment and
 seeds of the process it runs in, and keeps process-global connector state),
