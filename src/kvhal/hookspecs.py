@@ -51,14 +51,23 @@ def kvhal_probe() -> DeviceDescriptor | Refusal:
     """Say whether this plugin's hardware is here.
 
     Called once per device plugin, each separately, when kvhal lists or
-    selects devices. Must not allocate device memory or start device work
-    beyond what detection needs; must not raise for absent hardware.
+    selects devices.
 
-    :return: a :class:`~kvhal.descriptor.DeviceDescriptor` when the device is
-        present and usable, else a :class:`~kvhal.descriptor.Refusal` with
-        the reason (shown by ``kvhal devices``). Anything else, or an
-        exception, is an error naming the plugin; kvhal never falls back to
-        another device because of it.
+    Promises (the conformance suite checks each one under its id):
+
+    - ``probe.result``: returns a :class:`~kvhal.descriptor.DeviceDescriptor`
+      when the device is present and usable, else a
+      :class:`~kvhal.descriptor.Refusal` with the reason (shown by
+      ``kvhal devices``); it must not raise, also when the hardware is absent.
+    - ``probe.descriptor``: the descriptor's torch device type is one torch
+      knows, and every capability is a :class:`~kvhal.descriptor.Capability`
+      value or ``dtype.<torch dtype>``.
+    - ``probe.no_work``: it must not allocate device memory or start device
+      work (streams, threads) beyond what detection needs.
+
+    :return: the descriptor or refusal. Anything else, or an exception, is an
+        error naming the plugin; kvhal never falls back to another device
+        because of it.
     """
 
 
@@ -74,6 +83,17 @@ def kvhal_kv_layouts(attention_backend: str | None) -> Sequence[KVLayout]:
     Each :class:`~kvhal.layouts.KVLayout` carries its stride order over
     ``[L, B, H, N, C]``; its ``layer_view_order`` is the order without the
     layers dimension. Layouts starting with ``B`` are cross-layer.
+
+    Promises (the conformance suite checks each one under its id):
+
+    - ``layouts.sequence``: a non-empty sequence of
+      :class:`~kvhal.layouts.KVLayout`, for ``None`` and for each of the
+      engine's attention backend names.
+    - ``layouts.permutation``: every layout's stride order is a permutation
+      of ``[L, B, H, N, C]``.
+    - ``layouts.cross_layer``: cross-layer layouts are offered only by a
+      plugin declaring ``layout.cross_layer``, and such a plugin offers at
+      least one for ``None``.
 
     :param attention_backend: the engine's attention backend name (vLLM's,
         e.g. ``"FLASH_ATTN"``, ``"ROCM_ATTN"``, ``"CPU_ATTN"``) or ``None``
@@ -91,12 +111,23 @@ def kvhal_kv_layouts(attention_backend: str | None) -> Sequence[KVLayout]:
 def kvhal_allocate_kv_cache(geometry: KVGeometry, layout: KVLayout, device: torch.device) -> KVCache:
     """Allocate a zeroed KV cache for ``geometry`` in ``layout`` on ``device``.
 
-    The result's per-layer views are logical ``[B, H, N, C]`` (a (K, V) pair
-    for :attr:`~kvhal.geometry.KVFormat.SPLIT`), over one buffer (or one per
-    part where the device needs separately aligned K and V) whose physical
-    order is ``layout``; in a cross-layer layout one block of every layer is
-    one contiguous region. Its ``geometry`` and ``layout`` equal the ones
-    asked for.
+    Promises (the conformance suite checks each one under its id):
+
+    - ``alloc.as_asked``: the cache's ``geometry`` (its dtype and K/V format
+      included), ``layout`` and device type equal the ones asked for, for
+      every dtype and format the plugin declares.
+    - ``alloc.zeroed``: every byte is zero, whatever the cache's size.
+    - ``alloc.layout``: every layer's view is logical ``[B, H, N, C]`` (a
+      (K, V) pair for :attr:`~kvhal.geometry.KVFormat.SPLIT`) with the same
+      strides, over one buffer (or one per part where the device needs
+      separately aligned K and V) whose physical order is ``layout``.
+    - ``alloc.cross_layer``: in a cross-layer layout one block of every layer
+      is one contiguous region.
+    - ``alloc.distinct``: every element has its own memory; no two layers,
+      blocks or parts share any.
+    - ``alloc.refuses``: a layout, format or dtype the device cannot hold
+      raises :class:`~kvhal.errors.ValidationError` naming the argument
+      (anything else it returns must keep the promises above).
 
     :raises kvhal.errors.ValidationError: a layout or format the device
         cannot hold (name the argument).
@@ -123,6 +154,19 @@ def kvhal_allocate_host_buffer(nbytes: int) -> torch.Tensor:
     declaring ``host.pinned`` pins every buffer within a bounded time (the
     conformance suite waits 60 s).
 
+    Promises (the conformance suite checks each one under its id):
+
+    - ``host.buffer``: a flat CPU byte tensor (``int8``/``uint8``) of at
+      least ``nbytes``, for any positive size, from one byte and odd sizes to
+      a whole host tier.
+    - ``host.aligned``: its address is 4096-byte aligned.
+    - ``host.zeroed``: every byte is zero, also when it reuses the memory of
+      a freed buffer.
+    - ``host.distinct``: buffers alive at the same time share no memory.
+    - ``host.pinned``: a plugin declaring ``host.pinned`` pins every buffer
+      (:func:`kvhal_host_buffer_is_pinned` says ``True``), within the time
+      stated above.
+
     :return: a flat CPU byte tensor (``int8``/``uint8``) of at least
         ``nbytes``, zeroed, whose address is 4096-byte aligned. Stop at first
         non-None result.
@@ -134,13 +178,29 @@ def kvhal_free_host_buffer(buffer: torch.Tensor) -> None:
     """Release a buffer from :func:`kvhal_allocate_host_buffer` (unpin/unregister).
 
     Called at most once per buffer; the caller drops its views first.
+
+    Promises (the conformance suite checks each one under its id):
+
+    - ``free.release``: it returns, raising nothing, for every buffer
+      :func:`kvhal_allocate_host_buffer` returned, whatever its size and pin
+      state.
     """
 
 
 @hookspec(firstresult=True)
 def kvhal_host_buffer_is_pinned(buffer: torch.Tensor) -> bool:
     """Whether ``buffer`` is page-locked as this device defines it (pinned,
-    registered, or locked). Stop at first non-None result."""
+    registered, or locked).
+
+    Promises (the conformance suite checks each one under its id):
+
+    - ``pinned.bool``: answers ``True`` or ``False`` for any CPU tensor, one
+      of its own buffers or not.
+    - ``pinned.truthful``: ``True`` only for memory this plugin pinned or
+      registered: a plain torch tensor is ``False``.
+
+    Stop at first non-None result.
+    """
 
 
 # --------------------------------------------------------------------------
@@ -150,8 +210,18 @@ def kvhal_host_buffer_is_pinned(buffer: torch.Tensor) -> bool:
 
 @hookspec(firstresult=True)
 def kvhal_create_stream(device: torch.device) -> Any:
-    """A new stream for copies: work submitted to it runs in submission
-    order, asynchronously to the caller. Stop at first non-None result."""
+    """A new stream for copies.
+
+    Promises (the conformance suite checks each one under its id):
+
+    - ``stream.new``: every call returns a new stream, never one returned
+      before.
+    - ``stream.order``: work submitted to it (copies, event records, waits)
+      runs in submission order, asynchronously to the caller: a later copy
+      sees everything an earlier one wrote.
+
+    Stop at first non-None result.
+    """
 
 
 @hookspec(firstresult=True)
@@ -159,24 +229,60 @@ def kvhal_current_stream(device: torch.device) -> Any:
     """The stream the engine's compute (attention, KV writes) runs on.
 
     Copies are ordered after it (stores read KV it writes; loads write blocks
-    it may still zero), so it must be the real one. Stop at first non-None result.
+    it may still zero), so it must be the real one.
+
+    Promises (the conformance suite checks each one under its id):
+
+    - ``current.compute``: the same stream on every call and, where torch
+      drives streams for the device type, torch's current stream.
+
+    Stop at first non-None result.
     """
 
 
 @hookspec(firstresult=True)
 def kvhal_create_event(device: torch.device) -> Any:
-    """A new, unrecorded event: querying it reports complete. Stop at first non-None result."""
+    """A new, unrecorded event.
+
+    Promises (the conformance suite checks each one under its id):
+
+    - ``event.new``: every call returns a new event, never one returned
+      before; until it is recorded, querying it reports complete and
+      synchronizing it returns at once.
+
+    Stop at first non-None result.
+    """
 
 
 @hookspec
 def kvhal_record_event(event: Any, stream: Any) -> None:
     """Record ``event`` on ``stream``: it completes when all work submitted
-    to ``stream`` before this call has completed."""
+    to ``stream`` before this call has completed.
+
+    Promises (the conformance suite checks each one under its id):
+
+    - ``record.after_work``: the event does not complete before every piece
+      of work submitted to ``stream`` before this call has completed,
+      whatever its direction and size.
+    - ``record.completes``: it does complete once that work has; recorded on
+      a stream with no pending work, at once.
+    - ``record.again``: recording an event again makes it follow the new
+      record only: queries, synchronizes and stream waits after that call
+      refer to the new record.
+    """
 
 
 @hookspec(firstresult=True)
 def kvhal_query_event(event: Any) -> bool:
     """Whether the work before ``event``'s last record has completed, without blocking.
+
+    Promises (the conformance suite checks each one under its id):
+
+    - ``query.state``: ``False`` while that work is incomplete, ``True`` once
+      it has completed.
+    - ``query.nonblocking``: it returns at once, without waiting for that work.
+    - ``query.error``: it raises :class:`~kvhal.errors.TransferError` when the
+      copy the event follows failed.
 
     :raises kvhal.errors.TransferError: the copy it follows failed.
     :return: ``True`` or ``False``. Stop at first non-None result.
@@ -187,6 +293,13 @@ def kvhal_query_event(event: Any) -> bool:
 def kvhal_synchronize_event(event: Any) -> None:
     """Block until ``event`` completes.
 
+    Promises (the conformance suite checks each one under its id):
+
+    - ``sync.waits``: it returns only once the work before the event's last
+      record has completed (at once for an event never recorded).
+    - ``sync.error``: it raises :class:`~kvhal.errors.TransferError` when the
+      copy the event follows failed.
+
     :raises kvhal.errors.TransferError: the copy it follows failed.
     """
 
@@ -194,7 +307,15 @@ def kvhal_synchronize_event(event: Any) -> None:
 @hookspec
 def kvhal_stream_wait_event(stream: Any, event: Any) -> None:
     """Make work submitted to ``stream`` after this call wait for ``event``'s
-    last record (without blocking the caller)."""
+    last record (without blocking the caller).
+
+    Promises (the conformance suite checks each one under its id):
+
+    - ``wait.orders``: work submitted to ``stream`` after this call does not
+      start before the work before ``event``'s last record has completed,
+      whatever its direction and size (an event never recorded holds nothing up).
+    - ``wait.nonblocking``: it returns at once, without waiting for ``event``.
+    """
 
 
 # --------------------------------------------------------------------------
@@ -209,9 +330,32 @@ def kvhal_copy_blocks(plan: CopyPlan, stream: Any) -> Any:
     ``plan`` was validated by kvhal (ids in range, unique destinations, same
     geometry and layout); it holds the ``(src, dst)`` block pairs, their runs
     of consecutive ids, and byte descriptors ``(src_ptrs, dst_ptrs, sizes)``
-    with runs already coalesced. The copy reads ``plan.src`` and writes only
-    the destination blocks of ``plan.dst``; it must not start before work
-    submitted to ``stream`` earlier.
+    with runs already coalesced.
+
+    Promises (the conformance suite checks each one under its id; "any size"
+    spans a single block of a few hundred bytes, not a multiple of any page
+    or vector width, to batches of many MiB):
+
+    - ``copy.data``: every destination block of the plan holds its source
+      block's bytes, bit for bit, in either direction, at any size, in every
+      dtype and K/V format the plugin declares.
+    - ``copy.dst_only``: it writes only the destination blocks of
+      ``plan.dst``: no other byte of ``plan.dst`` changes.
+    - ``copy.src_unchanged``: it only reads ``plan.src``.
+    - ``copy.ordering``: it must not start before work submitted to ``stream``
+      earlier has completed, in either direction, at any size.
+    - ``copy.on_stream``: it is work on ``stream``: an event recorded on
+      ``stream`` after this call completes only after the copy.
+    - ``copy.event``: the returned event completes only when every byte is
+      written, in either direction, at any size.
+    - ``copy.error``: a failure does not raise from this hook; it surfaces as
+      :class:`~kvhal.errors.TransferError` from querying or synchronizing the
+      returned event, and later copies on ``stream`` are unaffected.
+    - ``copy.async``: a plugin declaring ``copy.async`` returns without
+      waiting for the copy.
+    - ``copy.throughput``: copies run at the speed of the device: the
+      conformance suite holds them to a fraction (0.25 by default) of a plain
+      torch copy of the same bytes between the same memories.
 
     :return: an event (as from :func:`kvhal_create_event`) that completes when
         every byte is written; a failure surfaces as
