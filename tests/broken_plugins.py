@@ -3,7 +3,10 @@
 Each is the built-in CPU plugin with one hook changed, the way a real port goes
 wrong. ``tests/test_conformance_selftest.py`` runs the suite against each
 (``--kvhal-plugin tests.broken_plugins:NAME``) and checks which contract fails
-and that the message points at the defect.
+and that the message points at the defect. The suite's own mutants
+(:mod:`kvhal_conformance.mutants`, one per clause of the hookspecs) cover the
+rest, among them the defects that used to live here (a fresh compute stream, a
+missing hook, a synchronous copy, a no-op stream wait, a lying pinned query).
 """
 
 from __future__ import annotations
@@ -139,14 +142,6 @@ class MutatesSource(CPUPlugin):
         return enqueue(stream, plan, move)
 
 
-class FreshComputeStream(CPUPlugin):
-    """Answers ``kvhal_current_stream`` with a new stream: nothing is ordered after compute."""
-
-    @hookimpl
-    def kvhal_current_stream(self, device: torch.device) -> CPUStream:
-        return CPUStream()
-
-
 class DirtyHostBuffer(CPUPlugin):
     """Hands out host buffers without clearing them (``torch.empty`` where ``zeros`` was meant)."""
 
@@ -155,32 +150,6 @@ class DirtyHostBuffer(CPUPlugin):
         buffer = super().kvhal_allocate_host_buffer(nbytes)
         buffer.fill_(0x5A)  # what a reused allocation may hold
         return buffer
-
-
-class MissingWaitHook(CPUPlugin):
-    """Does not implement kvhal_stream_wait_event."""
-
-    kvhal_stream_wait_event = None
-
-
-class SyncCopy(CPUPlugin):
-    """Declares copy.async but copies on the caller's thread: waits for the stream, copies, returns."""
-
-    @hookimpl
-    def kvhal_copy_blocks(self, plan: CopyPlan, stream: Stream) -> CPUEvent:
-        stream.synchronize()  # stream order is kept; only the asynchrony is gone
-        self.engine.run(*plan.descriptors)
-        done = CPUEvent()
-        stream.record(done)
-        return done
-
-
-class NoOpWait(CPUPlugin):
-    """kvhal_stream_wait_event does nothing: the waiting stream runs on at once."""
-
-    @hookimpl
-    def kvhal_stream_wait_event(self, stream: Stream, event: CPUEvent) -> None:
-        return None
 
 
 class Mislabels(CPUPlugin):
@@ -202,14 +171,6 @@ class SharedLayers(CPUPlugin):
     ) -> KVCache:
         one = allocate_dense_kv_cache(dataclasses.replace(geometry, num_layers=1), layout, device)
         return KVCache(geometry, layout, one.layers * geometry.num_layers, one.storage)
-
-
-class PinnedLiar(CPUPlugin):
-    """kvhal_host_buffer_is_pinned answers True for any tensor."""
-
-    @hookimpl
-    def kvhal_host_buffer_is_pinned(self, buffer: torch.Tensor) -> bool:
-        return True
 
 
 class RecyclesDirty(CPUPlugin):

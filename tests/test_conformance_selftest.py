@@ -1,8 +1,12 @@
-"""The conformance suite against broken plugins (each must fail, pointing at its defect) and
-against the built-in CPU plugin (every contract must pass).
+"""The conformance suite against its mutants and broken plugins (each must fail, pointing at its
+defect, and only where its defect explains) and against the built-in CPU plugin (every contract
+must pass).
 
-Each run is a subprocess: ``python -m pytest --pyargs kvhal_conformance --kvhal-device NAME
---kvhal-plugin tests.broken_plugins:CLASS --kvhal-quick --kvhal-report DIR``, judged by its JSON report.
+The mutants (:mod:`kvhal_conformance.mutants`) and the hand-written broken plugins
+(``tests/broken_plugins.py``) run in one ``python -m kvhal_conformance.mutation`` (tiny sizes,
+fixed seed, two worker processes running the suite in process), judged by its JSON reports; its
+summary, printed here, lists the clauses no mutant reaches. The CPU plugin runs through
+``kvhal conformance --quick``.
 """
 
 from __future__ import annotations
@@ -19,11 +23,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SEED = "20261122"
+#: The mutation batch (every mutant and broken plugin, in 2 processes) must end within this.
+MUTATION_TIMEOUT_S = 1500
 #: Contracts a defect in copying data also fails: the streams-and-events checks watch copied
 #: bytes (and say "the copy itself is wrong"), and the throughput check verifies blocks first.
 COPY_DATA = ("streams_events", "throughput")
-#: Every contract but probe: a plugin that cannot be bound fails every test that needs it.
-UNBOUND = ("layouts", "allocation", "host_memory", "streams_events", "copies", "bad_input", "throughput")
 #: broken plugin -> (the contract that must fail, a phrase its message must contain, the other
 #: contracts the defect legitimately fails too; every contract not named must not fail)
 BROKEN: dict[str, tuple[str, str, tuple[str, ...]]] = {
@@ -51,18 +55,6 @@ BROKEN: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "TruncatesBatch": ("copies", "the batch was cut short", ("streams_events",)),
     "MutatesSource": ("copies", "changed: a copy must only read its source", COPY_DATA),
     "DirtyHostBuffer": ("host_memory", "non-zero bytes; expected zeroed memory", ()),
-    "FreshComputeStream": ("streams_events", "kvhal_current_stream returned two different streams", ()),
-    "MissingWaitHook": ("probe", "does not implement required hook kvhal_stream_wait_event", UNBOUND),
-    "SyncCopy": (
-        "streams_events",
-        "declares copy.async, but kvhal_copy_blocks returned only after its copy had finished",
-        (),
-    ),
-    "NoOpWait": (
-        "streams_events",
-        "kvhal_stream_wait_event: stream B waited for the event of a host->device copy on stream A",
-        (),
-    ),
     # kvhal copies by the label's layout: blocks land in the wrong places
     "Mislabels": (
         "layouts",
@@ -75,13 +67,13 @@ BROKEN: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "read back different values: views share memory",
         ("layouts", "streams_events", "copies", "bad_input", "throughput"),
     ),
-    "PinnedLiar": ("host_memory", "says a plain (never pinned or registered)", ()),
     "RecyclesDirty": ("host_memory", "a reused buffer came back with non-zero bytes", ()),
 }
 
+INSTALLED = importlib.util.find_spec("kvhal_conformance") is not None
+MUTANTS = importlib.import_module("kvhal_conformance.mutants").MUTANTS if INSTALLED else {}
 pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("kvhal_conformance") is None,
-    reason="kvhal-conformance is not installed (pip install -e conformance)",
+    not INSTALLED, reason="kvhal-conformance is not installed (pip install -e conformance)"
 )
 
 
@@ -128,14 +120,51 @@ def contract(report: dict[str, Any], contract_id: str) -> dict[str, Any]:
     return next(c for c in report["contracts"] if c["id"] == contract_id)
 
 
+@pytest.fixture(scope="module")
+def mutation_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Run the suite against every mutant and every broken plugin, once for this module."""
+    out = tmp_path_factory.mktemp("mutation")
+    plugins = [f"--plugin=broken-{name}=tests.broken_plugins:{name}" for name in BROKEN]
+    proc = run(
+        ["-m", "kvhal_conformance.mutation", "--out", str(out), "--jobs", "2", *plugins],
+        timeout=MUTATION_TIMEOUT_S,
+    )
+    print(proc.stdout)  # the verdicts and the clauses no mutant reaches, in CI's log
+    assert (out / "mutation.json").exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out
+
+
+def verdicts(out: Path) -> dict[str, dict[str, Any]]:
+    return {v["name"]: v for v in json.loads((out / "mutation.json").read_text())["verdicts"]}
+
+
+@pytest.mark.parametrize("name", sorted(MUTANTS))
+def test_suite_catches_mutant(mutation_run: Path, name: str) -> None:
+    """The suite reports every clause the mutant breaks, and none its defect does not explain."""
+    v = verdicts(mutation_run)[name]
+    assert not v["error"], f"{name}: {v['error']}"
+    assert not v["missed"], (
+        f"{name} ({v['defect']}): the suite missed {v['missed']}; it reported {v['broken']}"
+    )
+    assert not v["stray"], (
+        f"{name} ({v['defect']}): clauses its defect does not explain failed: "
+        + "; ".join(f"{c}: {v['messages'].get(c, '')}" for c in v["stray"])
+    )
+
+
+def test_clauses_no_mutant_reaches(mutation_run: Path) -> None:
+    """Every clause of the map is found broken in some mutant (the list is in the summary)."""
+    summary = json.loads((mutation_run / "mutation.json").read_text())
+    assert summary["unreached"] == [], f"clauses no mutant reaches: {summary['unreached']}"
+
+
 @pytest.mark.parametrize("broken", BROKEN)
-def test_suite_fails_broken_plugin(tmp_path: Path, broken: str) -> None:
+def test_suite_fails_broken_plugin(mutation_run: Path, broken: str) -> None:
     expected_contract, phrase, also = BROKEN[broken]
     name = f"broken-{broken}"
-    # the floor is not what these runs test: a loaded machine must not add a throughput failure
-    report = suite(
-        name, tmp_path, "--kvhal-plugin", f"tests.broken_plugins:{broken}", "--kvhal-throughput-floor", "0"
-    )
+    path = mutation_run / f"{name}.json"
+    assert path.exists(), (mutation_run / f"{name}.log").read_text()[-3000:]
+    report = json.loads(path.read_text())
     assert report["returncode"] != 0
     assert report["verdict"] == "fail"
     failed = contract(report, expected_contract)

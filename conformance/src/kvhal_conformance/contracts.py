@@ -29,46 +29,52 @@ CONTRACTS: tuple[Contract, ...] = (
         "Probe",
         ("kvhal_probe",),
         "every required hook is implemented; the probe returns a well-formed descriptor of a "
-        "present device with known capabilities",
+        "present device with known capabilities, every time, and starts no threads or device memory",
     ),
     Contract(
         "layouts",
         "Layouts",
         ("kvhal_kv_layouts", "kvhal_allocate_kv_cache"),
-        "layouts are non-empty sequences of KVLayout whose stride orders are permutations; views "
-        "have the shapes and strides their layout promises; cross-layer blocks are contiguous",
+        "layouts are non-empty sequences of KVLayout whose stride orders are permutations, for the "
+        "default and vLLM backend names; cross-layer ones exactly when declared; views have the shapes "
+        "and strides their layout promises; cross-layer blocks are contiguous",
     ),
     Contract(
         "allocation",
         "Allocation",
         ("kvhal_allocate_kv_cache",),
-        "caches come back with the asked geometry, dtype, layout and device, zeroed, every "
-        "element its own memory; what the device cannot hold is refused with ValidationError",
+        "caches come back with the asked geometry, dtype (every declared dtype.*), layout and device, "
+        "zeroed (also at many MiB, also reusing memory), every element its own memory; what the "
+        "device cannot hold is refused with ValidationError",
     ),
     Contract(
         "host_memory",
         "Host memory",
         ("kvhal_allocate_host_buffer", "kvhal_host_buffer_is_pinned", "kvhal_free_host_buffer"),
-        "host buffers are flat, zeroed (also when memory is reused), 4 KiB-aligned CPU byte "
-        "tensors of at least the size asked for, independent of each other, and pinned (or "
-        "registered) when the plugin declares host.pinned; a plain tensor is not reported pinned",
+        "host buffers of any size (one byte, odd sizes, a host tier) are flat, zeroed (also when "
+        "memory is reused), 4 KiB-aligned CPU byte tensors of at least the size asked for, "
+        "independent of each other while alive, freed without error, and pinned (or registered) when "
+        "the plugin declares host.pinned; a plain tensor is not reported pinned",
     ),
     Contract(
         "streams_events",
         "Streams and events",
         (*(hook for hook in DEVICE_HOOKS if hook.endswith(("_stream", "_event"))), "kvhal_copy_blocks"),
-        "the current stream is the compute stream (the same on every call, torch's where torch "
-        "drives the device); an event is not complete before its work and is complete after; "
-        "work on one stream stays ordered; a stream waits for another's event; copies run on "
-        "the stream given (and asynchronously when copy.async is declared)",
+        "the current stream is the compute stream; new streams and events are new; in both "
+        "directions, for one small block, one odd-sized block and many MiB, on one stream and across "
+        "two joined by a wait, a copy writes nothing before earlier work completes and its events "
+        "complete only after its bytes are written; re-recorded events follow their new record; "
+        "query, stream waits and (with copy.async) copies do not block; a failed copy surfaces as "
+        "TransferError from its event",
     ),
     Contract(
         "copies",
         "Copies",
         ("kvhal_copy_blocks",),
         "random and edge-case block mappings, both directions, layer-separate and cross-layer "
-        "layouts, bf16/fp16/fp32/fp8, stacked and split K/V: every mapped block arrives intact, "
-        "no other block is written, the source is unchanged",
+        "layouts, every required and declared dtype, stacked and split K/V, one small block, one "
+        "odd-sized block and many MiB: every mapped block arrives intact, no other byte is written, "
+        "the source is unchanged",
     ),
     Contract(
         "bad_input",
@@ -80,8 +86,9 @@ CONTRACTS: tuple[Contract, ...] = (
         "throughput",
         "Throughput",
         ("kvhal_copy_blocks",),
-        "device->host and host->device block copies reach at least the floor times a plain "
-        "torch copy of the same bytes measured in the same run",
+        "device->host and host->device block copies to pinned host memory reach at least the floor "
+        "times a plain torch copy of the same bytes measured in the same run; a host buffer never "
+        "pinned fails, naming host.pinned, instead of being measured",
     ),
 )
 

@@ -12,6 +12,7 @@ from kvhal.cache import KVCache
 from kvhal.device import Device
 from kvhal.geometry import KVGeometry
 from kvhal.layouts import KVLayout
+from kvhal_conformance import guarded
 from kvhal_conformance.plugin import state_of
 from kvhal_conformance.settings import Settings, Sizes
 from kvhal_conformance.target import Target
@@ -54,7 +55,7 @@ def kvhal_busy(kvhal_device: Device, kvhal_sizes: Sizes) -> Iterator[Busy]:
     """Scratch caches that keep a stream busy for a measured minimum time."""
     busy = Busy(kvhal_device, kvhal_device.kv_layouts()[0], kvhal_sizes.scratch_bytes)
     yield busy
-    kvhal_device.free_host_cache(busy.dst)
+    guarded.free_cache(kvhal_device, busy.dst)
 
 
 @pytest.fixture
@@ -63,10 +64,10 @@ def kvhal_host_cache(kvhal_device: Device) -> Iterator[Callable[[KVGeometry, KVL
     made: list[KVCache] = []
 
     def make(geometry: KVGeometry, layout: KVLayout, num_blocks: int) -> KVCache:
-        cache = kvhal_device.allocate_host_cache(geometry, layout, num_blocks)
+        cache = guarded.host_cache(kvhal_device, geometry, layout, num_blocks)
         made.append(cache)
         return cache
 
     yield make
     for cache in made:
-        kvhal_device.free_host_cache(cache)
+        guarded.free_cache(kvhal_device, cache)

@@ -12,10 +12,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import torch
 
+from kvhal.descriptor import dtype_capability
+from kvhal.device import REQUIRED_DTYPES
 from kvhal_conformance import report as report_module
+from kvhal_conformance import timing
 from kvhal_conformance.contracts import Contract, contract_of_module
-from kvhal_conformance.results import FAIL, TestResult, by_contract, contract_status, record
+from kvhal_conformance.results import FAIL, TestResult, by_clause, by_contract, contract_status, record
 from kvhal_conformance.settings import Settings, add_options
 from kvhal_conformance.target import Target
 
@@ -64,14 +68,46 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.stash[STATE] = State(Settings.from_config(config))
+    settings = Settings.from_config(config)
+    config.stash[STATE] = State(settings)
+    timing.set_pin_timeout(settings.pin_timeout)
+
+
+#: What the ``dtype`` of a check runs over without a plugin to ask (the checks then skip).
+DEFAULT_DTYPES = (*REQUIRED_DTYPES, torch.float8_e4m3fn)
+
+
+def dtypes_of(target: Target | None) -> list[torch.dtype]:
+    """Every dtype a plugin must copy, and every ``dtype.*`` it declares (resolved in torch)."""
+    if target is None or target.descriptor is None:
+        return list(DEFAULT_DTYPES)
+    found = list(REQUIRED_DTYPES)
+    for capability in sorted(target.descriptor.capabilities):
+        dtype = (
+            getattr(torch, capability.removeprefix("dtype."), None)
+            if capability.startswith("dtype.")
+            else None
+        )
+        if isinstance(dtype, torch.dtype) and dtype not in found and dtype_capability(dtype) == capability:
+            found.append(dtype)
+    return found
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """A suite check taking ``dtype`` runs for every dtype the plugin under test must handle."""
+    if "dtype" not in metafunc.fixturenames or contract_of_module(metafunc.module.__name__) is None:
+        return
+    state = state_of(metafunc.config)
+    target = state.target() if state.settings.device is not None else None
+    dtypes = dtypes_of(target)
+    metafunc.parametrize("dtype", dtypes, ids=[str(d).removeprefix("torch.") for d in dtypes])
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
     settings = state_of(config).settings
     if settings.device is None:
         return []
-    sizes = "quick" if settings.quick else "full"
+    sizes = settings.size_preset
     return [
         f"kvhal conformance: device plugin {settings.device!r}, {sizes} sizes, seed {settings.seed}, "
         f"throughput floor {settings.throughput_floor}"
@@ -127,6 +163,9 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: p
         )
         for test in failed[:3]:
             write(f"    {test.name}: {test.message.splitlines()[0] if test.message else ''}"[:400])
+    broken = [clause.id for clause, status, _ in by_clause(state.results) if status == FAIL]
+    if broken:
+        write(f"clauses broken: {', '.join(broken)}", red=True)
     target = state.found
     if target is not None:
         for direction, m in target.metrics.get("throughput", {}).items():

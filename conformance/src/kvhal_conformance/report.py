@@ -12,7 +12,7 @@ import torch
 
 import kvhal
 import kvhal_conformance
-from kvhal_conformance.results import FAIL, SKIP, TestResult, by_contract, contract_status, verdict
+from kvhal_conformance.results import FAIL, SKIP, TestResult, by_clause, by_contract, contract_status, verdict
 from kvhal_conformance.settings import MiB, Settings
 from kvhal_conformance.target import Target
 
@@ -49,7 +49,7 @@ def build(settings: Settings, target: Target | None, results: dict[str, TestResu
             "platform": platform.platform(),
         },
         "run": {
-            "sizes": "quick" if settings.quick else "full",
+            "sizes": settings.size_preset,
             "seed": settings.seed,
             "throughput_floor": settings.throughput_floor,
         },
@@ -72,6 +72,17 @@ def build(settings: Settings, target: Target | None, results: dict[str, TestResu
                 ],
             }
             for contract, tests in groups
+        ],
+        "clauses": [
+            {
+                "id": clause.id,
+                "hook": clause.hook,
+                "promise": clause.text,
+                "status": status,
+                "checks": sorted({t.name for t in tests}),
+                "failures": [t.message for t in tests if clause.id in t.broken],
+            }
+            for clause, status, tests in by_clause(results)
         ],
         "throughput": target.metrics.get("throughput", {}) if target else {},
     }
@@ -124,6 +135,7 @@ def to_markdown(report: dict[str, Any]) -> str:
             f"| {c['title']} | **{c['status']}** | {n['pass']} | {n['fail']} | {n['skip']} "
             f"| {_cell(c['checks'])} |"
         )
+    lines += _clause_lines(report.get("clauses", []))
     lines += _throughput_lines(report["throughput"])
     failures = [(c, t) for c in report["contracts"] for t in c["tests"] if t["outcome"] == FAIL]
     if failures:
@@ -142,6 +154,28 @@ def to_markdown(report: dict[str, Any]) -> str:
         lines += ["", "## Device details", ""]
         lines += [f"- {key}: {_cell(value)}" for key, value in device["details"].items()]
     return "\n".join(lines) + "\n"
+
+
+def _clause_lines(clauses: list[dict[str, Any]]) -> list[str]:
+    if not clauses:
+        return []
+    statuses = [c["status"] for c in clauses]
+    lines = [
+        "",
+        "## Clauses",
+        "",
+        f"Every promise of every device hook (`kvhal.hookspecs`), by id: {len(clauses)} clauses, "
+        + ", ".join(
+            f"{statuses.count(s)} {s}" for s in ("pass", "fail", "skip", "not run") if statuses.count(s)
+        )
+        + ".",
+        "",
+        "| Clause | Hook | Status | Checks |",
+        "|---|---|---|---|",
+    ]
+    for c in clauses:
+        lines.append(f"| `{c['id']}` | `{c['hook']}` | {c['status']} | {len(c['checks'])} |")
+    return lines
 
 
 def _throughput_lines(throughput: dict[str, Any]) -> list[str]:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from kvhal_conformance.clauses import Clause, broken_clauses, clauses_of, hook_clauses
 from kvhal_conformance.contracts import CONTRACTS, Contract
 
 PASS, FAIL, SKIP, NOT_RUN = "pass", "fail", "skip", "not run"
@@ -22,6 +23,9 @@ class TestResult:
     outcome: str = PASS
     message: str = ""
     duration_s: float = 0.0
+    #: the clauses the check covers, and those its failure broke (named by the failure, else all)
+    clauses: tuple[str, ...] = ()
+    broken: tuple[str, ...] = ()
 
 
 def short_message(excinfo: pytest.ExceptionInfo[BaseException] | None) -> str:
@@ -48,13 +52,15 @@ def record(
     if result is None:
         doc = getattr(getattr(item, "function", None), "__doc__", None) or ""
         summary = " ".join(doc.strip().split("\n\n")[0].split())
-        result = TestResult(item.nodeid, item.name, contract, summary)
+        function = getattr(item, "function", None)
+        result = TestResult(item.nodeid, item.name, contract, summary, clauses=clauses_of(function))
         results[item.nodeid] = result
     result.duration_s += report.duration
     if result.outcome != PASS:
         return
     if report.failed:
         result.outcome, result.message = FAIL, short_message(call.excinfo)
+        result.broken = broken_clauses(result.message) or result.clauses
     elif report.skipped:
         result.outcome, result.message = SKIP, short_message(call.excinfo)
 
@@ -81,3 +87,22 @@ def verdict(groups: list[tuple[Contract, list[TestResult]]]) -> str:
     if FAIL in statuses:
         return FAIL
     return "incomplete" if NOT_RUN in statuses else PASS
+
+
+def clause_status(clause_id: str, results: dict[str, TestResult]) -> tuple[str, list[TestResult]]:
+    """A clause's status: fail if a check broke it; pass if a check covering it passed; skip
+    if every check covering it skipped; not run if none ran. And the checks concerned."""
+    concerned = [t for t in results.values() if clause_id in t.clauses or clause_id in t.broken]
+    if any(clause_id in t.broken for t in concerned):
+        return FAIL, concerned
+    covering = [t for t in concerned if clause_id in t.clauses]
+    if any(t.outcome == PASS for t in covering):
+        return PASS, concerned
+    if covering and all(t.outcome == SKIP for t in covering):
+        return SKIP, concerned
+    return NOT_RUN, concerned
+
+
+def by_clause(results: dict[str, TestResult]) -> list[tuple[Clause, str, list[TestResult]]]:
+    """Every clause of the hookspecs with its status and the checks concerned."""
+    return [(clause, *clause_status(clause.id, results)) for clause in hook_clauses()]

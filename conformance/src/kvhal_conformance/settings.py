@@ -19,17 +19,21 @@ class Sizes:
     :param busy_seconds: how long a stream is kept busy (sized from a measured copy) when
         a check needs work still running, e.g. to see an event incomplete.
     :param scratch_bytes: the scratch caches whose copies keep streams busy.
-    :param watched_bytes: the copy whose event is watched while it runs: 64-byte pieces, so
-        that it takes a while on any device without needing much memory.
     :param large_batch: blocks in the "large batch" copies (one descriptor or more each).
+    :param large_copy_bytes: the "large" copies of the ordering and event checks: 64-byte
+        pieces, so that one takes a while on any device without needing much memory.
+    :param cache_bytes: the KV cache whose zeroing is checked at a realistic size.
+    :param tier_bytes: the host buffer the size of a host tier (zeroing, reuse, pinning).
     :param throughput_bytes: bytes moved per throughput measurement.
     :param throughput_repeats: measurements per side (the fastest counts).
     """
 
     busy_seconds: float
     scratch_bytes: int
-    watched_bytes: int
     large_batch: int
+    large_copy_bytes: int
+    cache_bytes: int
+    tier_bytes: int
     throughput_bytes: int
     throughput_repeats: int
 
@@ -37,19 +41,36 @@ class Sizes:
 FULL = Sizes(
     busy_seconds=0.25,
     scratch_bytes=64 * MiB,
-    watched_bytes=64 * MiB,
     large_batch=2048,
+    large_copy_bytes=32 * MiB,
+    cache_bytes=256 * MiB,
+    tier_bytes=1024 * MiB,
     throughput_bytes=256 * MiB,
     throughput_repeats=7,
 )
 QUICK = Sizes(
     busy_seconds=0.06,
     scratch_bytes=16 * MiB,
-    watched_bytes=32 * MiB,
     large_batch=512,
+    large_copy_bytes=8 * MiB,
+    cache_bytes=32 * MiB,
+    tier_bytes=64 * MiB,
     throughput_bytes=32 * MiB,
     throughput_repeats=5,
 )
+#: The smallest sizes the checks still hold at on a CPU; for running the suite many times
+#: over (against every mutant of the CPU plugin), not for a report.
+TINY = Sizes(
+    busy_seconds=0.03,
+    scratch_bytes=8 * MiB,
+    large_batch=256,
+    large_copy_bytes=4 * MiB,
+    cache_bytes=16 * MiB,
+    tier_bytes=16 * MiB,
+    throughput_bytes=16 * MiB,
+    throughput_repeats=2,
+)
+PRESETS = {"full": FULL, "quick": QUICK, "tiny": TINY}
 
 
 @dataclass(frozen=True)
@@ -60,12 +81,13 @@ class Settings:
     plugins: tuple[str, ...]
     report_dir: Path | None
     throughput_floor: float
-    quick: bool
+    size_preset: str
     seed: int
+    pin_timeout: float = 60.0
 
     @property
     def sizes(self) -> Sizes:
-        return QUICK if self.quick else FULL
+        return PRESETS[self.size_preset]
 
     @classmethod
     def from_config(cls, config: pytest.Config) -> Settings:
@@ -76,8 +98,10 @@ class Settings:
             plugins=tuple(config.getoption("kvhal_plugin") or ()),
             report_dir=Path(report) if report else None,
             throughput_floor=config.getoption("kvhal_throughput_floor"),
-            quick=config.getoption("kvhal_quick"),
+            size_preset=config.getoption("kvhal_sizes")
+            or ("quick" if config.getoption("kvhal_quick") else "full"),
             seed=seed if seed is not None else secrets.randbelow(1 << 31),
+            pin_timeout=config.getoption("kvhal_pin_timeout"),
         )
 
 
@@ -111,5 +135,18 @@ def add_options(parser: pytest.Parser) -> None:
         help="smaller sizes (for CI); a published report should use the full sizes",
     )
     group.addoption(
+        "--kvhal-sizes",
+        choices=sorted(PRESETS),
+        help="size preset: full (default), quick (= --kvhal-quick) or tiny (for running the suite "
+        "many times over, e.g. against mutants)",
+    )
+    group.addoption(
         "--kvhal-seed", metavar="N", type=int, help="seed of the random block mappings (default: random)"
+    )
+    group.addoption(
+        "--kvhal-pin-timeout",
+        metavar="SECONDS",
+        type=float,
+        default=60.0,
+        help="how long a plugin declaring host.pinned may take to report a buffer pinned (default 60)",
     )

@@ -1,88 +1,55 @@
-"""The caches and verdicts of the streams-and-events checks.
+"""Two chained copies (host -> device, then device -> host of the same blocks) and their verdicts.
 
-The copies watched here move 64-byte pieces, hundreds of thousands of them, so
-that each takes long enough to be caught half done on any device (a fast bulk
-copy would be over before a check could look). Every verdict rests on data: an
-event reported complete while bytes of its copy are missing (and arrive later),
-or a later copy reading what an earlier one had not written yet. When bytes never
-arrive, the copy itself is wrong, and the failure says so instead of blaming the events.
+The second copy reads first what the first writes last (``64``-byte pieces,
+reversed), so a second copy that starts before the first has finished, on one
+stream or on a stream that waits for the first's event, reads stale blocks.
+Every verdict rests on data; when bytes never arrive, the copy itself is wrong,
+and the failure says so instead of blaming the streams.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import pytest
-import torch
 
 from kvhal.copyplan import CopyPlan
 from kvhal.device import Device
-from kvhal.geometry import KVGeometry
-from kvhal_conformance import blockdata
+from kvhal_conformance import blockdata, guarded
+from kvhal_conformance.clauses import violated
+from kvhal_conformance.copycase import CONTROL_BUSY_S, piece_geometry, query_lies, reversed_pairs, sample_rows
 from kvhal_conformance.copycheck import mapped_problems
 from kvhal_conformance.timing import Busy, poll, settle, wait
 
-SAMPLES = 16
 COPY_WRONG = "the copy itself is wrong (see the copies contract)"
-EARLY_EVENT = (
-    "but dst blocks {ids} of that copy were written only later: the event kvhal_copy_blocks returns "
-    "must complete only after every byte is written"
-)
-WRONG_STREAM = (
-    "but dst blocks {ids} of the copy submitted before it were written only later: kvhal_copy_blocks "
-    "must run the copy on the stream it is given"
-)
-
-
-def reversed_pairs(n: int) -> np.ndarray:
-    """Source ids ascending to destination ids descending: the copy's last writes are the
-    blocks a following ascending read takes first."""
-    ids = np.arange(n)
-    return np.stack([ids, ids[::-1]], axis=1)
-
-
-def sample_rows(mapping: np.ndarray) -> np.ndarray:
-    """Evenly spaced rows of a mapping, its first and last included."""
-    return mapping[np.unique(np.linspace(0, len(mapping) - 1, SAMPLES).round().astype(int))]
 
 
 @dataclass(repr=False)
-class Rig:
-    """The copies the checks submit, and their expected results.
-
-    ``watched``: device -> host, reversed; its destination is sampled while the copy may
-    still run. ``chain_in`` (host -> device, reversed) then ``chain_out`` (device -> host,
-    ascending): the second reads first what the first writes last.
-    """
+class Chain:
+    """``first`` (host -> device, reversed) then ``second`` (device -> host, ascending): the
+    second reads first what the first writes last."""
 
     device: Device
     busy: Busy
-    watched: CopyPlan
-    watched_data: blockdata.Snapshot
-    chain_in: CopyPlan
-    chain_out: CopyPlan
-    chain_end_to_end: np.ndarray
-    watched_s: float = 0.0
+    first: CopyPlan
+    second: CopyPlan
+    end_to_end: np.ndarray
     busy_s: float = 0.0
-    started: float = 0.0
-    watched_before: blockdata.Snapshot = ()
     host_data: blockdata.Snapshot = ()
     middle_before: blockdata.Snapshot = ()
-    chain_before: blockdata.Snapshot = ()
+    out_before: blockdata.Snapshot = ()
 
     def __repr__(self) -> str:  # the snapshots are large; tracebacks print this
-        return f"Rig({self.device!r}, watched {self.watched.num_blocks} blocks)"
+        return f"Chain({self.device!r}, {self.first.num_blocks} blocks)"
 
     def reset(self, seed: int) -> None:
         """New contents everywhere a check looks, written before any copy starts."""
-        self.watched_before = blockdata.clear(self.watched.dst)
-        self.host_data = blockdata.fill(self.chain_in.src, seed)
-        self.middle_before = blockdata.fill(self.chain_in.dst, seed + 1)
-        self.chain_before = blockdata.clear(self.chain_out.dst)
+        self.host_data = blockdata.fill(self.first.src, seed)
+        self.middle_before = blockdata.fill(self.first.dst, seed + 1)
+        self.out_before = blockdata.clear(self.second.dst)
         settle(self.device)
 
     def occupy(self, stream: Any, seconds: float) -> Any:
@@ -93,28 +60,64 @@ class Rig:
     def submit(self, plan: CopyPlan, stream: Any) -> Any:
         return self.device.submit(plan, stream, after_compute=False)
 
-    def watched_after_busy(self, seed: int, seconds: float) -> tuple[Any, Any]:
-        """Reset, keep a new stream busy for ``seconds`` (from ``self.started``), then submit
-        the watched copy to it: (the stream, the copy's event)."""
-        self.reset(seed)
-        stream = self.device.create_stream()
-        self.started = time.perf_counter()
-        self.occupy(stream, seconds)
-        return stream, self.submit(self.watched, stream)
+    def second_changed(self) -> bool:
+        rows = sample_rows(self.second.mapping)
+        got = blockdata.read(self.second.dst, rows[:, 1])
+        return not bool(blockdata.blocks_equal(got, blockdata.take(self.out_before, rows[:, 1])).all())
 
-    # -- the watched copy ---------------------------------------------------
+    def expect_after(
+        self,
+        clauses: str | Sequence[str],
+        earlier: Any,
+        last: Any,
+        what: str,
+        started_early: str,
+        read_early: str,
+        earlier_is_first: bool = False,
+    ) -> None:
+        """Watch ``second`` (event ``last``), which must follow the work of event ``earlier``
+        (``earlier_is_first``: the event ``first`` returned): fail (naming ``clauses``) if it
+        writes before ``earlier`` completes, or if it did not read what ``first`` wrote."""
 
-    def watched_missing(self) -> np.ndarray:
-        """Sampled destination blocks of the watched copy that do not hold their source yet,
-        the copy's last writes looked at first."""
-        rows = sample_rows(self.watched.mapping)[::-1]
-        got = blockdata.read(self.watched.dst, rows[:, 1])
-        ok = blockdata.blocks_equal(got, blockdata.take(self.watched_data, rows[:, 0])).numpy()
-        return rows[~ok, 1]
+        def not_started() -> None:
+            if self.second_changed() and not self.device.query_event(earlier):
+                violated(clauses, f"{what}: {started_early}")
 
-    def _arrives(self, done: Callable[[], bool], limit_s: float | None = None) -> bool:
-        """Whether ``done()`` turns true within a generous time (work still landing)."""
-        limit_s = 0.5 + 10 * self.busy_s + 4 * self.watched_s if limit_s is None else limit_s
+        poll(self.device, earlier, "the work a copy must follow", while_pending=not_started)
+        if earlier_is_first and not self._first_arrived() and self._arrives_later(self._first_arrived):
+            if query_lies(self.device, self.busy, CONTROL_BUSY_S):
+                violated(
+                    "query.state",
+                    f"{what}: kvhal_query_event reported the host->device copy's event complete before its "
+                    "bytes were written, and it also reports the event of a copy submitted a moment before "
+                    "behind busy work complete: a query must report an incomplete event incomplete",
+                )
+            violated(
+                "copy.event",
+                f"{what}: the event of the host->device copy reported complete before its bytes were "
+                "written (they were written later): the event kvhal_copy_blocks returns must complete "
+                "only after every byte is written",
+            )
+        looked = wait(
+            self.device,
+            last,
+            "the last of two chained copies",
+            then=lambda: (self.device.query_event(last), self._arrived()),
+        )
+        assert looked is not None
+        complete, arrived = looked  # the event's state first, the moment synchronize returned
+        if not arrived and self._arrives_later():
+            state = "complete" if complete else "incomplete"
+            violated(
+                "copy.event" if complete else "sync.waits",
+                f"{what}: kvhal_synchronize_event returned for the last copy's event (which then queried "
+                f"{state}), but its blocks were written only later: it must return only once every byte "
+                "is written",
+            )
+        self.expect_read(clauses, what, read_early)
+
+    def _arrives_later(self, done: Callable[[], bool] | None = None, limit_s: float = 1.0) -> bool:
+        done = done or self._arrived
         deadline = time.perf_counter() + limit_s
         while time.perf_counter() < deadline:
             if done():
@@ -122,124 +125,66 @@ class Rig:
             time.sleep(0.005)
         return False
 
-    def expect_watched_written(
-        self, when: str, tail: str = EARLY_EVENT, missing: np.ndarray | None = None
-    ) -> None:
-        """Fail unless the sampled destination blocks of the watched copy hold their source
-        (``missing``: what a check already saw missing the moment it looked)."""
-        missing = self.watched_missing() if missing is None else missing
-        if not len(missing):
-            return
-        if self._arrives(lambda: not len(self.watched_missing())):
-            pytest.fail(f"{when}, " + tail.format(ids=blockdata.id_list(missing)))
-        pytest.fail(
-            f"{when}, but the copy never delivered its blocks: {COPY_WRONG}: " + self.watched_problems()
-        )
+    def _first_arrived(self) -> bool:
+        rows = sample_rows(self.first.mapping)
+        got = blockdata.read(self.first.dst, rows[:, 1])
+        return bool(blockdata.blocks_equal(got, blockdata.take(self.host_data, rows[:, 0])).all())
 
-    def watched_problems(self) -> str:
-        after = blockdata.read(self.watched.dst)
-        return "; ".join(mapped_problems(self.watched.mapping, self.watched_data, self.watched_before, after))
-
-    # -- the chained copies -------------------------------------------------
-
-    def chain_changed(self) -> bool:
-        """Whether any sampled destination block of ``chain_out`` changed."""
-        rows = sample_rows(self.chain_out.mapping)
-        got = blockdata.read(self.chain_out.dst, rows[:, 1])
-        return not bool(blockdata.blocks_equal(got, blockdata.take(self.chain_before, rows[:, 1])).all())
-
-    def expect_chain_after(
-        self, earlier: Any, last: Any, what: str, started_early: str, read_early: str
-    ) -> None:
-        """Watch ``chain_out`` (event ``last``), which must follow the work of event ``earlier``:
-        fail if it writes before ``earlier`` completes, or if it did not read what ``chain_in`` wrote."""
-
-        def not_started() -> None:
-            if self.chain_changed() and not self.device.query_event(earlier):
-                pytest.fail(f"{what}: {started_early}")
-
-        poll(self.device, earlier, "the work a copy must follow", while_pending=not_started)
-        wait(self.device, last, "the last of two chained copies")
-        self.expect_chain(what, read_early)
-
-    def _chain_arrived(self) -> bool:
-        src_ids, dst_ids = self.chain_end_to_end.T
-        got = blockdata.read(self.chain_out.dst, dst_ids)
+    def _arrived(self) -> bool:
+        src_ids, dst_ids = self.end_to_end.T
+        got = blockdata.read(self.second.dst, dst_ids)
         return bool(blockdata.blocks_equal(got, blockdata.take(self.host_data, src_ids)).all())
 
-    def expect_chain(self, what: str, order_violation: str) -> None:
-        """Fail unless ``chain_out``, whose event was synchronized, read exactly what ``chain_in``
+    def expect_read(self, clauses: str | Sequence[str], what: str, order_violation: str) -> None:
+        """Fail unless ``second``, whose event was synchronized, read exactly what ``first``
         wrote; say which went wrong."""
-        if self._chain_arrived():
+        if self._arrived():
             return
-        if self._arrives(self._chain_arrived):
-            pytest.fail(
-                f"{what}: kvhal_synchronize_event returned for the last copy's event, but its blocks were "
-                "written only later: the event kvhal_copy_blocks returns must complete only after every "
-                "byte is written"
-            )
-        middle = blockdata.read(self.chain_in.dst)
-        first = mapped_problems(self.chain_in.mapping, self.host_data, self.middle_before, middle)
+        middle = blockdata.read(self.first.dst)
+        first = mapped_problems(self.first.mapping, self.host_data, self.middle_before, middle)
         if first:
-            pytest.fail(
-                f"{what}: the host->device copy never delivered its blocks: {COPY_WRONG}: " + "; ".join(first)
+            violated(
+                "copy.data",
+                f"{what}: the host->device copy never delivered its blocks: {COPY_WRONG}: "
+                + "; ".join(first),
             )
-        out = blockdata.read(self.chain_out.dst)
-        src_ids, dst_ids = self.chain_out.mapping.T
+        out = blockdata.read(self.second.dst)
+        src_ids, dst_ids = self.second.mapping.T
         stale = blockdata.blocks_equal(
             blockdata.take(out, dst_ids), blockdata.take(self.middle_before, src_ids)
         )
         if stale.any():
             ids = blockdata.id_list(dst_ids[stale.numpy()])
-            pytest.fail(
+            violated(
+                clauses,
                 f"{what}: {order_violation}: dst blocks {ids} hold what the device blocks held before the "
-                "first copy wrote them"
+                "first copy wrote them",
             )
-        second = mapped_problems(self.chain_out.mapping, middle, self.chain_before, out)
-        pytest.fail(
+        second = mapped_problems(self.second.mapping, middle, self.out_before, out)
+        violated(
+            "copy.data",
             f"{what}: the device->host copy is wrong ({COPY_WRONG}, or it read blocks while the first "
-            "copy was writing them): " + "; ".join(second)
+            "copy was writing them): " + "; ".join(second),
         )
 
 
-def piece_geometry(nbytes: int) -> KVGeometry:
-    """bf16, 2 layers, one token of one 16-wide head: 64-byte pieces, ``nbytes`` in all."""
-    g = KVGeometry(
-        num_layers=2, num_blocks=1, block_size=1, num_kv_heads=1, head_size=16, dtype=torch.bfloat16
-    )
-    return g.with_num_blocks(max(64, nbytes // g.block_bytes))
-
-
-def make_rig(device: Device, busy: Busy, watched_bytes: int) -> Rig:
-    """Allocate the rig's caches (in ``busy``'s layout); free them with :func:`free_rig`."""
+def make_chain(device: Device, busy: Busy, nbytes: int) -> Chain:
+    """Allocate the chain's caches (in ``busy``'s layout); free them with :func:`free_chain`."""
     layout = busy.src.layout
-    big, small = piece_geometry(watched_bytes), piece_geometry(watched_bytes // 4)
-    watched_src = device.allocate_kv_cache(big, layout)
-    watched_data = blockdata.fill(watched_src, seed=0x3A7C)
-    watched_dst = device.allocate_host_cache(big, layout, big.num_blocks)
-    host_in = device.allocate_host_cache(small, layout, small.num_blocks)
-    middle = device.allocate_kv_cache(small, layout)
-    host_out = device.allocate_host_cache(small, layout, small.num_blocks)
-    ids = np.arange(small.num_blocks)
-    rig = Rig(
+    geometry = piece_geometry(nbytes)
+    host_in = guarded.host_cache(device, geometry, layout, geometry.num_blocks)
+    middle = guarded.kv_cache(device, geometry, layout)
+    host_out = guarded.host_cache(device, geometry, layout, geometry.num_blocks)
+    ids = np.arange(geometry.num_blocks)
+    return Chain(
         device,
         busy,
-        watched=device.plan_copy(watched_src, watched_dst, reversed_pairs(big.num_blocks)),
-        watched_data=watched_data,
-        chain_in=device.plan_copy(host_in, middle, reversed_pairs(small.num_blocks)),
-        chain_out=device.plan_copy(middle, host_out, np.stack([ids, ids], axis=1)),
-        chain_end_to_end=reversed_pairs(small.num_blocks),  # host_in block i ends in host_out n-1-i
+        first=device.plan_copy(host_in, middle, reversed_pairs(geometry.num_blocks)),
+        second=device.plan_copy(middle, host_out, np.stack([ids, ids], axis=1)),
+        end_to_end=reversed_pairs(geometry.num_blocks),  # host_in block i ends in host_out n-1-i
     )
-    # How long the watched copy takes (until its bytes are there, whatever its event says), to
-    # know how long to wait for late bytes; and no check may start while it still writes.
-    start = time.perf_counter()
-    wait(device, rig.submit(rig.watched, device.create_stream()), "a first copy of 64-byte pieces")
-    rig.watched_s = time.perf_counter() - start
-    if rig._arrives(lambda: not len(rig.watched_missing()), limit_s=2.0):  # bytes that never come: no time
-        rig.watched_s = time.perf_counter() - start
-    return rig
 
 
-def free_rig(rig: Rig) -> None:
-    for cache in (rig.watched.dst, rig.chain_in.src, rig.chain_out.dst):
-        rig.device.free_host_cache(cache)
+def free_chain(chain: Chain) -> None:
+    for cache in (chain.first.src, chain.second.dst):
+        guarded.free_cache(chain.device, cache)

@@ -11,16 +11,16 @@ from kvhal.device import Device
 from kvhal.errors import ValidationError
 from kvhal.geometry import KVFormat, KVGeometry
 from kvhal.layouts import STANDARD_LAYOUTS, KVLayout
-from kvhal_conformance import blockdata
+from kvhal_conformance import blockdata, guarded
 from kvhal_conformance.cases import (
-    DTYPES,
     FORMATS,
     describe,
     distinct_geometry,
     offered_layouts,
-    require_dtype,
     require_format,
 )
+from kvhal_conformance.clauses import covers, expect, violated
+from kvhal_conformance.settings import Sizes
 from kvhal_conformance.target import Target
 
 HOOK = "kvhal_allocate_kv_cache"
@@ -52,36 +52,92 @@ def _mismatches(cache: object, geometry: KVGeometry, layout: KVLayout, device: D
     return problems
 
 
+@covers("alloc.as_asked")
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_allocates_what_was_asked(kvhal_target: Target, kvhal_device: Device, dtype: str, fmt: str) -> None:
-    """For every offered layout, the cache has the geometry, dtype, layout and device asked for."""
-    require_dtype(kvhal_target, DTYPES[dtype])
+def test_allocates_what_was_asked(
+    kvhal_target: Target, kvhal_device: Device, dtype: torch.dtype, fmt: str
+) -> None:
+    """For every offered layout, the cache has the geometry, dtype, layout and device asked for
+    (every required dtype and every ``dtype.*`` the plugin declares)."""
     require_format(kvhal_target, FORMATS[fmt])
-    geometry = distinct_geometry(FORMATS[fmt], DTYPES[dtype])
+    geometry = distinct_geometry(FORMATS[fmt], dtype)
     for layout in offered_layouts(kvhal_target, kvhal_device):
-        cache = kvhal_target.call(HOOK, geometry=geometry, layout=layout, device=kvhal_device.torch_device)
+        try:
+            cache = kvhal_target.caller(HOOK)(
+                geometry=geometry, layout=layout, device=kvhal_device.torch_device
+            )
+        except Exception as exc:
+            violated(
+                "alloc.as_asked",
+                f"{kvhal_target.label} hook {HOOK} ({describe(layout, geometry)}, declared) raised "
+                f"{type(exc).__name__}: {exc}",
+            )
         problems = _mismatches(cache, geometry, layout, kvhal_device)
-        assert not problems, f"{HOOK} ({describe(layout, geometry)}): " + "; ".join(problems)
-        kvhal_device.allocate_kv_cache(geometry, layout)  # kvhal's own checks agree
+        expect(
+            not problems,
+            "alloc.as_asked",
+            f"{HOOK} ({describe(layout, geometry)}): " + "; ".join(problems),
+        )
+        guarded.kv_cache(kvhal_device, geometry, layout)  # kvhal's own checks agree
 
 
+def _nonzero(cache: KVCache) -> int:
+    """Non-zero elements, counted where the cache lives (no copy of a large cache)."""
+    return sum(int(view.count_nonzero()) for views in cache.layers for view in views)
+
+
+@covers("alloc.zeroed")
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_cache_is_zeroed_and_unaliased(kvhal_target: Target, kvhal_device: Device, fmt: str) -> None:
-    """For every offered layout, a new cache is all zero bytes and every element has its own memory."""
+def test_cache_is_zeroed(kvhal_target: Target, kvhal_device: Device, kvhal_sizes: Sizes, fmt: str) -> None:
+    """A new cache is all zero bytes: small ones in every offered layout, and one of many MiB
+    allocated again after one of its size was filled and dropped (memory a device allocator
+    reuses must be cleared)."""
     require_format(kvhal_target, FORMATS[fmt])
     geometry = distinct_geometry(FORMATS[fmt])
     for layout in offered_layouts(kvhal_target, kvhal_device):
-        cache = kvhal_device.allocate_kv_cache(geometry, layout)
-        where = f"{HOOK} ({describe(layout, geometry)})"
-        nonzero = sum(int(part.count_nonzero()) for part in blockdata.read(cache))
-        assert nonzero == 0, f"{where}: a new cache must be zeroed; {nonzero} elements are not zero"
+        cache = guarded.kv_cache(kvhal_device, geometry, layout)
+        nonzero = _nonzero(cache)
+        expect(
+            nonzero == 0,
+            "alloc.zeroed",
+            f"{HOOK} ({describe(layout, geometry)}): a new cache must be zeroed; {nonzero} elements are "
+            "not zero",
+        )
+    large = distinct_geometry(FORMATS[fmt]).with_num_blocks(1)
+    large = large.with_num_blocks(max(1, kvhal_sizes.cache_bytes // large.block_bytes))
+    layout = kvhal_device.kv_layouts()[0]
+    for round_ in range(2):
+        cache = guarded.kv_cache(kvhal_device, large, layout)
+        nonzero = _nonzero(cache)
+        expect(
+            nonzero == 0,
+            "alloc.zeroed",
+            f"{HOOK} ({describe(layout, large)}, {large.total_bytes >> 20} MiB, allocation {round_ + 1}"
+            f"{' after one of the same size was filled and dropped' if round_ else ''}): a new cache must be "
+            f"zeroed; {nonzero} elements are not zero",
+        )
+        for views in cache.layers:
+            for view in views:
+                view.fill_(1.5)
+        del cache, views, view
+
+
+@covers("alloc.distinct")
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_cache_elements_are_distinct(kvhal_target: Target, kvhal_device: Device, fmt: str) -> None:
+    """For every offered layout, every element of a new cache has its own memory."""
+    require_format(kvhal_target, FORMATS[fmt])
+    geometry = distinct_geometry(FORMATS[fmt])
+    for layout in offered_layouts(kvhal_target, kvhal_device):
+        cache = guarded.kv_cache(kvhal_device, geometry, layout)
         written = blockdata.fill(cache, seed=len(layout.name))
         same = blockdata.blocks_equal(blockdata.read(cache), written)
-        assert bool(same.all()), (
-            f"{where}: after writing a distinct value to every element, blocks "
-            f"{blockdata.id_list(torch.nonzero(~same).flatten().tolist())} read back different values: "
-            "views share memory"
+        expect(
+            bool(same.all()),
+            "alloc.distinct",
+            f"{HOOK} ({describe(layout, geometry)}): after writing a distinct value to every element, "
+            f"blocks {blockdata.id_list(torch.nonzero(~same).flatten().tolist())} read back different "
+            "values: views share memory",
         )
 
 
@@ -99,6 +155,7 @@ def _undeclared_requests(target: Target, device: Device) -> list[tuple[str, KVGe
     return requests
 
 
+@covers("alloc.refuses")
 def test_refuses_what_it_cannot_hold(kvhal_target: Target, kvhal_device: Device) -> None:
     """Asked for a dtype, format or layout it did not declare, the hook returns a correct
     cache or raises kvhal's ValidationError."""
@@ -116,4 +173,4 @@ def test_refuses_what_it_cannot_hold(kvhal_target: Target, kvhal_device: Device)
             )
             continue
         problems += [f"{what}: {p}" for p in _mismatches(cache, geometry, layout, kvhal_device)]
-    assert not problems, f"{HOOK} of {kvhal_target.label}: " + "; ".join(problems)
+    expect(not problems, "alloc.refuses", lambda: f"{HOOK} of {kvhal_target.label}: " + "; ".join(problems))

@@ -21,6 +21,7 @@ from kvhal.geometry import KVFormat
 from kvhal.layouts import STANDARD_LAYOUTS, KVLayout
 from kvhal_conformance import blockdata
 from kvhal_conformance.cases import small_geometry
+from kvhal_conformance.clauses import KVHAL_OWN, covers
 from kvhal_conformance.target import Target
 from kvhal_conformance.timing import settle, wait
 
@@ -68,6 +69,7 @@ def _drain(device: Device) -> None:
     wait(device, marker, "draining the copy stream after a refused copy")
 
 
+@covers(KVHAL_OWN)
 @pytest.mark.parametrize("case", COPIES)
 def test_bad_copy_is_refused(
     kvhal_device: Device, kvhal_host_cache: HostCache, kvhal_seed: int, case: str
@@ -89,6 +91,7 @@ def test_bad_copy_is_refused(
         assert not changed, f"a refused copy ({case}) changed {name} blocks {blockdata.id_list(changed)}"
 
 
+@covers(KVHAL_OWN)
 @pytest.mark.parametrize("nbytes", (0, -1, 1.5, True))
 def test_bad_host_buffer_size_is_refused(kvhal_device: Device, nbytes: object) -> None:
     """A host buffer of zero, negative, fractional or boolean size raises ValidationError."""
@@ -96,6 +99,7 @@ def test_bad_host_buffer_size_is_refused(kvhal_device: Device, nbytes: object) -
         kvhal_device.allocate_host_buffer(nbytes)  # type: ignore[arg-type]
 
 
+@covers(KVHAL_OWN)
 def test_undeclared_capability_is_refused(kvhal_target: Target, kvhal_device: Device) -> None:
     """Allocating or copying what the plugin did not declare raises ValidationError naming the capability."""
     preferred = kvhal_device.kv_layouts()[0]

@@ -10,8 +10,11 @@ import pytest
 from kvhal.cache import KVCache
 from kvhal.descriptor import Capability
 from kvhal.device import Device
+from kvhal.errors import MalformedResultError
 from kvhal.layouts import LOGICAL_DIMS, KVLayout
+from kvhal_conformance import guarded
 from kvhal_conformance.cases import FORMATS, distinct_geometry, offered_layouts, require_format
+from kvhal_conformance.clauses import covers, expect, violated
 from kvhal_conformance.target import Target
 
 #: None asks for the device's default kernels; the names are vLLM attention backends.
@@ -19,50 +22,76 @@ BACKENDS = (None, "FLASH_ATTN", "TRITON_ATTN", "FLASHINFER", "ROCM_ATTN", "CPU_A
 PERMUTATION = tuple(range(len(LOGICAL_DIMS)))
 
 
+@covers("layouts.sequence", "layouts.permutation")
 @pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b or "default")
 def test_layouts_are_permutations(kvhal_target: Target, kvhal_device: Device, backend: str | None) -> None:
     """kvhal_kv_layouts returns a non-empty sequence of KVLayout, each stride order a
     permutation of [L, B, H, N, C]."""
     hook, label = "kvhal_kv_layouts", kvhal_target.label
-    result = kvhal_target.call(hook, attention_backend=backend)  # raising (LayoutError too) fails here
+    try:
+        result = kvhal_target.caller(hook)(attention_backend=backend)
+    except Exception as exc:  # LayoutError too
+        violated(
+            "layouts.sequence",
+            f"{label} hook {hook}(attention_backend={backend!r}) raised {type(exc).__name__}: {exc}",
+        )
     if isinstance(result, (str, bytes)) or not isinstance(result, Sequence) or not result:
-        pytest.fail(
+        violated(
+            "layouts.sequence",
             f"{label} hook {hook}(attention_backend={backend!r}) returned {result!r}; "
-            "expected a non-empty sequence"
+            "expected a non-empty sequence",
         )
     for layout in result:
-        assert isinstance(layout, KVLayout), (
+        expect(
+            isinstance(layout, KVLayout),
+            "layouts.sequence",
             f"{label} hook {hook}(attention_backend={backend!r}) returned {layout!r} "
-            f"({type(layout).__name__}); expected KVLayout"
+            f"({type(layout).__name__}); expected KVLayout",
         )
         order = tuple(layout.stride_order)
-        assert sorted(order) == list(PERMUTATION), (
+        expect(
+            sorted(order) == list(PERMUTATION),
+            "layouts.permutation",
             f"{label} hook {hook} returned a stride order that is not a permutation: layout {layout.name!r} "
             f"has stride order {order}; expected a permutation of {PERMUTATION} over [L, B, H, N, C] "
-            f"(attention_backend={backend!r})"
+            f"(attention_backend={backend!r})",
         )
         if sorted(layout.name) == sorted(LOGICAL_DIMS):
-            assert layout.name == layout.letters, (
+            expect(
+                layout.name == layout.letters,
+                "layouts.permutation",
                 f"{label} hook {hook} returned layout {layout.name!r} whose stride order {order} "
-                f"spells {layout.letters}"
+                f"spells {layout.letters}",
             )
     kvhal_device.kv_layouts(backend)  # and kvhal's own checks accept it
 
 
+@covers("layouts.cross_layer")
 def test_cross_layer_offered_iff_declared(kvhal_target: Target, kvhal_device: Device) -> None:
     """Cross-layer layouts are offered exactly when layout.cross_layer is declared."""
-    cross = [str(layout) for layout in kvhal_device.kv_layouts() if layout.is_cross_layer]
     capability = Capability.CROSS_LAYER.value
-    if kvhal_target.declares(capability):
-        assert cross, (
-            f"plugin {kvhal_target.name!r} declares {capability} but kvhal_kv_layouts(None) "
-            "offers no cross-layer layout"
-        )
-    else:
-        assert not cross, (
-            f"kvhal_kv_layouts(None) of plugin {kvhal_target.name!r} offers cross-layer layouts "
-            f"{cross} but the plugin does not declare {capability}, so kvhal refuses to allocate them"
-        )
+    for backend in BACKENDS:
+        try:
+            layouts = kvhal_device.kv_layouts(backend)
+        except (
+            MalformedResultError
+        ):  # not a sequence of valid layouts: test_layouts_are_permutations says why
+            continue
+        cross = [str(layout) for layout in layouts if layout.is_cross_layer]
+        if kvhal_target.declares(capability):
+            expect(
+                cross or backend is not None,
+                "layouts.cross_layer",
+                f"plugin {kvhal_target.name!r} declares {capability} but kvhal_kv_layouts(None) "
+                "offers no cross-layer layout",
+            )
+        else:
+            expect(
+                not cross,
+                "layouts.cross_layer",
+                f"kvhal_kv_layouts({backend!r}) of plugin {kvhal_target.name!r} offers cross-layer layouts "
+                f"{cross} but the plugin does not declare {capability}, so kvhal refuses to allocate them",
+            )
 
 
 def _stride_problems(cache: KVCache, layout: KVLayout) -> list[str]:
@@ -130,6 +159,7 @@ def _contiguity_problems(cache: KVCache, layout: KVLayout) -> list[str]:
     return problems
 
 
+@covers("alloc.layout", "alloc.cross_layer")
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_views_follow_layout(kvhal_target: Target, kvhal_device: Device, fmt: str) -> None:
     """For every offered layout, views have the [B, H, N, C] shapes and the stride order the
@@ -137,13 +167,19 @@ def test_views_follow_layout(kvhal_target: Target, kvhal_device: Device, fmt: st
     kv_format = FORMATS[fmt]
     require_format(kvhal_target, kv_format)
     geometry = distinct_geometry(kv_format)
-    problems = []
+    strides, contiguity = [], []
     for layout in offered_layouts(kvhal_target, kvhal_device):
-        cache = kvhal_device.allocate_kv_cache(geometry, layout)
-        problems += _stride_problems(cache, layout)
+        cache = guarded.kv_cache(kvhal_device, geometry, layout)
+        strides += _stride_problems(cache, layout)
         if layout.is_cross_layer:
-            problems += _contiguity_problems(cache, layout)
-    assert not problems, (
-        f"{kvhal_target.label} hook kvhal_allocate_kv_cache ({fmt}) returned views not laid out in the "
-        "layout the cache is labelled with (kernels index it by that layout): " + "; ".join(problems[:6])
+            contiguity += _contiguity_problems(cache, layout)
+    broken = [c for c, found in (("alloc.layout", strides), ("alloc.cross_layer", contiguity)) if found]
+    expect(
+        not broken,
+        broken,
+        lambda: (
+            f"{kvhal_target.label} hook kvhal_allocate_kv_cache ({fmt}) returned views not laid out in the "
+            "layout the cache is labelled with (kernels index it by that layout): "
+            + "; ".join((strides + contiguity)[:6])
+        ),
     )

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -22,6 +23,7 @@ from kvhal.descriptor import Capability
 from kvhal.device import Device
 from kvhal.geometry import KVGeometry
 from kvhal.layouts import KVLayout
+from kvhal_conformance import guarded
 
 T = TypeVar("T")
 
@@ -84,22 +86,32 @@ def poll(
         time.sleep(0.0002)
 
 
-#: How long a plugin declaring host.pinned may take to pin a buffer in the background.
+#: How long a plugin declaring host.pinned may take to pin a buffer in the background
+#: (``--kvhal-pin-timeout``).
 PIN_TIMEOUT_S = 60.0
+#: Devices that once failed to pin a buffer in time: later checks do not wait again.
+_NEVER_PINNED: weakref.WeakSet[Device] = weakref.WeakSet()
 
 
-def wait_pinned(device: Device, buffer: torch.Tensor, timeout: float = PIN_TIMEOUT_S) -> bool:
+def set_pin_timeout(seconds: float) -> None:
+    global PIN_TIMEOUT_S
+    PIN_TIMEOUT_S = seconds
+
+
+def wait_pinned(device: Device, buffer: torch.Tensor, timeout: float | None = None) -> bool:
     """Wait until ``buffer`` reports pinned, for a plugin that declares host.pinned.
 
     Pinning may finish after the buffer is returned (kvhal_allocate_host_buffer's
     contract): timings must not measure a buffer still pageable. False when the
-    plugin does not declare host.pinned, or the buffer was not pinned in time.
+    plugin does not declare host.pinned, or the buffer was not pinned in time (after
+    one such time-out, the device's buffers are not waited for again).
     """
     if not device.descriptor.supports(Capability.PINNED_HOST):
         return False
-    deadline = time.monotonic() + timeout
-    while not device.host_buffer_is_pinned(buffer):
-        if time.monotonic() > deadline:
+    deadline = time.monotonic() + (PIN_TIMEOUT_S if timeout is None else timeout)
+    while not guarded.is_pinned(device, buffer):
+        if device in _NEVER_PINNED or time.monotonic() > deadline:
+            _NEVER_PINNED.add(device)
             return False
         time.sleep(0.005)
     return True
@@ -131,7 +143,7 @@ class TorchCopy:
         self.nbytes = nbytes
         self.device = device
         self.on_device = torch.ones(nbytes, dtype=torch.uint8, device=device.torch_device)
-        self.buffer = device.allocate_host_buffer(nbytes)
+        self.buffer = guarded.host_buffer(device, nbytes)
         wait_pinned(device, self.buffer)
         self.host = self.buffer[:nbytes].view(torch.uint8)
 
@@ -145,7 +157,7 @@ class TorchCopy:
 
     def free(self) -> None:
         del self.host
-        self.device.free_host_buffer(self.buffer)
+        guarded.free_buffer(self.device, self.buffer)
 
 
 def scratch_geometry(nbytes: int) -> KVGeometry:
@@ -166,8 +178,8 @@ class Busy:
     def __init__(self, device: Device, layout: KVLayout, nbytes: int) -> None:
         self.device = device
         geometry = scratch_geometry(nbytes)
-        self.src: KVCache = device.allocate_kv_cache(geometry, layout)
-        self.dst: KVCache = device.allocate_host_cache(geometry, layout, geometry.num_blocks)
+        self.src: KVCache = guarded.kv_cache(device, geometry, layout)
+        self.dst: KVCache = guarded.host_cache(device, geometry, layout, geometry.num_blocks)
         wait_pinned(device, self.dst.storage[0])
         ids = np.arange(geometry.num_blocks)
         self.plan = device.plan_copy(self.src, self.dst, np.stack([ids, ids], axis=1))
