@@ -21,6 +21,7 @@ import threading
 from dataclasses import dataclass
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from kvhal import env
 from kvhal.accel.host_buffers import PAGE
@@ -29,7 +30,10 @@ MLOCK_ENV = "KVHAL_CPU_MLOCK"
 #: Bit of CAP_IPC_LOCK in /proc/self/status's CapEff (linux/capability.h).
 CAP_IPC_LOCK = 14
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-_locked: dict[int, int] = {}
+#: address -> (bytes locked, the buffer's storage): a buffer dropped without being released
+#: leaves its entry behind, and the storage check keeps memory reused at that address from
+#: reading as locked.
+_locked: dict[int, tuple[int, StorageWeakRef]] = {}
 _lock = threading.Lock()
 
 
@@ -108,18 +112,32 @@ def allocate(nbytes: int, policy: LockPolicy | None = None) -> torch.Tensor:
                 f"memory is declared lockable ({policy.reason}); set {MLOCK_ENV}=0 to use pageable memory",
             )
         with _lock:
-            _locked[address] = nbytes
+            _locked[address] = (nbytes, StorageWeakRef(buffer.untyped_storage()))
     return buffer
+
+
+def _entry(buffer: torch.Tensor) -> int | None:
+    """Bytes locked at ``buffer``'s address by this buffer's own storage, or None."""
+    entry = _locked.get(buffer.data_ptr())
+    if entry is None:
+        return None
+    nbytes, storage = entry
+    if storage.expired() or storage.cdata != buffer.untyped_storage()._cdata:
+        return None
+    return nbytes
 
 
 def is_locked(buffer: torch.Tensor) -> bool:
     with _lock:
-        return _locked.get(buffer.data_ptr(), -1) >= buffer.numel()
+        nbytes = _entry(buffer)
+    return nbytes is not None and nbytes >= buffer.numel()
 
 
 def release(buffer: torch.Tensor) -> None:
     """Unlock ``buffer``'s pages; its memory goes when the last view is dropped."""
     with _lock:
-        nbytes = _locked.pop(buffer.data_ptr(), None)
+        nbytes = _entry(buffer)
+        if nbytes is not None:
+            del _locked[buffer.data_ptr()]
     if nbytes is not None:
         _libc.munlock(ctypes.c_void_p(buffer.data_ptr()), ctypes.c_size_t(nbytes))
