@@ -120,10 +120,8 @@ class Copier:
             )
         dst_after = blockdata.read(dst)
         problems = [("copy.data", p) for p in mapped_problems(mapping, src_before, dst_before, dst_after)]
-        if (
-            problems
-            and unwritten_only(mapping, src_before, dst_before, dst_after)
-            and late(lambda: not mapped_problems(mapping, src_before, dst_before, blockdata.read(dst)))
+        if problems and lands_late(
+            dst, lambda got: not mapped_problems(mapping, src_before, dst_before, got)
         ):
             violated(
                 "copy.event",
@@ -144,18 +142,23 @@ class Copier:
             )
 
 
-def unwritten_only(
-    mapping: np.ndarray,
-    src_before: blockdata.Snapshot,
-    dst_before: blockdata.Snapshot,
-    dst_after: blockdata.Snapshot,
+def lands_late(
+    cache: KVCache, correct: Callable[[blockdata.Snapshot], bool], limit_s: float = LATE_LIMIT_S
 ) -> bool:
-    """Whether every wrong mapped block still holds what it held before (bytes that may be late),
-    rather than other data (a wrong copy, not a late one)."""
-    got = blockdata.take(dst_after, mapping[:, 1])
-    right = blockdata.blocks_equal(got, blockdata.take(src_before, mapping[:, 0]))
-    old = blockdata.blocks_equal(got, blockdata.take(dst_before, mapping[:, 1]))
-    return bool((right | old).all())
+    """Whether ``cache`` turns ``correct`` within ``limit_s`` (bytes written after their event
+    completed); False as soon as it stays unchanged for 0.1 s (wrong data, not late data)."""
+    start = time.perf_counter()
+    last, since = blockdata.read(cache), start
+    while time.perf_counter() - start < limit_s:
+        time.sleep(0.005)
+        now, got = time.perf_counter(), blockdata.read(cache)
+        if correct(got):
+            return True
+        if not bool(blockdata.blocks_equal(got, last).all()):
+            last, since = got, now
+        elif now - since > 0.1:
+            return False
+    return False
 
 
 def late(done: Callable[[], bool], limit_s: float = LATE_LIMIT_S) -> bool:
