@@ -86,8 +86,8 @@ CONTRACTS: tuple[Contract, ...] = (
         "throughput",
         "Throughput",
         ("kvhal_copy_blocks",),
-        "device->host and host->device block copies to pinned host memory reach at least the floor "
-        "times a plain torch copy of the same bytes measured in the same run; a host buffer never "
+        "device->host and host->device block copies reach at least the floor times a plain torch copy "
+        "of the same bytes measured in the same run; with host.pinned declared, a host buffer never "
         "pinned fails, naming host.pinned, instead of being measured",
     ),
 )

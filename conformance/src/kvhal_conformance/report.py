@@ -189,12 +189,14 @@ def _throughput_lines(throughput: dict[str, Any]) -> list[str]:
         "against a plain torch copy of the same bytes between a device tensor and a host buffer, "
         "measured alternately in the same run.",
         "",
-        "| Direction | Layout | Copied | Descriptors | Plugin GiB/s | torch GiB/s | Ratio | Floor | Status |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| Direction | Layout | Host memory | Copied | Descriptors | Plugin GiB/s | torch GiB/s | Ratio "
+        "| Floor | Status |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for direction, m in throughput.items():
         lines.append(
-            f"| {direction} | {m['layout']} | {m['bytes'] / MiB:.0f} MiB in {m['blocks']} blocks | "
+            f"| {direction} | {m['layout']} | {m.get('host_memory', 'pinned')} | "
+            f"{m['bytes'] / MiB:.0f} MiB in {m['blocks']} blocks | "
             f"{m['descriptors']} | {m['plugin_gib_s']:.2f} | "
             f"{m['torch_gib_s']:.2f} | {m['ratio']:.2f} | {m['floor']} | {m['status']} |"
         )
