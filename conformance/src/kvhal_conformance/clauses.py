@@ -6,7 +6,7 @@ bullet each, under a stable id::
     - ``copy.ordering``: it must not start before work submitted to ``stream``
       earlier has completed, in either direction, at any size.
 
-A check (a test function of this suite) names the clauses it covers with
+A check (a test method of a contract class of :mod:`kvhal_conformance.base`) names the clauses it covers with
 :func:`covers`; a failure names the clauses it found broken with :func:`violated`
 (``[copy.ordering] ...``), so the report can say which promise a plugin broke.
 The suite's own tests parse the hookspecs and fail when a clause has no check,
@@ -16,9 +16,7 @@ direction and at every size lacks a check for one of them.
 
 from __future__ import annotations
 
-import importlib
 import inspect
-import pkgutil
 import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -142,9 +140,9 @@ def broken_clauses(message: str) -> tuple[str, ...] | None:
 
 @dataclass(frozen=True)
 class Check:
-    """One test function of the suite and what it covers.
+    """One check of the suite and what it covers.
 
-    :param name: ``module.py::function``.
+    :param name: ``ContractClass::test_method``.
     :param clauses: the clause ids it names.
     :param variants: per parameter name, the values it is parametrized over.
     """
@@ -175,21 +173,16 @@ def _parametrized(func: object) -> dict[str, frozenset[str]]:
     return {name: frozenset(v) for name, v in values.items()}
 
 
-def suite_modules() -> list[Any]:
-    """The suite's test modules (``kvhal_conformance.test_*``), imported."""
-    package = importlib.import_module(__package__)
-    names = sorted(m.name for m in pkgutil.iter_modules(package.__path__) if m.name.startswith("test_"))
-    return [importlib.import_module(f"{__package__}.{name}") for name in names]
-
-
 def suite_checks() -> list[Check]:
-    """Every test function of the suite with the clauses it covers and its parameters."""
+    """Every check of the suite (a ``test_*`` method of a contract class of
+    :mod:`kvhal_conformance.base`) with the clauses it covers and its parameters."""
+    from kvhal_conformance.base import CONTRACT_CLASSES
+
     checks = []
-    for module in suite_modules():
-        short = module.__name__.rsplit(".", 1)[1] + ".py"
-        for name, func in inspect.getmembers(module, inspect.isfunction):
-            if name.startswith("test_") and func.__module__ == module.__name__:
-                checks.append(Check(f"{short}::{name}", clauses_of(func), _parametrized(func)))
+    for cls in CONTRACT_CLASSES:
+        for name, func in inspect.getmembers(cls, inspect.isfunction):
+            if name.startswith("test_"):
+                checks.append(Check(f"{cls.__name__}::{name}", clauses_of(func), _parametrized(func)))
     return checks
 
 

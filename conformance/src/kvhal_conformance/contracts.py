@@ -1,4 +1,5 @@
-"""The contracts the suite checks: one test module each, in report order."""
+"""The contracts the suite checks, in report order: one base class each in
+:mod:`kvhal_conformance.base`, bound to the command line by the suite's module ``test_<id>.py``."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ from kvhal.hookspecs import DEVICE_HOOKS
 
 @dataclass(frozen=True)
 class Contract:
-    """One hook contract and the test module that checks it.
+    """One hook contract.
 
-    :param id: the module's name without ``test_``; the report's key.
+    :param id: the report's key; its base class's ``contract_id`` and the suite's module
+        ``test_<id>.py``.
     :param title: a heading for the report.
     :param hooks: the hooks it exercises.
     :param checks: what it checks, in one sentence for the report and README.

@@ -23,8 +23,6 @@ from kvhal_conformance.results import FAIL, TestResult, by_clause, by_contract, 
 from kvhal_conformance.settings import Settings, add_options
 from kvhal_conformance.target import Target
 
-pytest_plugins = ["kvhal_conformance.fixtures"]
-
 NO_DEVICE_REASON = (
     "kvhal conformance suite: name the device plugin to test with --kvhal-device NAME "
     "(or run `kvhal conformance --device NAME`)"
@@ -73,7 +71,7 @@ def pytest_configure(config: pytest.Config) -> None:
     timing.set_pin_timeout(settings.pin_timeout)
 
 
-#: What the ``dtype`` of a check runs over without a plugin to ask (the checks then skip).
+#: What the ``dtype`` of a suite check runs over without a plugin to ask (the checks then skip).
 DEFAULT_DTYPES = (*REQUIRED_DTYPES, torch.float8_e4m3fn)
 
 
@@ -91,16 +89,6 @@ def dtypes_of(target: Target | None) -> list[torch.dtype]:
         if isinstance(dtype, torch.dtype) and dtype not in found and dtype_capability(dtype) == capability:
             found.append(dtype)
     return found
-
-
-def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    """A suite check taking ``dtype`` runs for every dtype the plugin under test must handle."""
-    if "dtype" not in metafunc.fixturenames or contract_of_module(metafunc.module.__name__) is None:
-        return
-    state = state_of(metafunc.config)
-    target = state.target() if state.settings.device is not None else None
-    dtypes = dtypes_of(target)
-    metafunc.parametrize("dtype", dtypes, ids=[str(d).removeprefix("torch.") for d in dtypes])
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:

@@ -29,6 +29,12 @@ def load_object(spec: str) -> object:
         raise pytest.UsageError(f"--kvhal-plugin {spec!r}: {type(exc).__name__}: {exc}") from exc
 
 
+def _registry_for(name: str) -> PluginRegistry:
+    """A registry for plugin objects registered as ``name``: installed plugins stay out (the
+    built-in CPU plugin is always there)."""
+    return PluginRegistry(autoload=False, allow={"cpu", name}, block=())
+
+
 @dataclass
 class Target:
     """The device plugin named by ``--kvhal-device``, found and (if it can be) bound.
@@ -50,12 +56,13 @@ class Target:
 
     @classmethod
     def find(cls, name: str, plugin_specs: tuple[str, ...] = ()) -> Target:
-        """Find plugin ``name``; an unknown name or an unloadable spec is a usage error."""
+        """Find the installed plugin ``name`` (``kvhal devices`` lists them), or register the
+        objects ``MODULE:ATTR`` in ``plugin_specs`` as ``name``; an unknown name or an
+        unloadable spec is a usage error."""
         if plugin_specs:
             if name == "cpu":
                 raise pytest.UsageError("--kvhal-plugin: 'cpu' is built in; choose another --kvhal-device")
-            # Only the given objects (and the built-in CPU plugin): installed ones stay out.
-            registry = PluginRegistry(autoload=False, allow={"cpu", name}, block=())
+            registry = _registry_for(name)
             for spec in plugin_specs:
                 obj = load_object(spec)
                 version = getattr(importlib.import_module(spec.partition(":")[0]), "__version__", None)
@@ -63,6 +70,21 @@ class Target:
                 registry.register(obj, name, distribution)
         else:
             registry = PluginRegistry()
+        return cls._bind(registry, name)
+
+    @classmethod
+    def of_plugin(cls, plugin: object, name: str) -> Target:
+        """Test the plugin object ``plugin`` (one not installed through an entry point, e.g. a
+        class of your test suite, instantiated) under the name ``name``."""
+        if name == "cpu":
+            raise ValueError("Target.of_plugin: name 'cpu' is the built-in plugin's; choose another name")
+        registry = _registry_for(name)
+        kind = type(plugin)
+        registry.register(plugin, name, f"{kind.__module__}.{kind.__qualname__}")  # no version
+        return cls._bind(registry, name)
+
+    @classmethod
+    def _bind(cls, registry: PluginRegistry, name: str) -> Target:
         matches = [p for p in registry.plugins if p.name == name]
         if not matches:
             known = ", ".join(sorted(p.name for p in registry.plugins)) or "none"

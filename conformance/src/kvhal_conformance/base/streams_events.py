@@ -1,0 +1,761 @@
+"""Contract: streams and events (``kvhal_create_stream`` ... ``kvhal_stream_wait_event``),
+and how ``kvhal_copy_blocks`` runs on the stream it is given.
+
+Checks that need work still running first put a measured minimum of copies on
+a stream (:class:`~kvhal_conformance.timing.Busy`). Verdicts rest on data, never
+on how long something took: a copy's destination that changes while the work it
+must follow is incomplete, an event that completes while bytes of its copy are
+missing (and arrive later), a call that was to return at once returning only
+after the copy it concerns had written everything. Ordering and events are
+checked in both directions, on one stream and across two streams joined by a
+wait, for one small block, one block of an odd size, and a batch of many MiB.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from kvhal.copyplan import CopyPlan
+from kvhal.descriptor import Capability
+from kvhal.device import Device
+from kvhal.errors import TransferError
+from kvhal_conformance.base.fixtures import ContractFixtures, final
+from kvhal_conformance.clauses import DIRECTIONS, SIZES, covers, expect, violated
+from kvhal_conformance.copycase import CONTROL_BUSY_S, CopyCase, judge_query, synchronize_and_check
+from kvhal_conformance.settings import Sizes
+from kvhal_conformance.streamrig import Chain, free_chain, make_chain
+from kvhal_conformance.target import Target
+from kvhal_conformance.timing import Busy, poll, wait
+
+#: A call that must not block is blocking when, in this many trials out of this many, the
+#: copy it concerns had written everything by the time it returned (one stalled test thread
+#: is not a violation).
+TRIALS = 3
+#: How long an event recorded on an idle stream may take to report complete.
+IDLE_LIMIT_S = 5.0
+
+MakeCase = Callable[[str, str], CopyCase]
+NewStream = Callable[[], Any]
+
+
+def early_record_clause(device: Device, busy: Busy) -> str:
+    """An event recorded after a copy completed before it: whose fault? If an event recorded
+    after a wait for fresh busy work completes before that work too, the records are wrong
+    (``record.after_work``); else the copy was not on the stream it was given
+    (``copy.on_stream``)."""
+    pending, _ = busy.occupy(device.create_stream(), CONTROL_BUSY_S)
+    stream = device.create_stream()
+    device.stream_wait_event(stream, pending)
+    control = device.create_event()
+    device.record_event(control, stream)
+    early = device.query_event(control) and not device.query_event(pending)
+    wait(device, pending, "busy work")
+    return "record.after_work" if early else "copy.on_stream"
+
+
+def _ordered_copy(
+    device: Device, busy: Busy, sizes: Sizes, new_stream: NewStream, case: CopyCase, two_streams: bool
+) -> None:
+    """Submit ``case`` behind busy work (on its stream, or on a second stream made to wait for
+    the busy work's event) plus an event recorded after it; watch all three while the busy
+    work runs, then check the copy."""
+    a = new_stream()
+    earlier, busy_s = busy.occupy(a, sizes.busy_seconds)
+    if two_streams:
+        target = new_stream()
+        device.stream_wait_event(target, earlier)
+        order_clause, where = (
+            "wait.orders",
+            "on stream B, made to wait for the event of busy work on stream A",
+        )
+    else:
+        target, order_clause, where = a, "copy.ordering", "on a stream behind busy work"
+    copied = case.submit(target)
+    after = device.create_event()
+    device.record_event(after, target)
+    context = f"{case.what} {where}"
+
+    def while_earlier_pending() -> None:
+        # Each verdict reads first and asks about the earlier work second: the earlier work
+        # was still incomplete when the destination (or the event) was seen.
+        if case.dst_changed() and not device.query_event(earlier):
+            violated(
+                order_clause,
+                f"{context}: the copy wrote its destination while the work it must follow "
+                f"({busy_s * 1e3:.0f} ms of copies) was still incomplete",
+            )
+        for event, name in ((copied, "its event"), (after, "an event recorded after it")):
+            if device.query_event(event) and not device.query_event(earlier):
+                missing = case.missing()
+                if len(missing):
+                    clause = "copy.event" if event is copied else early_record_clause(device, busy)
+                    judge_query(
+                        device,
+                        event,
+                        case,
+                        missing,
+                        clause,
+                        f"{context} ({name}, complete before the busy work)",
+                        busy,
+                    )
+
+    poll(device, earlier, "the busy work a copy must follow", while_pending=while_earlier_pending)
+    poll(device, copied, context)
+    missing = case.missing()
+    if len(missing):
+        judge_query(device, copied, case, missing, "copy.event", f"{context} (its event)", busy)
+    synchronize_and_check(device, copied, case, "copy.event", context)
+    wait(device, after, f"{context} (an event recorded after it)")
+
+
+def _queue_large_copy(
+    make_case: MakeCase, busy: Busy, sizes: Sizes, stream: Any, direction: str
+) -> tuple[CopyCase, Any]:
+    """A large copy submitted to ``stream`` behind busy work: the case and the copy's event."""
+    case = make_case(direction, "large")
+    busy.occupy(stream, sizes.busy_seconds)
+    return case, case.submit(stream)
+
+
+def _blocks(
+    kvhal_device: Device,
+    kvhal_busy: Busy,
+    kvhal_sizes: Sizes,
+    new_stream: NewStream,
+    make_case: MakeCase,
+    call: Callable[[Any, Any], None],
+) -> tuple[int, int, float]:
+    """In :data:`TRIALS` trials, queue a large copy behind busy work, ``call(stream, event)``,
+    and see whether the copy had written all it was sampled for when kvhal_copy_blocks
+    returned, and when ``call`` returned: (trials in which it had by the first, trials in
+    which it had not by the first but had by the second, the busy work's length)."""
+    done_at_submit = done_by_call = 0
+    busy_s = 0.0
+    case = make_case("d2h", "large")
+    for trial in range(TRIALS):
+        if trial:
+            case.rewind()
+        stream = new_stream()
+        _, busy_s = kvhal_busy.occupy(stream, kvhal_sizes.busy_seconds)
+        copied = case.submit(stream)
+        before = len(case.missing())  # at once: the copy is still queued behind the busy work
+        call(stream, copied)
+        after = len(case.missing())
+        done_at_submit += not before
+        done_by_call += bool(before) and not after
+        synchronize_and_check(kvhal_device, copied, case, "copy.event", case.what)
+    return done_at_submit, done_by_call, busy_s
+
+
+class InjectedCopyFailure(RuntimeError):
+    """What a plan handed to kvhal_copy_blocks by the failure check raises when read."""
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class FailingPlan(CopyPlan):
+    """A plan whose runs, segment families and descriptors (what a copy is built from) cannot
+    be read: any copy of it fails before a byte moves, wherever the plugin reads them (on the
+    caller's thread or later). Its other facts (caches, pairs, sizes) read as usual."""
+
+    def __getattribute__(self, name: str) -> Any:
+        if name in ("descriptors", "runs", "families"):
+            raise InjectedCopyFailure(
+                "this copy plan cannot be read (a failure injected by the conformance suite)"
+            )
+        if name == "num_bytes":
+            return object.__getattribute__(self, "_num_bytes")
+        return object.__getattribute__(self, name)
+
+
+def failing_plan(plan: CopyPlan) -> FailingPlan:
+    fields = {f.name: object.__getattribute__(plan, f.name) for f in dataclasses.fields(CopyPlan)}
+    failing = FailingPlan(**fields)
+    object.__setattr__(failing, "_num_bytes", plan.num_bytes)
+    return failing
+
+
+class StreamsEventsContract(ContractFixtures):
+    """Contract ``streams_events``: the current stream is the compute stream; new streams and
+    events are new; in both directions and at every size, on one stream and across a wait, a
+    copy writes nothing before earlier work completes and its events complete only after its
+    bytes are written; re-recorded events follow their new record; queries, stream waits and
+    (with ``copy.async``) copies do not block; a failed copy surfaces as TransferError.
+
+    Fixtures: ``kvhal_target``, ``kvhal_device``, ``kvhal_sizes`` (``busy_seconds``,
+    ``large_copy_bytes``), ``kvhal_busy``, ``kvhal_seed``, ``kvhal_rng`` and
+    ``kvhal_new_stream``: the streams every check submits its work to, except
+    ``test_new_streams_are_new``, which checks ``kvhal_create_stream`` itself (see
+    :class:`ContractFixtures`); ``make_case`` (function) makes the copies, ``chain`` (class)
+    the two copies of the stream-order checks.
+    """
+
+    contract_id = "streams_events"
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def chain(cls, kvhal_device: Device, kvhal_busy: Busy, kvhal_sizes: Sizes) -> Iterator[Chain]:
+        made = make_chain(kvhal_device, kvhal_busy, kvhal_sizes.large_copy_bytes)
+        yield made
+        free_chain(made)
+
+    @pytest.fixture
+    def make_case(
+        self,
+        kvhal_device: Device,
+        kvhal_busy: Busy,
+        kvhal_sizes: Sizes,
+        kvhal_seed: int,
+        kvhal_rng: np.random.Generator,
+    ) -> Iterator[MakeCase]:
+        """Copies of every direction and size, in the busy copies' layout; freed after the test."""
+        made: list[CopyCase] = []
+
+        def make(direction: str, size: str) -> CopyCase:
+            case = CopyCase.make(
+                kvhal_device,
+                kvhal_busy.src.layout,
+                direction,
+                size,
+                kvhal_sizes,
+                kvhal_seed + len(made),
+                kvhal_rng,
+            )
+            made.append(case)
+            return case
+
+        yield make
+        for case in made:
+            case.free()
+
+    # -- the compute stream, new streams, new events --------------------------------
+
+    @final
+    @covers("current.compute")
+    def test_current_stream_is_the_compute_stream(self, kvhal_target: Target, kvhal_device: Device) -> None:
+        """kvhal_current_stream returns the stream compute runs on: every copy is ordered after it.
+
+        The same stream on every call; and, where torch drives streams for the
+        device type, torch's own current stream.
+        """
+        first, second = kvhal_device.current_stream(), kvhal_device.current_stream()
+        expect(
+            first is second or first == second,
+            "current.compute",
+            f"plugin {kvhal_target.name!r}: kvhal_current_stream returned two different streams on two "
+            "calls; "
+            "it must return the stream the engine computes on, not a new one (copies are ordered after it)",
+        )
+        accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+        if accelerator is not None and accelerator.type == kvhal_device.torch_device.type:
+            torchs = torch.accelerator.current_stream(kvhal_device.torch_device)
+            same = (getattr(first, "stream_id", None), getattr(first, "device_index", None)) == (
+                torchs.stream_id,
+                torchs.device_index,
+            )
+            expect(
+                same,
+                "current.compute",
+                f"plugin {kvhal_target.name!r}: kvhal_current_stream returned {first!r}, not torch's current "
+                f"stream {torchs!r}: copies would not be ordered after the engine's compute",
+            )
+
+    @final
+    @covers("stream.new")
+    def test_new_streams_are_new(self, kvhal_target: Target, kvhal_device: Device) -> None:
+        """kvhal_create_stream returns a new stream on every call."""
+        streams = [kvhal_device.create_stream() for _ in range(3)]
+        for i in range(len(streams)):
+            for j in range(i):
+                expect(
+                    streams[i] is not streams[j],
+                    "stream.new",
+                    f"plugin {kvhal_target.name!r}: kvhal_create_stream returned the same stream on calls "
+                    f"{j + 1} and {i + 1}: every call must return a new stream (work on one must not queue "
+                    "behind another's)",
+                )
+
+    @final
+    @covers("event.new")
+    def test_new_event_is_complete(
+        self, kvhal_device: Device, kvhal_busy: Busy, kvhal_sizes: Sizes, kvhal_new_stream: NewStream
+    ) -> None:
+        """A new, unrecorded event queries complete and synchronizes at once, also while another
+        event is pending; every call returns a new event."""
+        stream = kvhal_new_stream()
+        pending, _ = kvhal_busy.occupy(stream, kvhal_sizes.busy_seconds)
+        recorded = kvhal_device.create_event()
+        kvhal_device.record_event(recorded, stream)
+        event = kvhal_device.create_event()
+        expect(
+            event is not recorded,
+            "event.new",
+            "kvhal_create_event returned an event it had returned before (one now recorded on a busy stream)",
+        )
+        expect(
+            kvhal_device.query_event(event),
+            "event.new",
+            "kvhal_query_event: a new, unrecorded event must report complete (it reported incomplete while "
+            "another event was pending on a busy stream)",
+        )
+        wait(kvhal_device, event, "a new, unrecorded event", limit_s=IDLE_LIMIT_S)
+        wait(kvhal_device, recorded, "an event recorded after busy work")
+        wait(kvhal_device, pending, "busy work")
+
+    @final
+    @covers("record.completes")
+    def test_event_on_idle_stream_completes(self, kvhal_device: Device, kvhal_new_stream: NewStream) -> None:
+        """An event recorded on a new stream, or on the compute stream, with no work completes."""
+        for name, stream in (("a new stream", kvhal_new_stream()), ("the compute stream", None)):
+            stream = kvhal_device.current_stream() if stream is None else stream
+            event = kvhal_device.create_event()
+            kvhal_device.record_event(event, stream)
+            try:
+                poll(kvhal_device, event, f"an event recorded on {name} with no work", limit_s=IDLE_LIMIT_S)
+            except pytest.fail.Exception:
+                violated(
+                    "record.completes",
+                    f"kvhal_query_event still reports an event recorded on {name} with no work incomplete "
+                    "after "
+                    f"{IDLE_LIMIT_S:.0f} s: an event recorded on an idle stream must complete at once",
+                )
+            wait(kvhal_device, event, f"an event recorded on {name} with no work", limit_s=IDLE_LIMIT_S)
+
+    # -- ordering and events, every direction and size -----------------------------
+
+    @final
+    @covers(
+        "copy.ordering", "copy.event", "record.after_work", "copy.data", "copy.dst_only", "copy.src_unchanged"
+    )
+    @pytest.mark.parametrize("size", SIZES)
+    @pytest.mark.parametrize("direction", DIRECTIONS)
+    def test_copy_waits_for_earlier_work_on_its_stream(
+        self,
+        kvhal_device: Device,
+        kvhal_busy: Busy,
+        kvhal_sizes: Sizes,
+        kvhal_new_stream: NewStream,
+        make_case: MakeCase,
+        direction: str,
+        size: str,
+    ) -> None:
+        """A copy queued behind busy work on its stream writes nothing until that work completes;
+        its event, and one recorded after it, complete only after its bytes are written; then
+        exactly its destination blocks hold its source."""
+        case = make_case(direction, size)
+        _ordered_copy(kvhal_device, kvhal_busy, kvhal_sizes, kvhal_new_stream, case, two_streams=False)
+
+    @final
+    @covers(
+        "wait.orders", "copy.event", "record.after_work", "copy.data", "copy.dst_only", "copy.src_unchanged"
+    )
+    @pytest.mark.parametrize("size", SIZES)
+    @pytest.mark.parametrize("direction", DIRECTIONS)
+    def test_copy_waits_for_the_event_of_another_stream(
+        self,
+        kvhal_device: Device,
+        kvhal_busy: Busy,
+        kvhal_sizes: Sizes,
+        kvhal_new_stream: NewStream,
+        make_case: MakeCase,
+        direction: str,
+        size: str,
+    ) -> None:
+        """After kvhal_stream_wait_event(B, event of busy work on A), a copy on B writes nothing until
+        that work completes; its events and data are right."""
+        case = make_case(direction, size)
+        _ordered_copy(kvhal_device, kvhal_busy, kvhal_sizes, kvhal_new_stream, case, two_streams=True)
+
+    @final
+    @covers("copy.event", "query.state")
+    @pytest.mark.parametrize("direction", DIRECTIONS)
+    def test_event_not_complete_before_its_work(
+        self,
+        kvhal_device: Device,
+        kvhal_busy: Busy,
+        kvhal_sizes: Sizes,
+        kvhal_new_stream: NewStream,
+        make_case: MakeCase,
+        direction: str,
+    ) -> None:
+        """A large copy's event queries incomplete while the copy runs and complete after it."""
+        device, stream = kvhal_device, kvhal_new_stream()
+        case, copied = _queue_large_copy(make_case, kvhal_busy, kvhal_sizes, stream, direction)
+        context = f"{case.what} behind busy work (its event, by kvhal_query_event)"
+        poll(device, copied, context)
+        missing = case.missing()
+        if len(missing):
+            judge_query(device, copied, case, missing, "copy.event", context, kvhal_busy)
+        synchronize_and_check(device, copied, case, "copy.event", context)
+
+    @final
+    @covers("sync.waits", "copy.event")
+    @pytest.mark.parametrize("direction", DIRECTIONS)
+    def test_synchronize_waits_for_copy(
+        self,
+        kvhal_device: Device,
+        kvhal_busy: Busy,
+        kvhal_sizes: Sizes,
+        kvhal_new_stream: NewStream,
+        make_case: MakeCase,
+        direction: str,
+    ) -> None:
+        """kvhal_synchronize_event returns only when every byte of a large copy is written."""
+        device, stream = kvhal_device, kvhal_new_stream()
+        case, copied = _queue_large_copy(make_case, kvhal_busy, kvhal_sizes, stream, direction)
+        synchronize_and_check(device, copied, case, "copy.event", f"{case.what} behind busy work (its event)")
+
+    @final
+    @covers("copy.on_stream", "record.after_work")
+    @pytest.mark.parametrize("direction", DIRECTIONS)
+    def test_event_recorded_after_copy_follows_it(
+        self,
+        kvhal_device: Device,
+        kvhal_busy: Busy,
+        kvhal_sizes: Sizes,
+        kvhal_new_stream: NewStream,
+        make_case: MakeCase,
+        direction: str,
+    ) -> None:
+        """An event recorded on a stream after a large copy on it completes only after that copy."""
+        device, stream = kvhal_device, kvhal_new_stream()
+        case, copied = _queue_large_copy(make_case, kvhal_busy, kvhal_sizes, stream, direction)
+        after = device.create_event()
+        device.record_event(after, stream)
+        context = (
+            f"an event recorded with kvhal_record_event on the stream after {case.what} behind busy work"
+        )
+        poll(device, after, context)
+        missing = case.missing()
+        if len(missing):  # complete while the copy before it is not
+            judge_query(
+                device, after, case, missing, early_record_clause(device, kvhal_busy), context, kvhal_busy
+            )
+        synchronize_and_check(device, copied, case, "copy.event", f"{case.what} behind busy work")
+
+    # -- stream order across copies, and waits --------------------------------------
+
+    @final
+    @covers("stream.order")
+    def test_stream_keeps_work_in_order(
+        self, chain: Chain, kvhal_sizes: Sizes, kvhal_seed: int, kvhal_new_stream: NewStream
+    ) -> None:
+        """Copies on one stream run in submission order: a later copy neither starts before
+        earlier work completes nor misses what an earlier copy wrote."""
+        chain.reset(kvhal_seed)
+        stream = kvhal_new_stream()
+        earlier = chain.occupy(stream, kvhal_sizes.busy_seconds)
+        chain.submit(chain.first, stream)
+        chain.expect_after(
+            "stream.order",
+            earlier,
+            chain.submit(chain.second, stream),
+            "kvhal_copy_blocks: a host->device copy then a device->host copy of the same blocks on one "
+            "stream",
+            started_early="a copy wrote its destination while copies submitted earlier to the same stream "
+            "were still incomplete: work on one stream must run in submission order",
+            read_early="the second read the device blocks before the first wrote them: work on one stream "
+            "must run in order",
+        )
+
+    @final
+    @covers("stream.order")
+    def test_stream_runs_one_copy_at_a_time(
+        self, kvhal_device: Device, kvhal_new_stream: NewStream, make_case: MakeCase
+    ) -> None:
+        """Two large copies submitted to one idle stream run one after the other: the second writes
+        nothing while the first is incomplete (in 3 trials; a stream served by several threads at
+        once shows here)."""
+        device = kvhal_device
+        first, second = make_case("h2d", "large"), make_case("d2h", "large")
+        for trial in range(TRIALS):
+            if trial:
+                first.rewind()
+                second.rewind()
+            stream = kvhal_new_stream()
+            first_done = first.submit(stream)
+            second_done = second.submit(stream)
+
+            def one_at_a_time() -> None:
+                if second.dst_changed() and len(first.unwritten()):
+                    violated(
+                        "stream.order",
+                        f"{second.what} wrote its destination while {first.what}, submitted before it to the "
+                        "same stream, was still writing: work on one stream must run in submission order, "
+                        "one "
+                        "piece after the other",
+                    )
+
+            poll(
+                device,
+                second_done,
+                f"{second.what} after {first.what} on one stream",
+                while_pending=one_at_a_time,
+            )
+            synchronize_and_check(
+                device, first_done, first, "copy.event", f"{first.what} (first on its stream)"
+            )
+            synchronize_and_check(
+                device, second_done, second, "copy.event", f"{second.what} (second on its stream)"
+            )
+
+    @final
+    @covers("wait.orders")
+    def test_stream_waits_for_event(
+        self, chain: Chain, kvhal_sizes: Sizes, kvhal_seed: int, kvhal_new_stream: NewStream
+    ) -> None:
+        """After kvhal_stream_wait_event(B, event of a copy on A), B's copies see what A's copy wrote."""
+        device = chain.device
+        chain.reset(kvhal_seed)
+        a, b = kvhal_new_stream(), kvhal_new_stream()
+        chain.occupy(a, kvhal_sizes.busy_seconds)
+        written = chain.submit(chain.first, a)
+        device.stream_wait_event(b, written)
+        chain.expect_after(
+            "wait.orders",
+            written,
+            chain.submit(chain.second, b),
+            "kvhal_stream_wait_event: stream B waited for the event of a host->device copy on stream A, then "
+            "copied those blocks device->host",
+            started_early="B's copy wrote its destination before the event on A that B waits for completed",
+            read_early="B's copy read the device blocks before A's copy wrote them",
+            earlier_is_first=True,
+        )
+
+    @final
+    @covers("wait.orders")
+    def test_wait_for_unrecorded_event_holds_nothing_up(
+        self, kvhal_device: Device, kvhal_new_stream: NewStream, make_case: MakeCase
+    ) -> None:
+        """A stream made to wait for an event never recorded runs its next copy."""
+        device, case = kvhal_device, make_case("d2h", "small")
+        stream = kvhal_new_stream()
+        device.stream_wait_event(stream, device.create_event())
+        synchronize_and_check(
+            device,
+            case.submit(stream),
+            case,
+            "copy.event",
+            f"{case.what} after a wait for an event never recorded",
+        )
+
+    @final
+    @covers("record.again")
+    def test_event_recorded_again_follows_new_work(
+        self,
+        kvhal_device: Device,
+        kvhal_busy: Busy,
+        kvhal_sizes: Sizes,
+        kvhal_new_stream: NewStream,
+        make_case: MakeCase,
+    ) -> None:
+        """An event recorded a second time refers to its new record: queries, synchronizes and
+        stream waits after it wait for the work before the new record; once complete it may be
+        synchronized and queried again."""
+        device = kvhal_device
+        large, small = make_case("d2h", "large"), make_case("h2d", "small")
+        event = device.create_event()
+        device.record_event(event, kvhal_new_stream())  # a first record, on an idle stream
+        wait(device, event, "an event recorded on an idle stream", limit_s=IDLE_LIMIT_S)
+        stream = kvhal_new_stream()
+        kvhal_busy.occupy(stream, kvhal_sizes.busy_seconds)
+        copied = large.submit(stream)
+        device.record_event(event, stream)  # recorded again: it now follows the large copy
+        waiting = kvhal_new_stream()
+        device.stream_wait_event(waiting, event)
+        follower = small.submit(waiting)
+        context = f"an event recorded a second time, after {large.what} behind busy work"
+
+        def while_pending() -> None:
+            if small.dst_changed() and not device.query_event(copied):
+                violated(
+                    "record.again",
+                    f"{context}: a stream made to wait for it ran {small.what} while the large copy was "
+                    "still "
+                    "unwritten: a wait refers to the event's last record",
+                )
+
+        poll(device, event, context, while_pending=while_pending)
+        missing = large.missing()
+        if len(missing):
+            judge_query(device, event, large, missing, "record.again", context, kvhal_busy)
+        synchronize_and_check(device, event, large, "record.again", context)
+        wait(device, event, f"{context}: synchronized a second time")
+        expect(
+            device.query_event(event), "record.again", f"{context}: a synchronized event queries incomplete"
+        )
+        wait(device, copied, f"{large.what} (its event)")
+        synchronize_and_check(device, follower, small, "copy.event", f"{small.what} on the waiting stream")
+
+    # -- what must not block --------------------------------------------------------
+
+    @final
+    @covers("query.nonblocking")
+    def test_query_does_not_block(
+        self,
+        kvhal_device: Device,
+        kvhal_busy: Busy,
+        kvhal_sizes: Sizes,
+        kvhal_new_stream: NewStream,
+        make_case: MakeCase,
+    ) -> None:
+        """kvhal_query_event returns at once: querying the event of a copy queued behind busy work
+        does not wait for the copy (judged on data, in 3 trials; a trial whose copy was done when
+        kvhal_copy_blocks returned tells nothing and counts as not blocked)."""
+        answers: list[bool] = []
+        _, blocked, busy_s = _blocks(
+            kvhal_device,
+            kvhal_busy,
+            kvhal_sizes,
+            kvhal_new_stream,
+            make_case,
+            lambda _s, e: answers.append(kvhal_device.query_event(e)),
+        )
+        expect(
+            blocked < TRIALS,
+            "query.nonblocking",
+            f"kvhal_query_event returned only after the copy whose event it was asked about had finished "
+            f"({blocked} of {TRIALS} trials; the copy was queued behind at least {busy_s * 1e3:.0f} ms of "
+            "work, "
+            f"answers {answers}): a query must not wait for the work",
+        )
+
+    @final
+    @covers("wait.nonblocking")
+    def test_stream_wait_does_not_block(
+        self,
+        kvhal_device: Device,
+        kvhal_busy: Busy,
+        kvhal_sizes: Sizes,
+        kvhal_new_stream: NewStream,
+        make_case: MakeCase,
+    ) -> None:
+        """kvhal_stream_wait_event returns at once: making a stream wait for the event of a copy
+        queued behind busy work does not wait for the copy (judged on data, in 3 trials)."""
+        _, blocked, busy_s = _blocks(
+            kvhal_device,
+            kvhal_busy,
+            kvhal_sizes,
+            kvhal_new_stream,
+            make_case,
+            lambda _s, e: kvhal_device.stream_wait_event(kvhal_new_stream(), e),
+        )
+        expect(
+            blocked < TRIALS,
+            "wait.nonblocking",
+            f"kvhal_stream_wait_event returned only after the copy whose event it was given had finished "
+            f"({blocked} of {TRIALS} trials; the copy was queued behind at least {busy_s * 1e3:.0f} ms of "
+            "work): "
+            "it must return without waiting for the event (without blocking the caller)",
+        )
+
+    @final
+    @covers("copy.async")
+    def test_copies_are_asynchronous(
+        self,
+        kvhal_target: Target,
+        kvhal_device: Device,
+        kvhal_busy: Busy,
+        kvhal_sizes: Sizes,
+        kvhal_new_stream: NewStream,
+        make_case: MakeCase,
+    ) -> None:
+        """With copy.async declared, kvhal_copy_blocks returns before its copy has run.
+
+        The copy is queued behind a measured minimum of busy work; the moment
+        kvhal_copy_blocks returns, its sampled destination blocks are read. A synchronous
+        plugin has written them all by then; an asynchronous one cannot have (its stream is
+        still busy), unless the test thread stalled for the whole busy time: a violation only
+        when it happens in every one of 3 trials.
+        """
+        kvhal_target.require(Capability.ASYNC_COPY)
+        blocked, _, busy_s = _blocks(
+            kvhal_device, kvhal_busy, kvhal_sizes, kvhal_new_stream, make_case, lambda _s, _e: None
+        )
+        expect(
+            blocked < TRIALS,
+            "copy.async",
+            f"plugin {kvhal_target.name!r} declares {Capability.ASYNC_COPY.value}, but kvhal_copy_blocks "
+            f"returned only after its copy had finished ({blocked} of {TRIALS} trials): the copy was queued "
+            f"behind at least {busy_s * 1e3:.0f} ms of work on its stream, yet every sampled destination "
+            "block "
+            "held its data the moment the hook returned. kvhal_copy_blocks must enqueue the copy on the "
+            "stream "
+            "and return without waiting for it",
+        )
+
+    # -- failures -------------------------------------------------------------------
+
+    @final
+    @covers("copy.error", "query.error", "sync.error")
+    def test_failed_copy_reports_transfer_error(
+        self, kvhal_target: Target, kvhal_device: Device, kvhal_new_stream: NewStream, make_case: MakeCase
+    ) -> None:
+        """A copy that fails (here: its plan cannot be read) returns an event anyway; querying and
+        synchronizing that event raise TransferError; the next copy on the stream works."""
+        device, case = kvhal_device, make_case("h2d", "small")
+        stream = kvhal_new_stream()
+        copy_hook = kvhal_target.caller("kvhal_copy_blocks")
+        outcomes = []
+        for attempt in range(2):
+            try:
+                event = copy_hook(plan=failing_plan(case.plan), stream=stream)
+            except Exception as exc:
+                violated(
+                    "copy.error",
+                    f"kvhal_copy_blocks raised {type(exc).__name__}: {exc} for a copy that failed: a failure "
+                    "must surface through the event it returns, as TransferError",
+                )
+            expect(event is not None, "copy.error", "kvhal_copy_blocks returned None for a copy that failed")
+            queried = synchronized = None
+            if attempt == 0:  # the first failure is queried until it reports, then synchronized
+                try:
+                    poll(device, event, "the event of a failed copy", limit_s=30)
+                    queried = False
+                except TransferError:
+                    queried = True
+            try:
+                wait(device, event, "the event of a failed copy", limit_s=30)
+                synchronized = False
+            except TransferError:
+                synchronized = True
+            outcomes.append((queried, synchronized))
+        (q0, s0), (_, s1) = outcomes
+        if not q0 and not s0 and not s1:
+            violated(
+                "copy.error",
+                "a copy that failed (its plan could not be read) returned an event that completed normally: "
+                "querying and synchronizing it must raise TransferError",
+            )
+        expect(
+            q0,
+            "query.error",
+            "kvhal_query_event reported the event of a failed copy complete without raising "
+            "TransferError (kvhal_synchronize_event did raise it)",
+        )
+        expect(
+            s0 and s1,
+            "sync.error",
+            "kvhal_synchronize_event returned normally for the event of a failed copy "
+            "(kvhal_query_event did raise TransferError)",
+        )
+        try:
+            synchronize_and_check(
+                device,
+                case.submit(stream),
+                case,
+                "copy.event",
+                f"{case.what} submitted after a failed copy on the same stream",
+            )
+        except TransferError as exc:
+            violated(
+                "copy.error",
+                f"{case.what}, submitted after a failed copy on the same stream, reported the earlier "
+                "failure "
+                f"({exc}): a failure belongs to the copy that failed; later copies must be unaffected",
+            )
