@@ -11,7 +11,6 @@ missing hook, a synchronous copy, a no-op stream wait, a lying pinned query).
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 from collections.abc import Callable, Sequence
 
@@ -25,6 +24,7 @@ from kvhal.cpu.streams import CPUEvent, CPUStream, InlineStream
 from kvhal.geometry import KVGeometry
 from kvhal.hookspecs import hookimpl
 from kvhal.layouts import LBHNC, KVLayout
+from kvhal_conformance.mutants import MovesSources, RecyclesFreedBuffers
 
 Stream = CPUStream | InlineStream
 
@@ -126,20 +126,10 @@ class TruncatesBatch(CPUPlugin):
         return enqueue(stream, plan, lambda: engine.run(src, dst, sizes))
 
 
-class MutatesSource(CPUPlugin):
+class MutatesSource(MovesSources):
     """Clears the source after copying it, as if the copy were a move."""
 
-    @hookimpl
-    def kvhal_copy_blocks(self, plan: CopyPlan, stream: Stream) -> CPUEvent:
-        engine = self.engine
-
-        def move() -> None:
-            src, dst, sizes = plan.descriptors
-            engine.run(src, dst, sizes)
-            for address, size in zip(src.tolist(), sizes.tolist(), strict=True):
-                ctypes.memset(address, 0, size)
-
-        return enqueue(stream, plan, move)
+    move_below = float("inf")  # every copy
 
 
 class DirtyHostBuffer(CPUPlugin):
@@ -173,18 +163,7 @@ class SharedLayers(CPUPlugin):
         return KVCache(geometry, layout, one.layers * geometry.num_layers, one.storage)
 
 
-class RecyclesDirty(CPUPlugin):
+class RecyclesDirty(RecyclesFreedBuffers):
     """Keeps freed host buffers and hands them out again, as they were, for the same size."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._freed: dict[int, list[torch.Tensor]] = {}
-
-    @hookimpl
-    def kvhal_allocate_host_buffer(self, nbytes: int) -> torch.Tensor:
-        pool = self._freed.get(nbytes)
-        return pool.pop() if pool else super().kvhal_allocate_host_buffer(nbytes)
-
-    @hookimpl
-    def kvhal_free_host_buffer(self, buffer: torch.Tensor) -> None:
-        self._freed.setdefault(buffer.numel(), []).append(buffer)
+    recycle_bytes = 0  # every size

@@ -74,12 +74,10 @@ class TestHostMemory(base.HostMemoryContract, VendorFixtures):
 
 
 class TestStreamsEvents(base.StreamsEventsContract, VendorFixtures):
-    def test_checks_submit_to_the_vendor_streams(
-        self, kvhal_device: Device, kvhal_new_stream: Any, make_case: Callable[[str, str], Any]
-    ) -> None:
+    def test_checks_submit_to_the_vendor_streams(self, rig: Any, kvhal_new_stream: Any) -> None:
         """A vendor's own test beside the contract's: the supplied stream factory is what a check
         submits its work to."""
-        self.test_wait_for_unrecorded_event_holds_nothing_up(kvhal_device, kvhal_new_stream, make_case)
+        self.test_wait_for_unrecorded_event_holds_nothing_up(rig)
         assert len(kvhal_new_stream.made) == 1
 
 

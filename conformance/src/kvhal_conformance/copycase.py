@@ -55,30 +55,29 @@ def piece_geometry(nbytes: int) -> KVGeometry:
     return g.with_num_blocks(max(64, nbytes // g.block_bytes))
 
 
+#: The bf16 blocks of the one-block sizes: (layers, tokens, heads, K head size, V head size).
+ONE_BLOCK_SHAPES = {
+    "small": (2, 16, 2, 16, 16),  # 2 layers x 2048 bytes
+    "odd": (3, 3, 7, 5, 6),  # 3 layers x 462 bytes (7 heads x 3 tokens x (5 + 6) x 2 bytes)
+}
+
+
 def case_geometry(size: str, sizes: Sizes) -> KVGeometry:
     """The geometry of a copy of ``size`` (one of :data:`SIZES`)."""
-    if size == "small":  # 2 layers x 2048 bytes
-        return KVGeometry(
-            num_layers=2,
-            num_blocks=ONE_BLOCK_CACHE,
-            block_size=16,
-            num_kv_heads=2,
-            head_size=16,
-            dtype=torch.bfloat16,
-        )
-    if size == "odd":  # 3 layers x 462 bytes (7 heads x 3 tokens x (5 + 6) x 2 bytes)
-        return KVGeometry(
-            num_layers=3,
-            num_blocks=ONE_BLOCK_CACHE,
-            block_size=3,
-            num_kv_heads=7,
-            head_size=5,
-            dtype=torch.bfloat16,
-            head_size_v=6,
-        )
     if size == "large":
         return piece_geometry(sizes.large_copy_bytes)
-    raise ValueError(f"size {size!r}: expected one of {SIZES}")
+    if size not in ONE_BLOCK_SHAPES:
+        raise ValueError(f"size {size!r}: expected one of {SIZES}")
+    layers, tokens, heads, head_size, head_size_v = ONE_BLOCK_SHAPES[size]
+    return KVGeometry(
+        num_layers=layers,
+        num_blocks=ONE_BLOCK_CACHE,
+        block_size=tokens,
+        num_kv_heads=heads,
+        head_size=head_size,
+        dtype=torch.bfloat16,
+        head_size_v=head_size_v,
+    )
 
 
 def reversed_pairs(n: int) -> np.ndarray:

@@ -355,10 +355,11 @@ class MisalignedLargeBuffers(CPUPlugin):
         return super().kvhal_allocate_host_buffer(nbytes + 64)[64:]
 
 
-@mutant("host.zeroed")
-class RecyclesLargeBuffersDirty(CPUPlugin):
-    """Keeps freed host buffers of 8 MiB or more and hands them out again, uncleared, for the
-    same size (a cache for host tiers)."""
+class RecyclesFreedBuffers(CPUPlugin):
+    """Keeps freed host buffers of at least ``recycle_bytes`` and hands them out again,
+    uncleared, for the same size (a base of defects, not a mutant itself)."""
+
+    recycle_bytes = 0
 
     def __init__(self) -> None:
         super().__init__()
@@ -371,10 +372,18 @@ class RecyclesLargeBuffersDirty(CPUPlugin):
 
     @hookimpl
     def kvhal_free_host_buffer(self, buffer: torch.Tensor) -> None:
-        if buffer.numel() >= LARGE:
+        if buffer.numel() >= self.recycle_bytes:
             self._freed.setdefault(buffer.numel(), []).append(buffer)
         else:
             super().kvhal_free_host_buffer(buffer)
+
+
+@mutant("host.zeroed")
+class RecyclesLargeBuffersDirty(RecyclesFreedBuffers):
+    """Keeps freed host buffers of 8 MiB or more and hands them out again, uncleared, for the
+    same size (a cache for host tiers)."""
+
+    recycle_bytes = LARGE
 
 
 @mutant("host.distinct")
@@ -688,9 +697,11 @@ class WritesOnePastEnd(CPUPlugin):
         return _record_after(stream, copy)
 
 
-@mutant("copy.src_unchanged")
-class ClearsSmallSources(CPUPlugin):
-    """Moves small copies instead of copying them: the source is cleared afterwards."""
+class MovesSources(CPUPlugin):
+    """Moves copies of fewer than ``move_below`` bytes instead of copying them: their source is
+    cleared afterwards (a base of defects, not a mutant itself)."""
+
+    move_below: float = 0
 
     @hookimpl
     def kvhal_copy_blocks(self, plan: CopyPlan, stream: Stream) -> CPUEvent:
@@ -699,11 +710,18 @@ class ClearsSmallSources(CPUPlugin):
         def move() -> None:
             src, dst, sizes = plan.descriptors
             engine.run(src, dst, sizes)
-            if int(sizes.sum()) < SMALL:
+            if int(sizes.sum()) < self.move_below:
                 for address, size in zip(src.tolist(), sizes.tolist(), strict=True):
                     ctypes.memset(address, 0, size)
 
         return _record_after(stream, move)
+
+
+@mutant("copy.src_unchanged")
+class ClearsSmallSources(MovesSources):
+    """Moves small copies instead of copying them: the source is cleared afterwards."""
+
+    move_below = SMALL
 
 
 @mutant(

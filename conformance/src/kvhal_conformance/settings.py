@@ -38,39 +38,19 @@ class Sizes:
     throughput_repeats: int
 
 
-FULL = Sizes(
-    busy_seconds=0.25,
-    scratch_bytes=64 * MiB,
-    large_batch=2048,
-    large_copy_bytes=32 * MiB,
-    cache_bytes=256 * MiB,
-    tier_bytes=1024 * MiB,
-    throughput_bytes=256 * MiB,
-    throughput_repeats=7,
-)
-QUICK = Sizes(
-    busy_seconds=0.06,
-    scratch_bytes=16 * MiB,
-    large_batch=512,
-    large_copy_bytes=8 * MiB,
-    cache_bytes=32 * MiB,
-    tier_bytes=64 * MiB,
-    throughput_bytes=32 * MiB,
-    throughput_repeats=5,
-)
-#: The smallest sizes the checks still hold at on a CPU; for running the suite many times
-#: over (against every mutant of the CPU plugin), not for a report.
-TINY = Sizes(
-    busy_seconds=0.03,
-    scratch_bytes=8 * MiB,
-    large_batch=256,
-    large_copy_bytes=4 * MiB,
-    cache_bytes=16 * MiB,
-    tier_bytes=16 * MiB,
-    throughput_bytes=16 * MiB,
-    throughput_repeats=2,
-)
-PRESETS = {"full": FULL, "quick": QUICK, "tiny": TINY}
+#: The presets, the fields of :class:`Sizes` in order, every ``*_bytes`` in MiB. ``full`` is for
+#: the published report, ``quick`` for CI; ``tiny`` is the least the checks still hold at on a
+#: CPU, for running the suite many times over (against every mutant of the CPU plugin).
+PRESETS = {
+    name: Sizes(busy, scratch * MiB, batch, large * MiB, cache * MiB, tier * MiB, throughput * MiB, repeats)
+    for name, (busy, scratch, batch, large, cache, tier, throughput, repeats) in {
+        #        busy s  scratch  batch  large copy  cache  tier  throughput  repeats
+        "full":  (0.25,  64,      2048,  32,         256,   1024, 256,        7),
+        "quick": (0.06,  16,      512,   8,          32,    64,   32,         5),
+        "tiny":  (0.03,  8,       256,   4,          16,    16,   16,         2),
+    }.items()
+}  # fmt: skip
+FULL, QUICK, TINY = PRESETS["full"], PRESETS["quick"], PRESETS["tiny"]
 
 
 @dataclass(frozen=True)

@@ -115,8 +115,8 @@ class AllocationContract(ContractFixtures):
             except Exception as exc:
                 violated(
                     "alloc.as_asked",
-                    f"{kvhal_target.label} hook {HOOK} ({describe(layout, geometry)}, declared) raised "
-                    f"{type(exc).__name__}: {exc}",
+                    f"{kvhal_target.label} hook {HOOK} ({describe(layout, geometry)}, declared) "
+                    f"raised {type(exc).__name__}: {exc}",
                 )
             problems = _mismatches(cache, geometry, layout, kvhal_device)
             expect(
@@ -166,9 +166,9 @@ class AllocationContract(ContractFixtures):
             expect(
                 bool(same.all()),
                 "alloc.distinct",
-                f"{HOOK} ({describe(layout, geometry)}): after writing a distinct value to every element, "
-                f"blocks {blockdata.id_list(torch.nonzero(~same).flatten().tolist())} read back different "
-                "values: views share memory",
+                f"{HOOK} ({describe(layout, geometry)}): after writing a distinct value to every "
+                f"element, blocks {blockdata.id_list(torch.nonzero(~same).flatten().tolist())} read back "
+                "different values: views share memory",
             )
 
     @final
@@ -185,8 +185,8 @@ class AllocationContract(ContractFixtures):
                 continue
             except Exception as exc:
                 problems.append(
-                    f"{what}: raised {type(exc).__name__}: {exc}; expected kvhal.errors.ValidationError "
-                    "naming the argument"
+                    f"{what}: raised {type(exc).__name__}: {exc}; expected "
+                    "kvhal.errors.ValidationError naming the argument"
                 )
                 continue
             problems += [f"{what}: {p}" for p in _mismatches(cache, geometry, layout, kvhal_device)]

@@ -130,6 +130,6 @@ class BadInputContract(ContractFixtures):
                 kvhal_device.allocate_kv_cache(geometry, layout)
             if layout.stride_order in [x.stride_order for x in kvhal_device.kv_layouts()]:
                 assert capability in str(raised.value), (
-                    f"allocating with undeclared capability {capability} was refused without naming it: "
-                    f"{raised.value}"
+                    f"allocating with undeclared capability {capability} was refused "
+                    f"without naming it: {raised.value}"
                 )

@@ -106,8 +106,8 @@ class HostMemoryContract(ContractFixtures):
         expect(
             buffer.dim() == 1 and buffer.element_size() == 1,
             "host.buffer",
-            f"{where} returned a {buffer.dtype} tensor of shape {tuple(buffer.shape)}; expected a flat "
-            "int8/uint8 tensor",
+            f"{where} returned a {buffer.dtype} tensor of shape {tuple(buffer.shape)}; "
+            "expected a flat int8/uint8 tensor",
         )
         expect(buffer.numel() >= nbytes, "host.buffer", f"{where} returned {buffer.numel()} bytes")
         expect(
@@ -139,8 +139,8 @@ class HostMemoryContract(ContractFixtures):
                 nonzero == 0,
                 "host.zeroed",
                 f"plugin {kvhal_target.name!r}: {where} returned a buffer with {nonzero} non-zero bytes "
-                f"(allocation {round_ + 1} of this size after freeing buffers filled with 0x{DIRT:02X}): "
-                "a reused buffer came back with non-zero bytes; expected zeroed memory",
+                f"(allocation {round_ + 1} of this size after freeing buffers filled with 0x{DIRT:02X}): a "
+                "reused buffer came back with non-zero bytes; expected zeroed memory",
             )
             buffer.fill_(_dirt(buffer, DIRT))
             guarded.free_buffer(kvhal_device, buffer)
@@ -165,8 +165,7 @@ class HostMemoryContract(ContractFixtures):
                     "host.distinct",
                     f"plugin {kvhal_target.name!r}: {ALLOCATE}: {wrong} bytes of a {nbytes}-byte buffer "
                     f"changed when other live buffers (sizes {list(sizes)}) were written: buffers alive at "
-                    "the "
-                    "same time must not share memory",
+                    "the same time must not share memory",
                 )
         finally:
             for buffer in buffers:
@@ -191,8 +190,8 @@ class HostMemoryContract(ContractFixtures):
                 violated(
                     "free.release",
                     f"{kvhal_target.label} hook {FREE} raised {type(exc).__name__}: {exc} for a "
-                    f"{nbytes}-byte "
-                    f"buffer from {ALLOCATE} ({'after use' if used else 'right after allocation'})",
+                    f"{nbytes}-byte buffer from {ALLOCATE} "
+                    f"({'after use' if used else 'right after allocation'})",
                 )
 
     @final
@@ -218,10 +217,9 @@ class HostMemoryContract(ContractFixtures):
                 expect(
                     not kvhal_target.call(IS_PINNED, buffer=plain),
                     "pinned.truthful",
-                    f"plugin {kvhal_target.name!r}: {IS_PINNED} says a plain (never pinned or registered) "
-                    f"{nbytes}-byte torch tensor is pinned: it must answer for the tensor it is given, not "
-                    "True "
-                    "for any tensor",
+                    f"plugin {kvhal_target.name!r}: {IS_PINNED} says a plain (never pinned or "
+                    f"registered) {nbytes}-byte torch tensor is pinned: it must answer for the tensor it "
+                    "is given, not True for any tensor",
                 )
         finally:
             guarded.free_buffer(kvhal_device, buffer)
@@ -241,11 +239,9 @@ class HostMemoryContract(ContractFixtures):
             expect(
                 wait_pinned(kvhal_device, buffer),
                 "host.pinned",
-                f"plugin {kvhal_target.name!r} declares {Capability.PINNED_HOST.value} but {IS_PINNED} says "
-                "a "
-                f"{nbytes}-byte buffer from {ALLOCATE} is not pinned (waited {timing.PIN_TIMEOUT_S:.0f} s "
-                "for "
-                "background pinning)",
+                f"plugin {kvhal_target.name!r} declares {Capability.PINNED_HOST.value} but {IS_PINNED} "
+                f"says a {nbytes}-byte buffer from {ALLOCATE} is not pinned (waited "
+                f"{timing.PIN_TIMEOUT_S:.0f} s for background pinning)",
             )
             plain = torch.zeros(nbytes, dtype=torch.uint8)
             expect(

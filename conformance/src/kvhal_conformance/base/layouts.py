@@ -33,8 +33,8 @@ def _stride_problems(cache: KVCache, layout: KVLayout) -> list[str]:
         for layer, view in enumerate(views):
             if tuple(view.shape) != g.layer_shape(part):
                 problems.append(
-                    f"{where}: layer {layer} has shape {tuple(view.shape)}, "
-                    f"expected [B, H, N, C] = {g.layer_shape(part)}"
+                    f"{where}: layer {layer} has shape {tuple(view.shape)}, expected [B, "
+                    f"H, N, C] = {g.layer_shape(part)}"
                 )
             if view.stride() != views[0].stride():
                 problems.append(
@@ -81,9 +81,9 @@ def _contiguity_problems(cache: KVCache, layout: KVLayout) -> list[str]:
             if end - start != size:
                 where = f" (part {'KV'[part]})" if g.num_parts == 2 else ""
                 problems.append(
-                    f"layout {layout} is cross-layer but block {block}{where} of all layers spans "
-                    f"{end - start} bytes for its {size}: one block of every layer must be one "
-                    "contiguous region"
+                    f"layout {layout} is cross-layer but block {block}{where} of all "
+                    f"layers spans {end - start} bytes for its {size}: one block of every "
+                    "layer must be one contiguous region"
                 )
     return problems
 
@@ -127,8 +127,8 @@ class LayoutsContract(ContractFixtures):
         if isinstance(result, (str, bytes)) or not isinstance(result, Sequence) or not result:
             violated(
                 "layouts.sequence",
-                f"{label} hook {hook}(attention_backend={backend!r}) returned {result!r}; "
-                "expected a non-empty sequence",
+                f"{label} hook {hook}(attention_backend={backend!r}) returned "
+                f"{result!r}; expected a non-empty sequence",
             )
         for layout in result:
             expect(
@@ -142,16 +142,15 @@ class LayoutsContract(ContractFixtures):
                 sorted(order) == list(PERMUTATION),
                 "layouts.permutation",
                 f"{label} hook {hook} returned a stride order that is not a permutation: layout "
-                f"{layout.name!r} "
-                f"has stride order {order}; expected a permutation of {PERMUTATION} over [L, B, H, N, C] "
-                f"(attention_backend={backend!r})",
+                f"{layout.name!r} has stride order {order}; expected a permutation of {PERMUTATION} over [L, "
+                f"B, H, N, C] (attention_backend={backend!r})",
             )
             if sorted(layout.name) == sorted(LOGICAL_DIMS):
                 expect(
                     layout.name == layout.letters,
                     "layouts.permutation",
-                    f"{label} hook {hook} returned layout {layout.name!r} whose stride order {order} "
-                    f"spells {layout.letters}",
+                    f"{label} hook {hook} returned layout {layout.name!r} whose stride order "
+                    f"{order} spells {layout.letters}",
                 )
         kvhal_device.kv_layouts(backend)  # and kvhal's own checks accept it
 
@@ -172,17 +171,16 @@ class LayoutsContract(ContractFixtures):
                 expect(
                     cross or backend is not None,
                     "layouts.cross_layer",
-                    f"plugin {kvhal_target.name!r} declares {capability} but kvhal_kv_layouts(None) "
-                    "offers no cross-layer layout",
+                    f"plugin {kvhal_target.name!r} declares {capability} but "
+                    "kvhal_kv_layouts(None) offers no cross-layer layout",
                 )
             else:
                 expect(
                     not cross,
                     "layouts.cross_layer",
-                    f"kvhal_kv_layouts({backend!r}) of plugin {kvhal_target.name!r} offers cross-layer "
-                    "layouts "
-                    f"{cross} but the plugin does not declare {capability}, so kvhal refuses to allocate "
-                    "them",
+                    f"kvhal_kv_layouts({backend!r}) of plugin {kvhal_target.name!r} offers "
+                    f"cross-layer layouts {cross} but the plugin does not declare {capability}, so "
+                    "kvhal refuses to allocate them",
                 )
 
     @final
@@ -206,8 +204,7 @@ class LayoutsContract(ContractFixtures):
             broken,
             lambda: (
                 f"{kvhal_target.label} hook kvhal_allocate_kv_cache ({fmt}) returned views not laid out in "
-                "the "
-                "layout the cache is labelled with (kernels index it by that layout): "
+                "the layout the cache is labelled with (kernels index it by that layout): "
                 + "; ".join((strides + contiguity)[:6])
             ),
         )

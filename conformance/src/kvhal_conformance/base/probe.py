@@ -66,8 +66,8 @@ class ProbeContract(ContractFixtures):
         expect(
             not missing,
             "plugin.hooks",
-            f"{kvhal_target.label} does not implement required hook {', '.join(missing)}: "
-            "every device plugin must implement all of kvhal.hookspecs.DEVICE_HOOKS",
+            f"{kvhal_target.label} does not implement required hook {', '.join(missing)}: every device "
+            "plugin must implement all of kvhal.hookspecs.DEVICE_HOOKS",
         )
 
     @final
@@ -96,9 +96,9 @@ class ProbeContract(ContractFixtures):
         expect(
             not new,
             "probe.no_work",
-            f"{kvhal_target.label}: calling kvhal_probe 3 more times left {len(new)} new threads running "
-            f"({', '.join(sorted({t.name for t in new}))}): a probe must not start device work beyond "
-            "detection",
+            f"{kvhal_target.label}: calling kvhal_probe 3 more times left {len(new)} new "
+            f"threads running ({', '.join(sorted({t.name for t in new}))}): a probe must not "
+            "start device work beyond detection",
         )
         after = self.device_memory(descriptor.torch_device_type)
         expect(
@@ -130,6 +130,6 @@ class ProbeContract(ContractFixtures):
         expect(
             not unknown,
             "probe.descriptor",
-            f"kvhal_probe of {kvhal_target.label} declares unknown capabilities {unknown} (a typo?); "
-            f"known: {sorted(KNOWN_CAPABILITIES)} and dtype.<torch dtype>",
+            f"kvhal_probe of {kvhal_target.label} declares unknown capabilities {unknown} (a typo?); known: "
+            f"{sorted(KNOWN_CAPABILITIES)} and dtype.<torch dtype>",
         )

@@ -40,7 +40,6 @@ TRIALS = 3
 #: How long an event recorded on an idle stream may take to report complete.
 IDLE_LIMIT_S = 5.0
 
-MakeCase = Callable[[str, str], CopyCase]
 NewStream = Callable[[], Any]
 
 
@@ -59,98 +58,117 @@ def early_record_clause(device: Device, busy: Busy) -> str:
     return "record.after_work" if early else "copy.on_stream"
 
 
-def _ordered_copy(
-    device: Device, busy: Busy, sizes: Sizes, new_stream: NewStream, case: CopyCase, two_streams: bool
-) -> None:
-    """Submit ``case`` behind busy work (on its stream, or on a second stream made to wait for
-    the busy work's event) plus an event recorded after it; watch all three while the busy
-    work runs, then check the copy."""
-    a = new_stream()
-    earlier, busy_s = busy.occupy(a, sizes.busy_seconds)
-    if two_streams:
-        target = new_stream()
-        device.stream_wait_event(target, earlier)
-        order_clause, where = (
-            "wait.orders",
-            "on stream B, made to wait for the event of busy work on stream A",
+@dataclasses.dataclass
+class Rig:
+    """What the checks of streams and events work with: the device, busy work, the sizes, the
+    stream factory, and the copies they make (:meth:`case`; freed by :meth:`free`)."""
+
+    device: Device
+    busy: Busy
+    sizes: Sizes
+    new_stream: NewStream
+    seed: int
+    rng: np.random.Generator
+    made: list[CopyCase] = dataclasses.field(default_factory=list)
+
+    def case(self, direction: str, size: str) -> CopyCase:
+        """A copy of ``direction`` and ``size`` in the busy copies' layout."""
+        case = CopyCase.make(
+            self.device,
+            self.busy.src.layout,
+            direction,
+            size,
+            self.sizes,
+            self.seed + len(self.made),
+            self.rng,
         )
-    else:
-        target, order_clause, where = a, "copy.ordering", "on a stream behind busy work"
-    copied = case.submit(target)
-    after = device.create_event()
-    device.record_event(after, target)
-    context = f"{case.what} {where}"
+        self.made.append(case)
+        return case
 
-    def while_earlier_pending() -> None:
-        # Each verdict reads first and asks about the earlier work second: the earlier work
-        # was still incomplete when the destination (or the event) was seen.
-        if case.dst_changed() and not device.query_event(earlier):
-            violated(
-                order_clause,
-                f"{context}: the copy wrote its destination while the work it must follow "
-                f"({busy_s * 1e3:.0f} ms of copies) was still incomplete",
+    def free(self) -> None:
+        for case in self.made:
+            case.free()
+
+    def queue_large_copy(self, stream: Any, direction: str) -> tuple[CopyCase, Any]:
+        """A large copy submitted to ``stream`` behind busy work: the case and the copy's event."""
+        case = self.case(direction, "large")
+        self.busy.occupy(stream, self.sizes.busy_seconds)
+        return case, case.submit(stream)
+
+    def ordered_copy(self, case: CopyCase, two_streams: bool) -> None:
+        """Submit ``case`` behind busy work (on its stream, or on a second stream made to wait for
+        the busy work's event) plus an event recorded after it; watch all three while the busy
+        work runs, then check the copy."""
+        device, busy = self.device, self.busy
+        a = self.new_stream()
+        earlier, busy_s = busy.occupy(a, self.sizes.busy_seconds)
+        if two_streams:
+            target = self.new_stream()
+            device.stream_wait_event(target, earlier)
+            order_clause, where = (
+                "wait.orders",
+                "on stream B, made to wait for the event of busy work on stream A",
             )
-        for event, name in ((copied, "its event"), (after, "an event recorded after it")):
-            if device.query_event(event) and not device.query_event(earlier):
-                missing = case.missing()
-                if len(missing):
-                    clause = "copy.event" if event is copied else early_record_clause(device, busy)
-                    judge_query(
-                        device,
-                        event,
-                        case,
-                        missing,
-                        clause,
-                        f"{context} ({name}, complete before the busy work)",
-                        busy,
-                    )
+        else:
+            target, order_clause, where = a, "copy.ordering", "on a stream behind busy work"
+        copied = case.submit(target)
+        after = device.create_event()
+        device.record_event(after, target)
+        context = f"{case.what} {where}"
 
-    poll(device, earlier, "the busy work a copy must follow", while_pending=while_earlier_pending)
-    poll(device, copied, context)
-    missing = case.missing()
-    if len(missing):
-        judge_query(device, copied, case, missing, "copy.event", f"{context} (its event)", busy)
-    synchronize_and_check(device, copied, case, "copy.event", context)
-    wait(device, after, f"{context} (an event recorded after it)")
+        def while_earlier_pending() -> None:
+            # Each verdict reads first and asks about the earlier work second: the earlier work
+            # was still incomplete when the destination (or the event) was seen.
+            if case.dst_changed() and not device.query_event(earlier):
+                violated(
+                    order_clause,
+                    f"{context}: the copy wrote its destination while the work it must follow "
+                    f"({busy_s * 1e3:.0f} ms of copies) was still incomplete",
+                )
+            for event, name in ((copied, "its event"), (after, "an event recorded after it")):
+                if device.query_event(event) and not device.query_event(earlier):
+                    missing = case.missing()
+                    if len(missing):
+                        clause = "copy.event" if event is copied else early_record_clause(device, busy)
+                        judge_query(
+                            device,
+                            event,
+                            case,
+                            missing,
+                            clause,
+                            f"{context} ({name}, complete before the busy work)",
+                            busy,
+                        )
 
+        poll(device, earlier, "the busy work a copy must follow", while_pending=while_earlier_pending)
+        poll(device, copied, context)
+        missing = case.missing()
+        if len(missing):
+            judge_query(device, copied, case, missing, "copy.event", f"{context} (its event)", busy)
+        synchronize_and_check(device, copied, case, "copy.event", context)
+        wait(device, after, f"{context} (an event recorded after it)")
 
-def _queue_large_copy(
-    make_case: MakeCase, busy: Busy, sizes: Sizes, stream: Any, direction: str
-) -> tuple[CopyCase, Any]:
-    """A large copy submitted to ``stream`` behind busy work: the case and the copy's event."""
-    case = make_case(direction, "large")
-    busy.occupy(stream, sizes.busy_seconds)
-    return case, case.submit(stream)
-
-
-def _blocks(
-    kvhal_device: Device,
-    kvhal_busy: Busy,
-    kvhal_sizes: Sizes,
-    new_stream: NewStream,
-    make_case: MakeCase,
-    call: Callable[[Any, Any], None],
-) -> tuple[int, int, float]:
-    """In :data:`TRIALS` trials, queue a large copy behind busy work, ``call(stream, event)``,
-    and see whether the copy had written all it was sampled for when kvhal_copy_blocks
-    returned, and when ``call`` returned: (trials in which it had by the first, trials in
-    which it had not by the first but had by the second, the busy work's length)."""
-    done_at_submit = done_by_call = 0
-    busy_s = 0.0
-    case = make_case("d2h", "large")
-    for trial in range(TRIALS):
-        if trial:
-            case.rewind()
-        stream = new_stream()
-        _, busy_s = kvhal_busy.occupy(stream, kvhal_sizes.busy_seconds)
-        copied = case.submit(stream)
-        before = len(case.missing())  # at once: the copy is still queued behind the busy work
-        call(stream, copied)
-        after = len(case.missing())
-        done_at_submit += not before
-        done_by_call += bool(before) and not after
-        synchronize_and_check(kvhal_device, copied, case, "copy.event", case.what)
-    return done_at_submit, done_by_call, busy_s
+    def blocks(self, call: Callable[[Any, Any], None]) -> tuple[int, int, float]:
+        """In :data:`TRIALS` trials, queue a large copy behind busy work, ``call(stream, event)``,
+        and see whether the copy had written all it was sampled for when kvhal_copy_blocks
+        returned, and when ``call`` returned: (trials in which it had by the first, trials in
+        which it had not by the first but had by the second, the busy work's length)."""
+        done_at_submit = done_by_call = 0
+        busy_s = 0.0
+        case = self.case("d2h", "large")
+        for trial in range(TRIALS):
+            if trial:
+                case.rewind()
+            stream = self.new_stream()
+            _, busy_s = self.busy.occupy(stream, self.sizes.busy_seconds)
+            copied = case.submit(stream)
+            before = len(case.missing())  # at once: the copy is still queued behind the busy work
+            call(stream, copied)
+            after = len(case.missing())
+            done_at_submit += not before
+            done_by_call += bool(before) and not after
+            synchronize_and_check(self.device, copied, case, "copy.event", case.what)
+        return done_at_submit, done_by_call, busy_s
 
 
 class InjectedCopyFailure(RuntimeError):
@@ -191,8 +209,8 @@ class StreamsEventsContract(ContractFixtures):
     ``large_copy_bytes``), ``kvhal_busy``, ``kvhal_seed``, ``kvhal_rng`` and
     ``kvhal_new_stream``: the streams every check submits its work to, except
     ``test_new_streams_are_new``, which checks ``kvhal_create_stream`` itself (see
-    :class:`ContractFixtures`); ``make_case`` (function) makes the copies, ``chain`` (class)
-    the two copies of the stream-order checks.
+    :class:`ContractFixtures`); ``rig`` (function) bundles them and makes the copies,
+    ``chain`` (class) the two copies of the stream-order checks.
     """
 
     contract_id = "streams_events"
@@ -205,33 +223,18 @@ class StreamsEventsContract(ContractFixtures):
         free_chain(made)
 
     @pytest.fixture
-    def make_case(
+    def rig(
         self,
         kvhal_device: Device,
         kvhal_busy: Busy,
         kvhal_sizes: Sizes,
+        kvhal_new_stream: NewStream,
         kvhal_seed: int,
         kvhal_rng: np.random.Generator,
-    ) -> Iterator[MakeCase]:
-        """Copies of every direction and size, in the busy copies' layout; freed after the test."""
-        made: list[CopyCase] = []
-
-        def make(direction: str, size: str) -> CopyCase:
-            case = CopyCase.make(
-                kvhal_device,
-                kvhal_busy.src.layout,
-                direction,
-                size,
-                kvhal_sizes,
-                kvhal_seed + len(made),
-                kvhal_rng,
-            )
-            made.append(case)
-            return case
-
-        yield make
-        for case in made:
-            case.free()
+    ) -> Iterator[Rig]:
+        made = Rig(kvhal_device, kvhal_busy, kvhal_sizes, kvhal_new_stream, kvhal_seed, kvhal_rng)
+        yield made
+        made.free()
 
     # -- the compute stream, new streams, new events --------------------------------
 
@@ -247,9 +250,9 @@ class StreamsEventsContract(ContractFixtures):
         expect(
             first is second or first == second,
             "current.compute",
-            f"plugin {kvhal_target.name!r}: kvhal_current_stream returned two different streams on two "
-            "calls; "
-            "it must return the stream the engine computes on, not a new one (copies are ordered after it)",
+            f"plugin {kvhal_target.name!r}: kvhal_current_stream returned two different "
+            "streams on two calls; it must return the stream the engine computes on, not a "
+            "new one (copies are ordered after it)",
         )
         accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
         if accelerator is not None and accelerator.type == kvhal_device.torch_device.type:
@@ -275,56 +278,53 @@ class StreamsEventsContract(ContractFixtures):
                 expect(
                     streams[i] is not streams[j],
                     "stream.new",
-                    f"plugin {kvhal_target.name!r}: kvhal_create_stream returned the same stream on calls "
-                    f"{j + 1} and {i + 1}: every call must return a new stream (work on one must not queue "
-                    "behind another's)",
+                    f"plugin {kvhal_target.name!r}: kvhal_create_stream returned the same stream on "
+                    f"calls {j + 1} and {i + 1}: every call must return a new stream (work on one "
+                    "must not queue behind another's)",
                 )
 
     @final
     @covers("event.new")
-    def test_new_event_is_complete(
-        self, kvhal_device: Device, kvhal_busy: Busy, kvhal_sizes: Sizes, kvhal_new_stream: NewStream
-    ) -> None:
+    def test_new_event_is_complete(self, rig: Rig) -> None:
         """A new, unrecorded event queries complete and synchronizes at once, also while another
         event is pending; every call returns a new event."""
-        stream = kvhal_new_stream()
-        pending, _ = kvhal_busy.occupy(stream, kvhal_sizes.busy_seconds)
-        recorded = kvhal_device.create_event()
-        kvhal_device.record_event(recorded, stream)
-        event = kvhal_device.create_event()
+        stream = rig.new_stream()
+        pending, _ = rig.busy.occupy(stream, rig.sizes.busy_seconds)
+        recorded = rig.device.create_event()
+        rig.device.record_event(recorded, stream)
+        event = rig.device.create_event()
         expect(
             event is not recorded,
             "event.new",
             "kvhal_create_event returned an event it had returned before (one now recorded on a busy stream)",
         )
         expect(
-            kvhal_device.query_event(event),
+            rig.device.query_event(event),
             "event.new",
             "kvhal_query_event: a new, unrecorded event must report complete (it reported incomplete while "
             "another event was pending on a busy stream)",
         )
-        wait(kvhal_device, event, "a new, unrecorded event", limit_s=IDLE_LIMIT_S)
-        wait(kvhal_device, recorded, "an event recorded after busy work")
-        wait(kvhal_device, pending, "busy work")
+        wait(rig.device, event, "a new, unrecorded event", limit_s=IDLE_LIMIT_S)
+        wait(rig.device, recorded, "an event recorded after busy work")
+        wait(rig.device, pending, "busy work")
 
     @final
     @covers("record.completes")
-    def test_event_on_idle_stream_completes(self, kvhal_device: Device, kvhal_new_stream: NewStream) -> None:
+    def test_event_on_idle_stream_completes(self, rig: Rig) -> None:
         """An event recorded on a new stream, or on the compute stream, with no work completes."""
-        for name, stream in (("a new stream", kvhal_new_stream()), ("the compute stream", None)):
-            stream = kvhal_device.current_stream() if stream is None else stream
-            event = kvhal_device.create_event()
-            kvhal_device.record_event(event, stream)
+        for name, stream in (("a new stream", rig.new_stream()), ("the compute stream", None)):
+            stream = rig.device.current_stream() if stream is None else stream
+            event = rig.device.create_event()
+            rig.device.record_event(event, stream)
             try:
-                poll(kvhal_device, event, f"an event recorded on {name} with no work", limit_s=IDLE_LIMIT_S)
+                poll(rig.device, event, f"an event recorded on {name} with no work", limit_s=IDLE_LIMIT_S)
             except pytest.fail.Exception:
                 violated(
                     "record.completes",
                     f"kvhal_query_event still reports an event recorded on {name} with no work incomplete "
-                    "after "
-                    f"{IDLE_LIMIT_S:.0f} s: an event recorded on an idle stream must complete at once",
+                    f"after {IDLE_LIMIT_S:.0f} s: an event recorded on an idle stream must complete at once",
                 )
-            wait(kvhal_device, event, f"an event recorded on {name} with no work", limit_s=IDLE_LIMIT_S)
+            wait(rig.device, event, f"an event recorded on {name} with no work", limit_s=IDLE_LIMIT_S)
 
     # -- ordering and events, every direction and size -----------------------------
 
@@ -334,21 +334,12 @@ class StreamsEventsContract(ContractFixtures):
     )
     @pytest.mark.parametrize("size", SIZES)
     @pytest.mark.parametrize("direction", DIRECTIONS)
-    def test_copy_waits_for_earlier_work_on_its_stream(
-        self,
-        kvhal_device: Device,
-        kvhal_busy: Busy,
-        kvhal_sizes: Sizes,
-        kvhal_new_stream: NewStream,
-        make_case: MakeCase,
-        direction: str,
-        size: str,
-    ) -> None:
+    def test_copy_waits_for_earlier_work_on_its_stream(self, rig: Rig, direction: str, size: str) -> None:
         """A copy queued behind busy work on its stream writes nothing until that work completes;
         its event, and one recorded after it, complete only after its bytes are written; then
         exactly its destination blocks hold its source."""
-        case = make_case(direction, size)
-        _ordered_copy(kvhal_device, kvhal_busy, kvhal_sizes, kvhal_new_stream, case, two_streams=False)
+        case = rig.case(direction, size)
+        rig.ordered_copy(case, two_streams=False)
 
     @final
     @covers(
@@ -356,75 +347,42 @@ class StreamsEventsContract(ContractFixtures):
     )
     @pytest.mark.parametrize("size", SIZES)
     @pytest.mark.parametrize("direction", DIRECTIONS)
-    def test_copy_waits_for_the_event_of_another_stream(
-        self,
-        kvhal_device: Device,
-        kvhal_busy: Busy,
-        kvhal_sizes: Sizes,
-        kvhal_new_stream: NewStream,
-        make_case: MakeCase,
-        direction: str,
-        size: str,
-    ) -> None:
+    def test_copy_waits_for_the_event_of_another_stream(self, rig: Rig, direction: str, size: str) -> None:
         """After kvhal_stream_wait_event(B, event of busy work on A), a copy on B writes nothing until
         that work completes; its events and data are right."""
-        case = make_case(direction, size)
-        _ordered_copy(kvhal_device, kvhal_busy, kvhal_sizes, kvhal_new_stream, case, two_streams=True)
+        case = rig.case(direction, size)
+        rig.ordered_copy(case, two_streams=True)
 
     @final
     @covers("copy.event", "query.state")
     @pytest.mark.parametrize("direction", DIRECTIONS)
-    def test_event_not_complete_before_its_work(
-        self,
-        kvhal_device: Device,
-        kvhal_busy: Busy,
-        kvhal_sizes: Sizes,
-        kvhal_new_stream: NewStream,
-        make_case: MakeCase,
-        direction: str,
-    ) -> None:
+    def test_event_not_complete_before_its_work(self, rig: Rig, direction: str) -> None:
         """A large copy's event queries incomplete while the copy runs and complete after it."""
-        device, stream = kvhal_device, kvhal_new_stream()
-        case, copied = _queue_large_copy(make_case, kvhal_busy, kvhal_sizes, stream, direction)
+        device, stream = rig.device, rig.new_stream()
+        case, copied = rig.queue_large_copy(stream, direction)
         context = f"{case.what} behind busy work (its event, by kvhal_query_event)"
         poll(device, copied, context)
         missing = case.missing()
         if len(missing):
-            judge_query(device, copied, case, missing, "copy.event", context, kvhal_busy)
+            judge_query(device, copied, case, missing, "copy.event", context, rig.busy)
         synchronize_and_check(device, copied, case, "copy.event", context)
 
     @final
     @covers("sync.waits", "copy.event")
     @pytest.mark.parametrize("direction", DIRECTIONS)
-    def test_synchronize_waits_for_copy(
-        self,
-        kvhal_device: Device,
-        kvhal_busy: Busy,
-        kvhal_sizes: Sizes,
-        kvhal_new_stream: NewStream,
-        make_case: MakeCase,
-        direction: str,
-    ) -> None:
+    def test_synchronize_waits_for_copy(self, rig: Rig, direction: str) -> None:
         """kvhal_synchronize_event returns only when every byte of a large copy is written."""
-        device, stream = kvhal_device, kvhal_new_stream()
-        case, copied = _queue_large_copy(make_case, kvhal_busy, kvhal_sizes, stream, direction)
+        device, stream = rig.device, rig.new_stream()
+        case, copied = rig.queue_large_copy(stream, direction)
         synchronize_and_check(device, copied, case, "copy.event", f"{case.what} behind busy work (its event)")
 
     @final
     @covers("copy.on_stream", "record.after_work")
     @pytest.mark.parametrize("direction", DIRECTIONS)
-    def test_event_recorded_after_copy_follows_it(
-        self,
-        kvhal_device: Device,
-        kvhal_busy: Busy,
-        kvhal_sizes: Sizes,
-        kvhal_new_stream: NewStream,
-        make_case: MakeCase,
-        direction: str,
-    ) -> None:
+    def test_event_recorded_after_copy_follows_it(self, rig: Rig, direction: str) -> None:
         """An event recorded on a stream after a large copy on it completes only after that copy."""
-        device, stream = kvhal_device, kvhal_new_stream()
-        case, copied = _queue_large_copy(make_case, kvhal_busy, kvhal_sizes, stream, direction)
+        device, stream = rig.device, rig.new_stream()
+        case, copied = rig.queue_large_copy(stream, direction)
         after = device.create_event()
         device.record_event(after, stream)
         context = (
@@ -434,7 +392,7 @@ class StreamsEventsContract(ContractFixtures):
         missing = case.missing()
         if len(missing):  # complete while the copy before it is not
             judge_query(
-                device, after, case, missing, early_record_clause(device, kvhal_busy), context, kvhal_busy
+                device, after, case, missing, early_record_clause(device, rig.busy), context, rig.busy
             )
         synchronize_and_check(device, copied, case, "copy.event", f"{case.what} behind busy work")
 
@@ -442,21 +400,19 @@ class StreamsEventsContract(ContractFixtures):
 
     @final
     @covers("stream.order")
-    def test_stream_keeps_work_in_order(
-        self, chain: Chain, kvhal_sizes: Sizes, kvhal_seed: int, kvhal_new_stream: NewStream
-    ) -> None:
+    def test_stream_keeps_work_in_order(self, rig: Rig, chain: Chain) -> None:
         """Copies on one stream run in submission order: a later copy neither starts before
         earlier work completes nor misses what an earlier copy wrote."""
-        chain.reset(kvhal_seed)
-        stream = kvhal_new_stream()
-        earlier = chain.occupy(stream, kvhal_sizes.busy_seconds)
+        chain.reset(rig.seed)
+        stream = rig.new_stream()
+        earlier = chain.occupy(stream, rig.sizes.busy_seconds)
         chain.submit(chain.first, stream)
         chain.expect_after(
             "stream.order",
             earlier,
             chain.submit(chain.second, stream),
-            "kvhal_copy_blocks: a host->device copy then a device->host copy of the same blocks on one "
-            "stream",
+            "kvhal_copy_blocks: a host->device copy then a device->host copy "
+            "of the same blocks on one stream",
             started_early="a copy wrote its destination while copies submitted earlier to the same stream "
             "were still incomplete: work on one stream must run in submission order",
             read_early="the second read the device blocks before the first wrote them: work on one stream "
@@ -465,19 +421,17 @@ class StreamsEventsContract(ContractFixtures):
 
     @final
     @covers("stream.order")
-    def test_stream_runs_one_copy_at_a_time(
-        self, kvhal_device: Device, kvhal_new_stream: NewStream, make_case: MakeCase
-    ) -> None:
+    def test_stream_runs_one_copy_at_a_time(self, rig: Rig) -> None:
         """Two large copies submitted to one idle stream run one after the other: the second writes
         nothing while the first is incomplete (in 3 trials; a stream served by several threads at
         once shows here)."""
-        device = kvhal_device
-        first, second = make_case("h2d", "large"), make_case("d2h", "large")
+        device = rig.device
+        first, second = rig.case("h2d", "large"), rig.case("d2h", "large")
         for trial in range(TRIALS):
             if trial:
                 first.rewind()
                 second.rewind()
-            stream = kvhal_new_stream()
+            stream = rig.new_stream()
             first_done = first.submit(stream)
             second_done = second.submit(stream)
 
@@ -485,10 +439,9 @@ class StreamsEventsContract(ContractFixtures):
                 if second.dst_changed() and len(first.unwritten()):
                     violated(
                         "stream.order",
-                        f"{second.what} wrote its destination while {first.what}, submitted before it to the "
-                        "same stream, was still writing: work on one stream must run in submission order, "
-                        "one "
-                        "piece after the other",
+                        f"{second.what} wrote its destination while {first.what}, submitted before it to "
+                        "the same stream, was still writing: work on one stream must run in submission "
+                        "order, one piece after the other",
                     )
 
             poll(
@@ -506,14 +459,12 @@ class StreamsEventsContract(ContractFixtures):
 
     @final
     @covers("wait.orders")
-    def test_stream_waits_for_event(
-        self, chain: Chain, kvhal_sizes: Sizes, kvhal_seed: int, kvhal_new_stream: NewStream
-    ) -> None:
+    def test_stream_waits_for_event(self, rig: Rig, chain: Chain) -> None:
         """After kvhal_stream_wait_event(B, event of a copy on A), B's copies see what A's copy wrote."""
         device = chain.device
-        chain.reset(kvhal_seed)
-        a, b = kvhal_new_stream(), kvhal_new_stream()
-        chain.occupy(a, kvhal_sizes.busy_seconds)
+        chain.reset(rig.seed)
+        a, b = rig.new_stream(), rig.new_stream()
+        chain.occupy(a, rig.sizes.busy_seconds)
         written = chain.submit(chain.first, a)
         device.stream_wait_event(b, written)
         chain.expect_after(
@@ -529,12 +480,10 @@ class StreamsEventsContract(ContractFixtures):
 
     @final
     @covers("wait.orders")
-    def test_wait_for_unrecorded_event_holds_nothing_up(
-        self, kvhal_device: Device, kvhal_new_stream: NewStream, make_case: MakeCase
-    ) -> None:
+    def test_wait_for_unrecorded_event_holds_nothing_up(self, rig: Rig) -> None:
         """A stream made to wait for an event never recorded runs its next copy."""
-        device, case = kvhal_device, make_case("d2h", "small")
-        stream = kvhal_new_stream()
+        device, case = rig.device, rig.case("d2h", "small")
+        stream = rig.new_stream()
         device.stream_wait_event(stream, device.create_event())
         synchronize_and_check(
             device,
@@ -546,27 +495,20 @@ class StreamsEventsContract(ContractFixtures):
 
     @final
     @covers("record.again")
-    def test_event_recorded_again_follows_new_work(
-        self,
-        kvhal_device: Device,
-        kvhal_busy: Busy,
-        kvhal_sizes: Sizes,
-        kvhal_new_stream: NewStream,
-        make_case: MakeCase,
-    ) -> None:
+    def test_event_recorded_again_follows_new_work(self, rig: Rig) -> None:
         """An event recorded a second time refers to its new record: queries, synchronizes and
         stream waits after it wait for the work before the new record; once complete it may be
         synchronized and queried again."""
-        device = kvhal_device
-        large, small = make_case("d2h", "large"), make_case("h2d", "small")
+        device = rig.device
+        large, small = rig.case("d2h", "large"), rig.case("h2d", "small")
         event = device.create_event()
-        device.record_event(event, kvhal_new_stream())  # a first record, on an idle stream
+        device.record_event(event, rig.new_stream())  # a first record, on an idle stream
         wait(device, event, "an event recorded on an idle stream", limit_s=IDLE_LIMIT_S)
-        stream = kvhal_new_stream()
-        kvhal_busy.occupy(stream, kvhal_sizes.busy_seconds)
+        stream = rig.new_stream()
+        rig.busy.occupy(stream, rig.sizes.busy_seconds)
         copied = large.submit(stream)
         device.record_event(event, stream)  # recorded again: it now follows the large copy
-        waiting = kvhal_new_stream()
+        waiting = rig.new_stream()
         device.stream_wait_event(waiting, event)
         follower = small.submit(waiting)
         context = f"an event recorded a second time, after {large.what} behind busy work"
@@ -576,14 +518,13 @@ class StreamsEventsContract(ContractFixtures):
                 violated(
                     "record.again",
                     f"{context}: a stream made to wait for it ran {small.what} while the large copy was "
-                    "still "
-                    "unwritten: a wait refers to the event's last record",
+                    "still unwritten: a wait refers to the event's last record",
                 )
 
         poll(device, event, context, while_pending=while_pending)
         missing = large.missing()
         if len(missing):
-            judge_query(device, event, large, missing, "record.again", context, kvhal_busy)
+            judge_query(device, event, large, missing, "record.again", context, rig.busy)
         synchronize_and_check(device, event, large, "record.again", context)
         wait(device, event, f"{context}: synchronized a second time")
         expect(
@@ -596,75 +537,41 @@ class StreamsEventsContract(ContractFixtures):
 
     @final
     @covers("query.nonblocking")
-    def test_query_does_not_block(
-        self,
-        kvhal_device: Device,
-        kvhal_busy: Busy,
-        kvhal_sizes: Sizes,
-        kvhal_new_stream: NewStream,
-        make_case: MakeCase,
-    ) -> None:
+    def test_query_does_not_block(self, rig: Rig) -> None:
         """kvhal_query_event returns at once: querying the event of a copy queued behind busy work
         does not wait for the copy (judged on data, in 3 trials; a trial whose copy was done when
         kvhal_copy_blocks returned tells nothing and counts as not blocked)."""
         answers: list[bool] = []
-        _, blocked, busy_s = _blocks(
-            kvhal_device,
-            kvhal_busy,
-            kvhal_sizes,
-            kvhal_new_stream,
-            make_case,
-            lambda _s, e: answers.append(kvhal_device.query_event(e)),
+        _, blocked, busy_s = rig.blocks(
+            lambda _s, e: answers.append(rig.device.query_event(e)),
         )
         expect(
             blocked < TRIALS,
             "query.nonblocking",
-            f"kvhal_query_event returned only after the copy whose event it was asked about had finished "
+            "kvhal_query_event returned only after the copy whose event it was asked about had finished "
             f"({blocked} of {TRIALS} trials; the copy was queued behind at least {busy_s * 1e3:.0f} ms of "
-            "work, "
-            f"answers {answers}): a query must not wait for the work",
+            f"work, answers {answers}): a query must not wait for the work",
         )
 
     @final
     @covers("wait.nonblocking")
-    def test_stream_wait_does_not_block(
-        self,
-        kvhal_device: Device,
-        kvhal_busy: Busy,
-        kvhal_sizes: Sizes,
-        kvhal_new_stream: NewStream,
-        make_case: MakeCase,
-    ) -> None:
+    def test_stream_wait_does_not_block(self, rig: Rig) -> None:
         """kvhal_stream_wait_event returns at once: making a stream wait for the event of a copy
         queued behind busy work does not wait for the copy (judged on data, in 3 trials)."""
-        _, blocked, busy_s = _blocks(
-            kvhal_device,
-            kvhal_busy,
-            kvhal_sizes,
-            kvhal_new_stream,
-            make_case,
-            lambda _s, e: kvhal_device.stream_wait_event(kvhal_new_stream(), e),
+        _, blocked, busy_s = rig.blocks(
+            lambda _s, e: rig.device.stream_wait_event(rig.new_stream(), e),
         )
         expect(
             blocked < TRIALS,
             "wait.nonblocking",
-            f"kvhal_stream_wait_event returned only after the copy whose event it was given had finished "
+            "kvhal_stream_wait_event returned only after the copy whose event it was given had finished "
             f"({blocked} of {TRIALS} trials; the copy was queued behind at least {busy_s * 1e3:.0f} ms of "
-            "work): "
-            "it must return without waiting for the event (without blocking the caller)",
+            "work): it must return without waiting for the event (without blocking the caller)",
         )
 
     @final
     @covers("copy.async")
-    def test_copies_are_asynchronous(
-        self,
-        kvhal_target: Target,
-        kvhal_device: Device,
-        kvhal_busy: Busy,
-        kvhal_sizes: Sizes,
-        kvhal_new_stream: NewStream,
-        make_case: MakeCase,
-    ) -> None:
+    def test_copies_are_asynchronous(self, rig: Rig, kvhal_target: Target) -> None:
         """With copy.async declared, kvhal_copy_blocks returns before its copy has run.
 
         The copy is queued behind a measured minimum of busy work; the moment
@@ -674,32 +581,26 @@ class StreamsEventsContract(ContractFixtures):
         when it happens in every one of 3 trials.
         """
         kvhal_target.require(Capability.ASYNC_COPY)
-        blocked, _, busy_s = _blocks(
-            kvhal_device, kvhal_busy, kvhal_sizes, kvhal_new_stream, make_case, lambda _s, _e: None
-        )
+        blocked, _, busy_s = rig.blocks(lambda _s, _e: None)
         expect(
             blocked < TRIALS,
             "copy.async",
             f"plugin {kvhal_target.name!r} declares {Capability.ASYNC_COPY.value}, but kvhal_copy_blocks "
             f"returned only after its copy had finished ({blocked} of {TRIALS} trials): the copy was queued "
             f"behind at least {busy_s * 1e3:.0f} ms of work on its stream, yet every sampled destination "
-            "block "
-            "held its data the moment the hook returned. kvhal_copy_blocks must enqueue the copy on the "
-            "stream "
-            "and return without waiting for it",
+            "block held its data the moment the hook returned. kvhal_copy_blocks must enqueue the copy on "
+            "the stream and return without waiting for it",
         )
 
     # -- failures -------------------------------------------------------------------
 
     @final
     @covers("copy.error", "query.error", "sync.error")
-    def test_failed_copy_reports_transfer_error(
-        self, kvhal_target: Target, kvhal_device: Device, kvhal_new_stream: NewStream, make_case: MakeCase
-    ) -> None:
+    def test_failed_copy_reports_transfer_error(self, rig: Rig, kvhal_target: Target) -> None:
         """A copy that fails (here: its plan cannot be read) returns an event anyway; querying and
         synchronizing that event raise TransferError; the next copy on the stream works."""
-        device, case = kvhal_device, make_case("h2d", "small")
-        stream = kvhal_new_stream()
+        device, case = rig.device, rig.case("h2d", "small")
+        stream = rig.new_stream()
         copy_hook = kvhal_target.caller("kvhal_copy_blocks")
         outcomes = []
         for attempt in range(2):
@@ -735,8 +636,8 @@ class StreamsEventsContract(ContractFixtures):
         expect(
             q0,
             "query.error",
-            "kvhal_query_event reported the event of a failed copy complete without raising "
-            "TransferError (kvhal_synchronize_event did raise it)",
+            "kvhal_query_event reported the event of a failed copy complete without raising TransferError "
+            "(kvhal_synchronize_event did raise it)",
         )
         expect(
             s0 and s1,
@@ -755,7 +656,7 @@ class StreamsEventsContract(ContractFixtures):
         except TransferError as exc:
             violated(
                 "copy.error",
-                f"{case.what}, submitted after a failed copy on the same stream, reported the earlier "
-                "failure "
-                f"({exc}): a failure belongs to the copy that failed; later copies must be unaffected",
+                f"{case.what}, submitted after a failed copy on the same stream, reported "
+                f"the earlier failure ({exc}): a failure belongs to the copy that failed; "
+                "later copies must be unaffected",
             )

@@ -105,8 +105,8 @@ class ThroughputContract(ContractFixtures):
             guarded.free_cache(device, on_host)
             violated(
                 "host.pinned",
-                f"plugin {kvhal_target.name!r}: the host buffer of the torch baseline never "
-                "reported pinned: copies to pageable memory are not measured",
+                f"plugin {kvhal_target.name!r}: the host buffer of the torch baseline never reported pinned: "
+                "copies to pageable memory are not measured",
             )
 
         def plugin_copy() -> None:
@@ -127,8 +127,8 @@ class ThroughputContract(ContractFixtures):
             "copy.data",
             lambda: (
                 f"kvhal_copy_blocks ({direction}, throughput run): sampled dst blocks "
-                f"{blockdata.id_list(rows[~arrived, 1])} do not hold their source blocks: a wrong copy is "
-                "not measured"
+                f"{blockdata.id_list(rows[~arrived, 1])} do not hold their source "
+                "blocks: a wrong copy is not measured"
             ),
         )
 
@@ -149,8 +149,7 @@ class ThroughputContract(ContractFixtures):
         expect(
             ratio >= floor,
             "copy.throughput",
-            f"kvhal_copy_blocks {direction}: {plugin_gib_s:.2f} GiB/s is {ratio:.2f}x a plain torch copy "
-            f"of the same {plan.num_bytes >> 20} MiB ({torch_gib_s:.2f} GiB/s, same run); the floor is "
-            f"{floor}x "
-            "(--kvhal-throughput-floor)",
+            f"kvhal_copy_blocks {direction}: {plugin_gib_s:.2f} GiB/s is {ratio:.2f}x a plain torch copy of "
+            f"the same {plan.num_bytes >> 20} MiB ({torch_gib_s:.2f} GiB/s, same run); the floor is "
+            f"{floor}x (--kvhal-throughput-floor)",
         )
