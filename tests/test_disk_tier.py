@@ -1,0 +1,548 @@
+"""The built-in ``disk`` tier backend (kvhal.tiers.disk) on real files.
+
+Faults are injected by subclassing DiskTier (its file I/O goes through small
+overridable methods), never through switches in the production code.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import mmap
+import os
+import stat
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvhal.errors import ClosedError, TierError, ValidationError
+from kvhal.tier_backend import CORRUPT, FOREIGN, IO_ERROR, MISSING, OK, TierSpec
+from kvhal.tiers import disk_format
+from kvhal.tiers.disk import DiskTier
+from kvhal.tiers.disk_format import RECORD_BYTES, TREE
+
+FP = {"model": "m", "revision": "r1", "dtype": "bf16"}
+SLOT = 8192  # 4 KiB-aligned: straight from the caller's buffers under O_DIRECT
+RANK0 = f"{TREE}/rank0of1"
+
+
+def make_spec(path: Path, *, slot_bytes: int = SLOT, num_slots: int = 64, role: str = "io", **kw) -> TierSpec:
+    options = {"path": str(path), "bytes_to_use": num_slots * (-(-slot_bytes // 4096) * 4096 + RECORD_BYTES)}
+    options.update(kw.pop("options", {}))
+    return TierSpec(options, slot_bytes, kw.pop("fingerprint", FP), role, **kw)  # type: ignore[arg-type]
+
+
+def aligned(n: int, slot_bytes: int) -> list[memoryview]:
+    """``n`` slot buffers cut from one page-aligned region, as a host tier's are."""
+    region = memoryview(mmap.mmap(-1, max(1, n * slot_bytes)))
+    return [region[i * slot_bytes : (i + 1) * slot_bytes] for i in range(n)]
+
+
+def fill(buffers: list[memoryview], seed: int) -> list[bytes]:
+    rng = np.random.default_rng(seed)
+    for b in buffers:
+        b[:] = rng.integers(0, 256, b.nbytes, dtype=np.uint8).tobytes()
+    return [bytes(b) for b in buffers]
+
+
+def keys_for(slots, tag: bytes = b"k") -> list[bytes]:
+    return [tag + s.to_bytes(4, "little") * 2 for s in slots]
+
+
+def data_file(path: Path, name: str = "data-0.bin", rank_dir: str = RANK0) -> Path:
+    return path / rank_dir / name
+
+
+def store(tier: DiskTier, slots: list[int], seed: int = 1, tag: bytes = b"k") -> list[bytes]:
+    buffers = aligned(len(slots), tier.geometry.slot_bytes)
+    contents = fill(buffers, seed)
+    assert tier.write(slots, keys_for(slots, tag), buffers).result(timeout=30) == [True] * len(slots)
+    return contents
+
+
+def load(tier: DiskTier, slots: list[int], tag: bytes = b"k") -> tuple[list, list[bytes]]:
+    buffers = aligned(len(slots), tier.geometry.slot_bytes)
+    outcomes = tier.read(slots, keys_for(slots, tag), buffers).result(timeout=30)
+    return outcomes, [bytes(b) for b in buffers]
+
+
+@pytest.fixture
+def tier(tmp_path):
+    t = DiskTier(make_spec(tmp_path / "d"))
+    yield t
+    t.close()
+
+
+# ---------------------------------------------------------------- round trips and recovery
+
+
+def test_round_trip_many_slots_across_files(tmp_path, monkeypatch):
+    monkeypatch.setattr(
+        disk_format, "MIN_FILE_BYTES", 16 * SLOT
+    )  # several data files, runs cut at their ends
+    t = DiskTier(make_spec(tmp_path / "d", num_slots=100))
+    assert t.geometry.num_files > 2 and t.num_slots == 100
+    slots = [*range(0, 40), *range(99, 60, -1), 50, 45]  # contiguous runs, descending, scattered
+    contents = store(t, slots, seed=3)
+    outcomes, got = load(t, slots)
+    assert outcomes == [OK] * len(slots)
+    assert got == contents
+    t.close()
+    # the index role of a new engine finds them all, under the same keys
+    index = DiskTier(make_spec(tmp_path / "d", num_slots=100, role="index"))
+    calls = []
+    slots_found, keys_found = index.recover(lambda done, total: calls.append((done, total)))
+    assert dict(zip(slots_found, keys_found, strict=True)) == dict(zip(slots, keys_for(slots), strict=True))
+    assert calls[-1] == (100, 100)
+    index.close()
+    again = DiskTier(make_spec(tmp_path / "d", num_slots=100))
+    assert load(again, slots) == ([OK] * len(slots), contents)
+    again.close()
+
+
+def test_overwrite_and_wrong_key(tier):
+    store(tier, [3], seed=1, tag=b"a")
+    new = store(tier, [3], seed=2, tag=b"b")
+    assert load(tier, [3], tag=b"b") == ([OK], new)
+    assert load(tier, [3], tag=b"a")[0] == [MISSING]
+    assert load(tier, [4])[0] == [MISSING]  # never written
+
+
+def test_empty_batch(tier):
+    assert tier.write([], [], []).result() == []
+    assert tier.read([], [], []).result() == []
+
+
+# ---------------------------------------------------------------- verification: corrupt, foreign, torn
+
+
+def test_flipped_payload_byte_reads_corrupt(tmp_path):
+    t = DiskTier(make_spec(tmp_path / "d"))
+    contents = store(t, [5, 6])
+    assert load(t, [5, 6]) == ([OK, OK], contents)  # negative control: untouched bytes read OK
+    t.close()
+    with open(data_file(tmp_path / "d"), "r+b") as f:
+        f.seek(5 * SLOT + 1234)
+        byte = f.read(1)
+        f.seek(5 * SLOT + 1234)
+        f.write(bytes([byte[0] ^ 0x01]))
+    t = DiskTier(make_spec(tmp_path / "d"))
+    assert load(t, [5, 6])[0] == [CORRUPT, OK]
+    t.close()
+
+
+def test_flipped_record_byte_reads_corrupt_and_is_not_recovered(tmp_path):
+    t = DiskTier(make_spec(tmp_path / "d"))
+    store(t, [1, 2])
+    t.close()
+    with open(tmp_path / "d" / RANK0 / "index.bin", "r+b") as f:
+        f.seek(1 * RECORD_BYTES + 25)  # inside slot 1's key
+        byte = f.read(1)
+        f.seek(1 * RECORD_BYTES + 25)
+        f.write(bytes([byte[0] ^ 0x80]))
+    t = DiskTier(make_spec(tmp_path / "d"))
+    assert load(t, [1, 2])[0] == [CORRUPT, OK]
+    t.close()
+    index = DiskTier(make_spec(tmp_path / "d", role="index"))
+    assert index.recover() == ([2], keys_for([2]))
+    index.close()
+
+
+def test_other_fingerprint_reads_foreign_and_is_not_recovered(tmp_path):
+    t = DiskTier(make_spec(tmp_path / "d"))
+    store(t, [7])
+    t.close()
+    other = {**FP, "revision": "r2"}
+    t = DiskTier(make_spec(tmp_path / "d", fingerprint=other))
+    assert load(t, [7])[0] == [FOREIGN]
+    t.close()
+    index = DiskTier(make_spec(tmp_path / "d", role="index", fingerprint=other))
+    assert index.recover() == ([], [])
+    index.close()
+    index = DiskTier(make_spec(tmp_path / "d", role="index"))  # control: its own fingerprint finds it
+    assert index.recover() == ([7], keys_for([7]))
+    index.close()
+
+
+class TornTier(DiskTier):
+    """Dies between a payload and its record: the payload lands, the record never does."""
+
+    def _write_records(self, first_slot: int, records: bytes) -> None:
+        pass
+
+
+def test_torn_write_reads_corrupt_never_old_or_new(tmp_path):
+    t = DiskTier(make_spec(tmp_path / "d"))
+    old = store(t, [9, 10], tag=b"old")
+    t.close()
+    torn = TornTier(make_spec(tmp_path / "d"))
+    store(torn, [9], seed=5, tag=b"new")
+    torn.close()
+    t = DiskTier(make_spec(tmp_path / "d"))
+    assert load(t, [9], tag=b"old")[0] == [CORRUPT]  # old record over new bytes
+    assert load(t, [9], tag=b"new")[0] == [MISSING]
+    assert load(t, [10], tag=b"old") == ([OK], old[1:])  # control: the neighbour is intact
+    t.close()
+
+
+# ---------------------------------------------------------------- tensor parallelism
+
+
+def test_recover_keeps_slots_every_rank_holds_with_the_same_key(tmp_path):
+    path = tmp_path / "d"
+    ranks = [DiskTier(make_spec(path, rank=r, world_size=2, num_slots=128)) for r in range(2)]
+    assert ranks[0].num_slots == 64  # bytes_to_use is the engine's: halved per rank
+    for r in ranks:
+        store(r, [0, 1, 2])
+    store(ranks[0], [3])  # rank 1 never stored slot 3
+    store(ranks[0], [4], tag=b"x")
+    store(ranks[1], [4], tag=b"y")  # ranks disagree on slot 4's key
+    for r in ranks:
+        r.close()
+    index = DiskTier(make_spec(path, role="index", world_size=2, num_slots=128))
+    assert index.recover() == ([0, 1, 2], keys_for([0, 1, 2]))
+    index.close()
+    # rank 0's record copied into rank 1's index: the digest names the rank, so it is foreign there
+    src = path / TREE / "rank0of2" / "index.bin"
+    dst = path / TREE / "rank1of2" / "index.bin"
+    dst.write_bytes(src.read_bytes())
+    rank1 = DiskTier(make_spec(path, rank=1, world_size=2, num_slots=128))
+    assert load(rank1, [0])[0] == [FOREIGN]
+    rank1.close()
+    index = DiskTier(make_spec(path, role="index", world_size=2, num_slots=128))
+    assert index.recover() == ([], [])
+    index.close()
+
+
+# ---------------------------------------------------------------- ownership and safety
+
+
+def test_second_engine_refused_until_the_first_closes(tmp_path):
+    first = DiskTier(make_spec(tmp_path / "d", role="index"))
+    with pytest.raises(TierError, match=rf"in use by another engine \(pid {os.getpid()}\)"):
+        DiskTier(make_spec(tmp_path / "d", role="index"))
+    worker = DiskTier(make_spec(tmp_path / "d"))  # workers of the owning engine do not lock
+    worker.close()
+    first.close()
+    first.close()  # idempotent
+    again = DiskTier(make_spec(tmp_path / "d", role="index"))
+    again.close()
+
+
+def test_symlink_path_refused(tmp_path):
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    (tmp_path / "link").symlink_to(real)
+    with pytest.raises(TierError, match="symbolic link"):
+        DiskTier(make_spec(tmp_path / "link"))
+    assert list(real.iterdir()) == []
+
+
+def test_symlink_inside_the_tree_refused(tmp_path):
+    DiskTier(make_spec(tmp_path / "d")).close()
+    elsewhere = tmp_path / "elsewhere.bin"
+    elsewhere.write_bytes(b"")
+    victim = data_file(tmp_path / "d")
+    victim.unlink()
+    victim.symlink_to(elsewhere)
+    with pytest.raises(TierError, match="symbolic link"):
+        DiskTier(make_spec(tmp_path / "d"))
+
+
+def test_world_writable_path_refused(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(TierError, match="world-writable"):
+        DiskTier(make_spec(shared))
+    assert list(shared.iterdir()) == []
+    shared.chmod(0o775)  # control: group-writable only is the user's choice
+    DiskTier(make_spec(shared)).close()
+
+
+def test_path_that_is_a_file_refused(tmp_path):
+    (tmp_path / "f").write_bytes(b"x")
+    with pytest.raises(TierError, match="not a directory"):
+        DiskTier(make_spec(tmp_path / "f"))
+
+
+def test_modes_private(tmp_path):
+    old = os.umask(0)  # the modes must not depend on the umask
+    try:
+        DiskTier(make_spec(tmp_path / "d", role="index")).close()
+    finally:
+        os.umask(old)
+    root = tmp_path / "d"
+    dirs = [root, root / TREE, root / RANK0]
+    files = [root / TREE / "LOCK", *(root / RANK0).iterdir()]
+    assert {stat.S_IMODE(p.stat().st_mode) for p in dirs} == {0o700}
+    assert {stat.S_IMODE(p.stat().st_mode) for p in files} == {0o600}
+    assert {p.name for p in (root / RANK0).iterdir()} == {"meta.json", "data-0.bin", "index.bin"}
+
+
+def test_other_geometry_refused_and_nothing_lost(tmp_path):
+    t = DiskTier(make_spec(tmp_path / "d"))
+    contents = store(t, [0])
+    t.close()
+    before = {p: p.read_bytes() for p in (tmp_path / "d" / RANK0).iterdir()}
+    with pytest.raises(TierError, match=r"slot_bytes: on disk 8192, asked 12288.*use another path or remove"):
+        DiskTier(make_spec(tmp_path / "d", slot_bytes=12288))
+    with pytest.raises(TierError, match=r"num_slots: on disk 64, asked 65"):
+        DiskTier(make_spec(tmp_path / "d", num_slots=65, role="index"))
+    assert {p: p.read_bytes() for p in (tmp_path / "d" / RANK0).iterdir()} == before
+    t = DiskTier(make_spec(tmp_path / "d"))
+    assert load(t, [0]) == ([OK], contents)
+    t.close()
+    DiskTier(make_spec(tmp_path / "d", role="index")).close()  # the lock was released by the refusals
+
+
+def test_fingerprint_change_reaches_meta_json(tmp_path):
+    DiskTier(make_spec(tmp_path / "d", role="index")).close()
+    DiskTier(make_spec(tmp_path / "d", role="index", fingerprint={"model": "other"})).close()
+    meta = (tmp_path / "d" / RANK0 / "meta.json").read_text()
+    assert '"other"' in meta
+
+
+# ---------------------------------------------------------------- options
+
+
+@pytest.mark.parametrize(
+    ("options", "argument"),
+    [
+        ({"path": "P", "bytes_to_use": 1 << 20, "colour": 1}, "colour"),
+        ({"bytes_to_use": 1 << 20}, "path"),
+        ({"path": "P"}, "bytes_to_use"),
+        ({"path": "P", "bytes_to_use": 0}, "bytes_to_use"),
+        ({"path": "P", "bytes_to_use": "8G"}, "bytes_to_use"),
+        ({"path": "P", "bytes_to_use": True}, "bytes_to_use"),
+        ({"path": "P", "bytes_to_use": 4096}, "bytes_to_use"),  # less than one slot
+        ({"path": "P", "bytes_to_use": 1 << 20, "io_threads": 0}, "io_threads"),
+        ({"path": "P", "bytes_to_use": 1 << 20, "direct": "yes"}, "direct"),
+        ({"path": "P", "bytes_to_use": 1 << 20, "direct": 1}, "direct"),
+        ({"path": 5, "bytes_to_use": 1 << 20}, "path"),
+    ],
+)
+def test_bad_options_name_the_option(tmp_path, options, argument):
+    options = {k: (str(tmp_path / "d") if v == "P" else v) for k, v in options.items()}
+    with pytest.raises(ValidationError) as info:
+        DiskTier(TierSpec(options, SLOT, FP, "io"))
+    assert info.value.argument == argument
+    assert not (tmp_path / "d").exists()
+
+
+def test_too_little_free_space_refused_before_creating_files(tmp_path):
+    vfs = os.statvfs(tmp_path)
+    free = vfs.f_bavail * vfs.f_frsize
+    with pytest.raises(
+        ValidationError, match=r"bytes_to_use: .* needs \d+ more bytes .* has \d+ free"
+    ) as info:
+        DiskTier(TierSpec({"path": str(tmp_path / "d"), "bytes_to_use": 2 * free}, SLOT, FP, "index"))
+    assert info.value.argument == "bytes_to_use"
+    assert list((tmp_path / "d" / RANK0).iterdir()) == []
+    DiskTier(make_spec(tmp_path / "d", role="index")).close()  # and the lock went with the refusal
+
+
+def test_batch_validation(tier):
+    buffers = aligned(2, SLOT)
+    with pytest.raises(ValidationError, match="slots: 64 is not in"):
+        tier.write([64], keys_for([0]), buffers[:1])
+    with pytest.raises(ValidationError, match="slot 1 appears twice"):
+        tier.write([1, 1], keys_for([1, 2]), buffers)
+    with pytest.raises(ValidationError, match=r"keys: .*41 bytes"):
+        tier.write([1], [b"x" * 41], buffers[:1])
+    with pytest.raises(ValidationError, match="buffers: buffer 0 has 8191 bytes"):
+        tier.write([1], keys_for([1]), [buffers[0][:-1]])
+    with pytest.raises(ValidationError, match="buffers: buffer 0 is read-only"):
+        tier.read([1], keys_for([1]), [memoryview(bytes(SLOT))])
+    with pytest.raises(ValidationError, match="keys: 2 slots, 1 keys"):
+        tier.write([1, 2], keys_for([1]), buffers)
+    with pytest.raises(ValidationError, match="role: recover needs the 'index' role"):
+        tier.recover()
+    assert tier.write([1], [b"x" * 40], buffers[:1]).result() == [True]  # control: 40 bytes is fine
+    tier.close()
+    with pytest.raises(ClosedError):
+        tier.write([1], keys_for([1]), buffers[:1])
+
+
+# ---------------------------------------------------------------- medium failures
+
+
+class FailingTier(DiskTier):
+    """A medium failing with ``error`` on writes or reads of the data files while ``failing`` is set."""
+
+    error = errno.ENOSPC
+    failing: str | None = None
+
+    def _pwritev(self, fd, buffers, offset):
+        if self.failing == "write" and fd in self._data_fds:
+            raise OSError(self.error, os.strerror(self.error))
+        super()._pwritev(fd, buffers, offset)
+
+    def _preadv(self, fd, buffers, offset):
+        if self.failing == "read" and fd in self._data_fds:
+            raise OSError(self.error, os.strerror(self.error))
+        super()._preadv(fd, buffers, offset)
+
+
+def test_enospc_on_write_is_false_per_slot_never_raised(tmp_path, caplog):
+    t = FailingTier(make_spec(tmp_path / "d"))
+    contents = store(t, [2])
+    t.failing = "write"
+    buffers = aligned(3, SLOT)
+    fill(buffers, 9)
+    assert t.write([1, 2, 30], keys_for([1, 2, 30], b"n"), buffers).result(timeout=30) == [False] * 3
+    assert sum("3 of 3 slots failed to write" in r.message for r in caplog.records) == 1  # once per batch
+    assert "No space left" in caplog.text
+    t.failing = None
+    assert load(t, [2]) == ([OK], contents)  # the failed overwrite left the old record: still proven
+    assert load(t, [1], b"n")[0] == [MISSING]
+    assert store(t, [1]) and load(t, [1])[0] == [OK]  # the medium recovered: writes work again
+    t.close()
+
+
+def test_eio_on_read_is_io_error(tmp_path):
+    t = FailingTier(make_spec(tmp_path / "d"))
+    store(t, [4, 5])
+    t.error, t.failing = errno.EIO, "read"
+    assert load(t, [4, 5, 6])[0] == [IO_ERROR, IO_ERROR, MISSING]  # slot 6's record says missing first
+    t.failing = None
+    assert load(t, [4, 5])[0] == [OK, OK]
+    t.close()
+
+
+# ---------------------------------------------------------------- O_DIRECT and bounce buffers
+
+
+def fs_takes_o_direct(directory: Path) -> bool:
+    probe = directory / "probe"
+    try:
+        fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+    except OSError:
+        return False
+    try:
+        os.pwrite(fd, mmap.mmap(-1, 4096), 0)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+        probe.unlink()
+
+
+def uses_o_direct(t: DiskTier) -> bool:
+    flags = {fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT for fd in t._data_fds}
+    assert len(flags) == 1
+    return bool(flags.pop())
+
+
+@pytest.mark.parametrize("where", ["tmp", "repo", "shm"])
+def test_o_direct_where_the_file_system_takes_it(tmp_path, where):
+    base = {"tmp": tmp_path, "repo": Path(__file__).parent, "shm": Path("/dev/shm")}[where]
+    if not base.is_dir():
+        pytest.skip(f"{base} does not exist here")
+    import tempfile
+
+    with tempfile.TemporaryDirectory(dir=base, prefix="kvhal-disk-test-") as d:
+        expected = fs_takes_o_direct(Path(d))
+        t = DiskTier(make_spec(Path(d) / "t"))
+        assert t.direct is expected
+        assert uses_o_direct(t) is expected
+        contents = store(t, [0, 1, 2])
+        assert load(t, [0, 1, 2]) == ([OK] * 3, contents)
+        t.close()
+
+
+class NoDirectFS(DiskTier):
+    """A file system refusing O_DIRECT (tmpfs before Linux 6.6, some FUSE file systems)."""
+
+    def _probe_direct(self, dir_fd):
+        return "opening with O_DIRECT failed: Invalid argument"
+
+
+def test_buffered_fallback_when_o_direct_is_refused(tmp_path):
+    t = NoDirectFS(make_spec(tmp_path / "d", slot_bytes=5000))
+    assert not t.direct and not uses_o_direct(t)
+    contents = store(t, [3, 4, 5])
+    assert load(t, [3, 4, 5]) == ([OK] * 3, contents)
+    t.close()
+    with pytest.raises(ValidationError, match=r"direct: the file system .* does not take O_DIRECT") as info:
+        NoDirectFS(make_spec(tmp_path / "d", slot_bytes=5000, options={"direct": True}))
+    assert info.value.argument == "direct"
+    off = DiskTier(make_spec(tmp_path / "d", slot_bytes=5000, options={"direct": False}))
+    assert not off.direct and not uses_o_direct(off)
+    assert load(off, [3, 4, 5]) == ([OK] * 3, contents)
+    off.close()
+
+
+class CountingTier(DiskTier):
+    bounced = 0
+
+    def _bounce(self):
+        type(self).bounced += 1
+        return super()._bounce()
+
+
+@pytest.mark.parametrize(
+    ("slot_bytes", "offset", "bounce"),
+    [(SLOT, 0, False), (SLOT, 1, True), (SLOT, 512, True), (5000, 0, True)],
+)
+def test_unaligned_buffers_go_through_bounce_buffers(tmp_path, slot_bytes, offset, bounce):
+    if not fs_takes_o_direct(tmp_path):
+        pytest.skip("no O_DIRECT here: nothing to align")
+    CountingTier.bounced = 0
+    t = CountingTier(make_spec(tmp_path / "d", slot_bytes=slot_bytes))
+    assert t.direct
+    slots = [10, 11, 12, 40]
+    region = memoryview(mmap.mmap(-1, offset + len(slots) * slot_bytes))  # page-aligned
+    buffers = [region[offset + i * slot_bytes : offset + (i + 1) * slot_bytes] for i in range(4)]
+    contents = fill(buffers, 4)
+    assert t.write(slots, keys_for(slots), buffers).result() == [True] * 4
+    out_region = memoryview(mmap.mmap(-1, offset + len(slots) * slot_bytes))
+    out = [out_region[offset + i * slot_bytes : offset + (i + 1) * slot_bytes] for i in range(4)]
+    assert t.read(slots, keys_for(slots), out).result() == [OK] * 4
+    assert [bytes(b) for b in out] == contents
+    assert (CountingTier.bounced > 0) is bounce
+    t.close()
+
+
+# ---------------------------------------------------------------- a model check
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    st.lists(
+        st.tuples(
+            st.booleans(),
+            st.lists(st.integers(0, 15), min_size=1, max_size=8, unique=True),
+            st.integers(0, 3),
+        ),
+        min_size=1,
+        max_size=12,
+    )
+)
+def test_behaves_like_a_dict(tmp_path_factory, ops):
+    """Random writes and reads against a dict of slot -> (key, bytes)."""
+    t = DiskTier(
+        make_spec(tmp_path_factory.mktemp("h"), slot_bytes=3000, num_slots=16, options={"io_threads": 3})
+    )
+    model: dict[int, tuple[bytes, bytes]] = {}
+    try:
+        for is_write, slots, tag in ops:
+            keys = keys_for(slots, bytes([97 + tag]))
+            if is_write:
+                buffers = aligned(len(slots), 3000)
+                contents = fill(buffers, tag * 1000 + len(model))
+                assert t.write(slots, keys, buffers).result() == [True] * len(slots)
+                model.update(zip(slots, zip(keys, contents, strict=True), strict=True))
+            else:
+                outcomes, got = load(t, slots, bytes([97 + tag]))
+                for s, k, outcome, data in zip(slots, keys, outcomes, got, strict=True):
+                    if model.get(s, (None,))[0] == k:
+                        assert (outcome, data) == (OK, model[s][1])
+                    else:
+                        assert outcome == MISSING
+    finally:
+        t.close()
