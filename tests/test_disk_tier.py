@@ -546,3 +546,26 @@ def test_behaves_like_a_dict(tmp_path_factory, ops):
                         assert outcome == MISSING
     finally:
         t.close()
+
+
+# ---------------------------------------------------------------- the record format
+
+
+def test_valid_records_checks_crc_a_group_at_a_time():
+    digest = b"D" * 8
+    n = 3 * disk_format.CHECK_GROUP + 17  # whole groups and a short tail
+    raw = np.frombuffer(
+        b"".join(disk_format.pack_record(b"key%d" % i, digest, i) for i in range(n)), np.uint8
+    ).reshape(n, RECORD_BYTES)
+    raw = raw.copy()
+    assert disk_format.valid_records(raw, digest).all()  # control: intact records of any key pass
+    damaged = [5, 300, 301, disk_format.CHECK_GROUP - 1, n - 1]
+    for row in damaged:
+        raw[row, 30] ^= 0x04  # the same flip in several records of one group must not cancel out
+    mask = disk_format.valid_records(raw, digest)
+    assert np.flatnonzero(~mask).tolist() == sorted(damaged)
+    raw[7, 9] ^= 1  # a digest byte: another fingerprint, no crc needed to tell
+    assert not disk_format.valid_records(raw, digest)[7]
+    within = np.zeros(n, bool)
+    within[10] = True
+    assert np.flatnonzero(disk_format.valid_records(raw, digest, within=within)).tolist() == [10]
