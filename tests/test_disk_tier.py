@@ -111,6 +111,19 @@ def test_overwrite_and_wrong_key(tier):
     assert load(tier, [4])[0] == [MISSING]  # never written
 
 
+def test_close_finishes_what_is_in_flight(tmp_path):
+    t = DiskTier(make_spec(tmp_path / "d", num_slots=64, options={"io_threads": 2}))
+    slots = list(range(64))
+    buffers = aligned(64, SLOT)
+    contents = fill(buffers, 8)
+    future = t.write(slots, keys_for(slots), buffers)
+    t.close()
+    assert future.done() and future.result() == [True] * 64
+    t = DiskTier(make_spec(tmp_path / "d", num_slots=64))
+    assert load(t, slots) == ([OK] * 64, contents)
+    t.close()
+
+
 def test_empty_batch(tier):
     assert tier.write([], [], []).result() == []
     assert tier.read([], [], []).result() == []

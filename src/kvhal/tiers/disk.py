@@ -12,8 +12,12 @@ Options (``TierSpec.options``):
   naming the free bytes, never a failure mid-run.
 - ``io_threads`` (int, default 8): requests in flight per worker.
 - ``direct`` (``"auto"`` default, ``True``, ``False``): read and write the data
-  files with ``O_DIRECT``, bypassing the page cache. ``"auto"`` uses it where the
-  file system accepts it; ``True`` makes a file system without it an error.
+  files with ``O_DIRECT``, bypassing the page cache (so a read really comes from
+  the disk, and stored blocks do not push the engine's memory out of the page
+  cache). ``"auto"`` uses it where the file system accepts an aligned O_DIRECT
+  read (ext4, xfs; tmpfs since Linux 6.6); ``True`` makes a file system without
+  it an error. Buffers that are not 4 KiB-aligned go through per-thread bounce
+  buffers.
 
 What it writes, under ``<path>/kvhal-tier-v1/`` (directories 0700, files 0600,
 all opened relative to directory descriptors with ``O_NOFOLLOW``; keys never
