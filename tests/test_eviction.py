@@ -5,13 +5,14 @@ from __future__ import annotations
 import pytest
 
 from kvhal.errors import MalformedResultError, PluginError, PolicyError, ValidationError
-from kvhal.eviction import LRUPolicy, S3FIFOPolicy, available_policies, create_policy
+from kvhal.eviction import ClockPolicy, LRUPolicy, S3FIFOPolicy, available_policies, create_policy
 from kvhal.hookspecs import DEVICE_HOOKS, hookimpl
 from kvhal.manager import OffloadingManager
 
 
 def test_builtin_policies_come_through_the_hook(registry):
-    assert set(available_policies(registry)) >= {"lru", "s3fifo"}
+    assert set(available_policies(registry)) >= {"lru", "s3fifo", "clock"}
+    assert isinstance(create_policy("clock", 4, registry), ClockPolicy)
     assert isinstance(create_policy("lru", 4, registry), LRUPolicy)
     assert isinstance(create_policy("s3fifo", 4, registry), S3FIFOPolicy)
     assert "kvhal_eviction_policies" not in DEVICE_HOOKS
@@ -27,7 +28,8 @@ def test_builtin_policies_survive_an_allowlist():
 
 
 def test_unknown_policy_lists_the_known_ones(registry):
-    with pytest.raises(ValidationError, match=r"unknown eviction policy 'lfu'; known: lru, s3fifo") as info:
+    known = r"unknown eviction policy 'lfu'; known: clock, lru, s3fifo"
+    with pytest.raises(ValidationError, match=known) as info:
         OffloadingManager(4, "lfu", registry=registry)
     assert info.value.argument == "policy"
 
