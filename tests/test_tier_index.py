@@ -461,3 +461,15 @@ def test_clock_is_offered_to_the_host_tier_manager_too():
     manager.complete_store(manager.prepare_store([b"a", b"b"]).keys)
     manager.touch([b"a"])
     assert manager.prepare_store([b"c"]).evicted == [b"b"]
+
+
+def test_bench_drives_the_index_like_the_manager():
+    from kvhal.bench.manager import KvhalDriver, TraceSpec, make_trace, replay
+    from kvhal.bench.tier_index import TierIndexDriver, measure_recover
+
+    trace = make_trace(TraceSpec(documents=5, prefix_blocks=4, tail_blocks=1, requests=200))
+    ours = replay(TierIndexDriver(16, "clock", REGISTRY), trace, inflight=2, tick=lambda: None)
+    theirs = replay(KvhalDriver(16, "clock", REGISTRY), trace, inflight=2, tick=lambda: None)
+    assert (ours.hits, ours.stored) == (theirs.hits, theirs.stored) and 0 < ours.hits < ours.blocks
+    figure = measure_recover(1000, repeats=1)
+    assert figure["blocks"] == 1000 and figure["blocks_per_s"] > 0

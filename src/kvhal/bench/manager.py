@@ -360,6 +360,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policies", nargs="+", default=["lru", "s3fifo"], help="kvhal policies to run")
     parser.add_argument("--repeats", type=int, help="interleaved runs per manager (best counts; default 3)")
     parser.add_argument("--no-vllm", action="store_true", help="skip vLLM's manager")
+    parser.add_argument(
+        "--tier-index", nargs="*", default=[], metavar="POLICY", help="also a TierIndex with these policies"
+    )
+    parser.add_argument("--recover-blocks", type=int, default=0, help="time TierIndex.recover of N blocks")
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--out", type=Path, default=Path("bench-results"), help="folder for JSON and PNG")
 
@@ -379,6 +383,11 @@ def run(args: argparse.Namespace) -> int:
     makers: dict[str, Callable[[], Driver]] = {
         f"kvhal {policy}": (lambda p=policy: KvhalDriver(args.slots, p, registry)) for policy in args.policies
     }
+    if args.tier_index:
+        from kvhal.bench.tier_index import TierIndexDriver
+
+        for policy in args.tier_index:
+            makers[f"tier-index {policy}"] = lambda p=policy: TierIndexDriver(args.slots, p, registry)
     why_no_vllm = "--no-vllm"
     if not args.no_vllm:
         with console.status("importing vLLM"):
@@ -400,6 +409,15 @@ def run(args: argparse.Namespace) -> int:
         "rows": rows,
         "targets": targets,
     }
+    if args.recover_blocks:
+        from kvhal.bench.tier_index import measure_recover
+
+        with console.status(f"TierIndex.recover of {args.recover_blocks} blocks"):
+            result["recover"] = measure_recover(args.recover_blocks)
+        console.print(
+            f"TierIndex.recover: {args.recover_blocks} blocks in {result['recover']['seconds']:.3f} s, "
+            f"{result['recover']['blocks_per_s'] / 1e6:.2f}M blocks/s"
+        )
     json_path, png_path = write_outputs(args.out, "manager", result)
     plot(rows, png_path, f"{spec.requests} requests, {args.slots} slots, working set {spec.working_set}")
     console.print(f"wrote {json_path} and {png_path}")
