@@ -365,9 +365,9 @@ def test_probes_and_policy_offers_go_through_the_hook_caller(registry):
     assert registry.select().plugin_name == "cpu"
     from kvhal.eviction import available_policies
 
-    assert set(available_policies(registry)) == {"lru", "s3fifo"}
+    assert set(available_policies(registry)) == {"clock", "lru", "s3fifo"}
     assert ("probe", ["DeviceDescriptor"]) in seen
-    assert ("policies", ["lru", "s3fifo"]) in seen
+    assert ("policies", ["clock", "lru", "s3fifo"]) in seen
 
 
 def test_a_refused_hook_signature_is_named_without_parsing_pluggys_message(registry):

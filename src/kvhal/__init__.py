@@ -18,6 +18,7 @@ from kvhal.errors import (
     PluginLoadError,
     PluginValidationError,
     PolicyError,
+    TierError,
     TransferError,
     ValidationError,
 )
@@ -53,6 +54,7 @@ __all__ = [
     "PluginValidationError",
     "PolicyError",
     "Refusal",
+    "TierError",
     "TransferError",
     "ValidationError",
     "allocate_dense_kv_cache",

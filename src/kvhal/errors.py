@@ -113,6 +113,19 @@ class DeviceSelectionError(KVHALError):
     """No device plugin could be selected (none present, ambiguous, or the named one declined)."""
 
 
+class TierError(KVHALError):
+    """A tier's medium cannot be used as asked: another engine owns it, or it is unsafe.
+
+    :param tier: the tier backend's name (``"disk"``).
+    :param where: the medium (a path, a store's address).
+    """
+
+    def __init__(self, tier: str, where: str, message: str) -> None:
+        self.tier = tier
+        self.where = where
+        Exception.__init__(self, f"{tier} tier at {where}: {message}")
+
+
 class TransferError(KVHALError):
     """An asynchronous block copy failed; the destination blocks hold no valid KV."""
 

@@ -6,8 +6,9 @@ implement the *device hooks* below. kvhal calls a device hook only on the one
 device plugin it selected, plus any non-device plugin that wraps the hook (a
 ``hookwrapper``/``wrapper`` impl, say to trace or to inject faults).
 
-Any plugin, device or not, may also offer eviction policies (the last hook,
-``kvhal_eviction_policies``); it is no device hook.
+Any plugin, device or not, may also offer eviction policies
+(``kvhal_eviction_policies``) and tier backends (``kvhal_tier_backends``, the
+last hook); they are no device hooks.
 
 Every device hook is required: a device plugin that lacks one is refused at
 selection with :class:`~kvhal.errors.MissingHookError` naming the plugin and
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
     from kvhal.eviction_policy import EvictionPolicy
     from kvhal.geometry import KVGeometry
     from kvhal.layouts import KVLayout
+    from kvhal.tier_backend import TierBackend, TierSpec
 
 PROJECT = "kvhal"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -404,6 +406,41 @@ def kvhal_eviction_policies() -> Mapping[str, Callable[[int], EvictionPolicy]]:
         of ``num_slots`` slots. A name offered by two plugins is an error
         naming both; a result that is not such a mapping, or a factory that
         returns something else, is a
+        :class:`~kvhal.errors.MalformedResultError` naming the plugin. Every
+        plugin's result is used (not first-result).
+    """
+
+
+# --------------------------------------------------------------------------
+# Tier backends (not a device hook: any plugin may offer backends)
+# --------------------------------------------------------------------------
+
+
+@hookspec
+def kvhal_tier_backends() -> Mapping[str, Callable[[TierSpec], TierBackend]]:
+    """Tier backends this plugin offers below the host tier, by name.
+
+    Not a device hook: kvhal calls it on every registered plugin, device or
+    not, and merges the answers; the built-in ``disk`` comes from a built-in
+    plugin through this same hook. A tier chain opens a backend by name
+    (:func:`kvhal.tiers.open_tier`); an unknown name is an error listing the
+    known ones.
+
+    A backend moves bytes between host memory and its medium only: it never
+    imports a device plugin or vLLM. Its contract is
+    :class:`~kvhal.tier_backend.TierBackend`: equal slots, asynchronous
+    batched ``write``/``read`` returning futures, a ``read`` that delivers a
+    block only once it is proven to be the requested key's under the spec's
+    fingerprint (anything else is a miss: the engine recomputes), and a
+    ``recover`` that lists what a restarted engine may serve.
+
+    :return: a mapping from backend name to a factory: ``factory(spec)``
+        opens a :class:`~kvhal.tier_backend.TierBackend` for a
+        :class:`~kvhal.tier_backend.TierSpec`. It raises
+        :class:`~kvhal.errors.ValidationError` naming the option at fault for
+        bad options, before touching the medium. A name offered by two plugins
+        is an error naming both; a result that is not such a mapping, or a
+        factory that returns something else, is a
         :class:`~kvhal.errors.MalformedResultError` naming the plugin. Every
         plugin's result is used (not first-result).
     """

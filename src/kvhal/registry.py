@@ -36,6 +36,7 @@ from kvhal.errors import (
     MissingHookError,
     PluginError,
     PluginLoadError,
+    TierError,
     ValidationError,
 )
 
@@ -48,6 +49,7 @@ ENV_BLOCK = "KVHAL_DISABLE_PLUGINS"
 ENV_NO_AUTOLOAD = "KVHAL_DISABLE_PLUGIN_AUTOLOAD"
 BUILTIN_DISTRIBUTION = "kvhal (built-in)"
 BUILTIN_POLICIES = "kvhal-policies"
+BUILTIN_TIERS = "kvhal-tiers"
 
 
 @dataclass
@@ -141,11 +143,13 @@ class PluginRegistry:
         self.plugins: list[PluginInfo] = []
         from kvhal.cpu import CPUPlugin
         from kvhal.eviction import BuiltinPolicies
+        from kvhal.tiers import BuiltinTiers
 
         self.register(CPUPlugin(), "cpu", BUILTIN_DISTRIBUTION)
         # Past allow/block (they choose devices: a manager must always find its
         # default policy), and not listed in self.plugins, the plugins found.
         self.pm.register(BuiltinPolicies(), name=BUILTIN_POLICIES)
+        self.pm.register(BuiltinTiers(), name=BUILTIN_TIERS)
         if autoload:
             self._load_entry_points()
 
@@ -255,7 +259,7 @@ class PluginRegistry:
         for info in self.plugins:
             if info.plugin is plugin:
                 return info
-        distribution = BUILTIN_DISTRIBUTION if name == BUILTIN_POLICIES else None
+        distribution = BUILTIN_DISTRIBUTION if name in (BUILTIN_POLICIES, BUILTIN_TIERS) else None
         return PluginInfo(name, distribution, plugin)
 
     # -- named factories -----------------------------------------------------
@@ -328,6 +332,8 @@ class PluginRegistry:
         offer = offers[name]
         try:
             made = offer.factory(*args)
+        except (ValidationError, TierError):
+            raise  # it names the argument or the medium at fault already
         except Exception as exc:
             message = f"factory of {name!r} raised {type(exc).__name__}: {exc}"
             raise PluginError(offer.plugin, offer.distribution, hook, message) from exc
