@@ -14,8 +14,10 @@ coalesced (:mod:`kvhal.copyplan`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from kvhal.cache import DEFAULT_ALIGNMENT, KVCache, dense_kv_cache
 from kvhal.errors import ClosedError, ValidationError, check_int
@@ -170,6 +172,55 @@ class HostTier:
                 )
             self._views[key] = cache
         return self._views[key]
+
+    # -- slot bytes, for the tiers below ------------------------------------------
+
+    def _runs(self) -> tuple[tuple[int, int, int], ...]:
+        """``(offset, length, stride)`` of the runs that make up slot 0 (slot ``i``: ``+ i * stride``)."""
+        if self._footprint is None:  # no view yet: the slot is the buffer's i-th slot_bytes
+            return ((0, self.slot_bytes, self.slot_bytes),)
+        return self._footprint
+
+    @property
+    def slots_are_contiguous(self) -> bool:
+        """Whether each slot's bytes are one run (then :meth:`slot_memory` is zero-copy)."""
+        return len(self._runs()) == 1
+
+    def slot_memory(self, slot: int) -> memoryview:
+        """Slot ``slot``'s bytes in place; only where :attr:`slots_are_contiguous`."""
+        check_int("slot", slot, minimum=0, below=self.num_slots)
+        if not self.slots_are_contiguous:
+            raise ValidationError("slot", "this tier's slots are scattered; use gather_slots/scatter_slots")
+        offset, length, stride = self._runs()[0]
+        start = offset + slot * stride
+        return memoryview(self._bytes()[start : start + length])
+
+    def _bytes(self) -> np.ndarray:
+        return self._buffer().numpy()
+
+    def _run_views(self) -> list[tuple[int, np.ndarray]]:
+        """Per run: its position inside a slot's bytes, and a ``[num_slots, length]`` view of it."""
+        data, views, position = self._bytes(), [], 0
+        for offset, length, stride in self._runs():
+            view = np.lib.stride_tricks.as_strided(
+                data[offset:], shape=(self.num_slots, length), strides=(stride, 1), writeable=True
+            )
+            views.append((position, view))
+            position += length
+        return views
+
+    def gather_slots(self, slots: Sequence[int], out: np.ndarray) -> None:
+        """Copy slots ``slots`` into the rows of ``out`` (``[len(slots), slot_bytes]`` bytes),
+        each slot's runs one after the other."""
+        index = np.asarray(slots, dtype=np.int64)
+        for position, view in self._run_views():
+            out[:, position : position + view.shape[1]] = view[index]
+
+    def scatter_slots(self, slots: Sequence[int], rows: np.ndarray) -> None:
+        """The inverse of :meth:`gather_slots`: write ``rows`` into slots ``slots``."""
+        index = np.asarray(slots, dtype=np.int64)
+        for position, view in self._run_views():
+            view[index] = rows[:, position : position + view.shape[1]]
 
     def allocate(self, n: int) -> list[int] | None:
         """See :meth:`SlotPool.allocate`."""

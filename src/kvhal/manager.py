@@ -32,7 +32,7 @@ import enum
 import sys
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvhal.errors import BlockStateError, PolicyError, ValidationError
 from kvhal.eviction import DEFAULT_POLICY, EvictionPolicy, create_policy
@@ -60,11 +60,14 @@ class StorePlan:
     :param keys: the keys to store, in the order given (already present ones skipped).
     :param slots: the host slot of each key in ``keys``.
     :param evicted: keys evicted to make room; they are no longer loadable.
+    :param evicted_slots: the slot each of ``evicted`` held (now among ``slots``):
+        a write-back tier copies them out before the new blocks land.
     """
 
     keys: list[bytes]
     slots: list[int]
     evicted: list[bytes]
+    evicted_slots: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -302,9 +305,10 @@ class OffloadingManager:
             raise ValidationError("keys", f"keys are bytes; got {type(bad).__name__} {bad!r:.40}")
         if not new:
             return StorePlan([], [], [])
-        evicted = self._make_room(len(new) - self._pool.num_free, present)
-        if evicted is None:
+        room = self._make_room(len(new) - self._pool.num_free, present)
+        if room is None:
             return None
+        evicted, victims = room
         slots = self._pool.allocate(len(new))
         assert slots is not None  # room was made
         self._index.add(new, slots)
@@ -313,12 +317,15 @@ class OffloadingManager:
             refs[slot] = STORING
         self.policy.insert(slots, new)
         self._num_storing += len(new)
-        return StorePlan(new, slots, evicted)
+        return StorePlan(new, slots, evicted, victims)
 
-    def _make_room(self, need: int, present: list[int | None]) -> list[bytes] | None:
-        """Evict ``need`` blocks, none of the call's own ``present`` ones; None if impossible."""
+    def _make_room(
+        self, need: int, present: list[int | None]
+    ) -> tuple[list[bytes], list[int]] | None:
+        """Evict ``need`` blocks, none of the call's own ``present`` ones: their keys and
+        slots; None if impossible."""
         if need <= 0:
-            return []
+            return [], []
         refs = self._refs
         # The call's own tracked blocks stay (vLLM does the same): pin them for the policy.
         own = {slot for slot in present if slot is not None and refs[slot] == 0}
@@ -337,7 +344,7 @@ class OffloadingManager:
         self._num_evictable -= need
         if self._events is not None:
             self._events.append(OffloadEvent(evicted, removed=True))  # type: ignore[arg-type]
-        return evicted  # type: ignore[return-value]
+        return evicted, list(victims)  # type: ignore[return-value]
 
     def _check_victims(self, victims: list[int], need: int) -> None:
         """A policy that evicts a block in use would let a copy overwrite it: refuse."""
