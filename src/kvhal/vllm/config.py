@@ -8,7 +8,9 @@ talking.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+import os
+from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.config import VllmConfig
@@ -17,7 +19,38 @@ from vllm.v1.kv_cache_interface import KVCacheConfig
 from kvhal.errors import ValidationError
 
 #: The keys a user may put in ``kv_connector_extra_config``.
-KNOWN_KEYS = {"cpu_bytes_to_use", "device", "eviction_policy", "offload_prompt_only"}
+KNOWN_KEYS = {
+    "cpu_bytes_to_use",
+    "device",
+    "eviction_policy",
+    "offload_prompt_only",
+    "disk_path",
+    "disk_bytes_to_use",
+    "disk_write",
+    "disk_eviction_policy",
+    "tier_backend",
+    "tier_options",
+}
+#: The tier backend option each disk key fills.
+DISK_OPTIONS = {"disk_path": "path", "disk_bytes_to_use": "bytes_to_use"}
+
+
+@dataclass(frozen=True)
+class LowerTierConfig:
+    """The tier below the host tier, from ``kv_connector_extra_config``.
+
+    :param backend: the tier backend's name (``"disk"``, or a plugin's).
+    :param options: the backend's options (``path``, ``bytes_to_use`` for ``disk``).
+    :param write: ``"through"`` (default) or ``"back"``.
+    :param eviction_policy: the lower tier's policy (default ``"clock"``: one byte a block).
+    :param config_keys: backend option -> the user's key, to name it in errors.
+    """
+
+    backend: str
+    options: dict[str, Any]
+    write: str
+    eviction_policy: str
+    config_keys: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -58,6 +91,9 @@ class ConnectorConfig:
     groups: tuple[GroupInfo, ...]
     world_size: int
     layout: str
+    lower_tier: LowerTierConfig | None = None
+    #: what the KV is, for the tiers below (see :func:`kv_fingerprint`)
+    fingerprint: dict[str, Any] = field(default_factory=dict)
 
     @property
     def slot_bytes(self) -> int:
@@ -136,15 +172,20 @@ class ConnectorConfig:
                 "kv_connector_extra_config.offload_prompt_only",
                 f"must be a JSON boolean (true or false), got {offload_prompt_only!r}",
             )
+        layout = kv_cache_config.kv_cache_layout or "LBHNC"
+        lower_tier = _lower_tier(extra)
+        block_size = vllm_config.cache_config.block_size
         config = cls(
             cpu_bytes_to_use=cpu_bytes,
             device=device,
             eviction_policy=eviction_policy,
             offload_prompt_only=offload_prompt_only,
-            block_size=vllm_config.cache_config.block_size,
+            block_size=block_size,
             groups=tuple(groups),
             world_size=parallel.world_size,
-            layout=kv_cache_config.kv_cache_layout or "LBHNC",
+            layout=layout,
+            lower_tier=lower_tier,
+            fingerprint=kv_fingerprint(vllm_config, tuple(groups), layout, block_size) if lower_tier else {},
         )
         if config.num_slots < 1:
             raise ValidationError(
@@ -153,3 +194,102 @@ class ConnectorConfig:
             )
         return config
 
+
+def _lower_tier(extra: dict[str, Any]) -> LowerTierConfig | None:
+    """The lower tier the user asked for, checked; ``None`` if none."""
+    prefix = "kv_connector_extra_config."
+    asked = [
+        key for key in ("disk_path", "disk_bytes_to_use", "tier_backend", "tier_options") if key in extra
+    ]
+    if not asked:
+        for key in ("disk_write", "disk_eviction_policy"):
+            if key in extra:
+                raise ValidationError(prefix + key, "configures a lower tier, but none is set (disk_path)")
+        return None
+    backend = extra.get("tier_backend", "disk")
+    if not isinstance(backend, str) or not backend:
+        raise ValidationError(prefix + "tier_backend", f"must be a tier backend's name, got {backend!r}")
+    options = extra.get("tier_options", {})
+    if not isinstance(options, dict):
+        raise ValidationError(prefix + "tier_options", f"must be a JSON object, got {options!r:.60}")
+    options = dict(options)
+    config_keys = {name: f"{prefix}tier_options.{name}" for name in options}
+    for key, option in DISK_OPTIONS.items():
+        if key in extra:
+            options[option] = extra[key]
+            config_keys[option] = prefix + key
+    if backend == "disk":
+        for key, option in DISK_OPTIONS.items():
+            if option not in options:
+                raise ValidationError(prefix + key, "is required for the disk tier")
+        path = options["path"]
+        if not isinstance(path, str) or not path:
+            raise ValidationError(prefix + "disk_path", f"must be a directory's path, got {path!r}")
+        size = options["bytes_to_use"]
+        if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+            raise ValidationError(
+                prefix + "disk_bytes_to_use", f"must be a positive number of bytes of disk, got {size!r}"
+            )
+    write = extra.get("disk_write", "through")
+    if write not in ("through", "back"):
+        raise ValidationError(prefix + "disk_write", f'must be "through" or "back", got {write!r}')
+    policy = extra.get("disk_eviction_policy", "clock")
+    if not isinstance(policy, str):
+        raise ValidationError(
+            prefix + "disk_eviction_policy", f"must be an eviction policy's name (a str), got {policy!r}"
+        )
+    return LowerTierConfig(backend, options, write, policy, config_keys)
+
+
+#: ``PYTHONHASHSEED``: what makes vLLM's block hashes the same in every process.
+HASH_SEED_VARIABLE = "PYTHONHASHSEED"
+_NON_CRYPTO_HASHES = ("xxhash", "xxhash_cbor")
+
+
+def hashes_are_reproducible(vllm_config: VllmConfig) -> bool:
+    """Whether a restarted engine computes the same block hashes: not for an xxhash
+    algorithm without ``PYTHONHASHSEED`` (vLLM then draws a random seed per process)."""
+    algo = vllm_config.cache_config.prefix_caching_hash_algo
+    return os.environ.get(HASH_SEED_VARIABLE) is not None or algo not in _NON_CRYPTO_HASHES
+
+
+def kv_fingerprint(
+    vllm_config: VllmConfig, groups: tuple[GroupInfo, ...], layout: str, block_size: int
+) -> dict[str, Any]:
+    """What the offloaded KV is: blocks stored under another fingerprint are never loaded.
+
+    Model and revision, dtypes and quantization, layout and block geometry, the
+    KV cache groups, the tensor-parallel size (each rank's share is told apart
+    by the tier), and vLLM's block-hash algorithm and seed (the seed only as a
+    digest: vLLM keeps a non-cryptographic one secret).
+    """
+    model = vllm_config.model_config
+    cache = vllm_config.cache_config
+    seed = os.environ.get(HASH_SEED_VARIABLE)
+    if seed is not None:
+        seed_id = hashlib.blake2b(seed.encode(), digest_size=8).hexdigest()
+    elif cache.prefix_caching_hash_algo in _NON_CRYPTO_HASHES:
+        seed_id = "random-per-process"
+    else:
+        seed_id = "vllm-default"
+    return {
+        "model": str(model.model),
+        "revision": model.revision,
+        "dtype": str(model.dtype),
+        "kv_cache_dtype": str(cache.cache_dtype),
+        "quantization": model.quantization,
+        "layout": layout,
+        "block_size": block_size,
+        "groups": [
+            {
+                "id": g.group_id,
+                "layers": list(g.layer_names),
+                "page_bytes": g.page_bytes,
+                "head_size": g.head_size,
+            }
+            for g in groups
+        ],
+        "tensor_parallel_size": vllm_config.parallel_config.tensor_parallel_size,
+        "hash_algo": cache.prefix_caching_hash_algo,
+        "hash_seed": seed_id,
+    }

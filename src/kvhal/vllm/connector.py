@@ -123,6 +123,8 @@ class KVHALConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         if self.worker_side is not None:
             self.worker_side.shutdown()
+        if self.scheduler_side is not None:
+            self.scheduler_side.close()
 
     # -- scheduler side ------------------------------------------------------------
 

@@ -14,6 +14,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 class JobKind(str, enum.Enum):
     STORE = "store"
     LOAD = "load"
+    WRITE = "write"  # host slots -> the lower tier
+
+
+@dataclass
+class TierReads:
+    """Blocks a load first reads from the lower tier into host slots (a promotion)."""
+
+    keys: list[bytes]
+    lower_slots: list[int]
+    host_slots: list[int]
 
 
 @dataclass
@@ -21,12 +31,18 @@ class TransferJob:
     """Copy one request's blocks between the device KV cache and host slots.
 
     :param groups: per KV cache group, ``(device block ids, host slots)`` of equal length.
+    :param reads: for a load, the blocks to read from the lower tier first.
     """
 
     job_id: int
     kind: JobKind
     req_id: str
     groups: dict[int, tuple[list[int], list[int]]]
+    reads: TierReads | None = None
+    #: for a store, its write-through to the lower tier, run once the store's copy is done
+    write: TierWrite | None = None
+    #: the scheduler could not plan it (no host room for a promotion): it fails unrun
+    doomed: bool = False
 
     @property
     def num_blocks(self) -> int:
@@ -45,12 +61,29 @@ class KVHALMetadata(KVConnectorMetadata):
         again): the compute stream waits for them before the step's work.
     :param held: finished requests whose blocks vLLM keeps until every worker
         reports them in ``finished_sending``, once their store jobs finished there.
+    :param writes: copies of host slots into the lower tier.
     """
 
     loads: list[TransferJob] = field(default_factory=list)
     stores: list[TransferJob] = field(default_factory=list)
     fence: list[int] = field(default_factory=list)
     held: list[str] = field(default_factory=list)
+    writes: list[TierWrite] = field(default_factory=list)
+
+
+@dataclass
+class TierWrite:
+    """Copy host slots into the lower tier; submitted before the step's other copies.
+
+    :param snapshot: the host slots are reused from this step on (write-back of
+        evicted blocks): the worker copies them out before anything else.
+    """
+
+    job_id: int
+    keys: list[bytes]
+    host_slots: list[int]
+    lower_slots: list[int]
+    snapshot: bool
 
 
 @dataclass

@@ -16,6 +16,12 @@ worker reports it in ``finished_sending``; and each step's metadata names the
 stores whose blocks vLLM may rewrite in that step (the request was preempted,
 or a block was allocated again, as sliding-window blocks are while their
 request runs) for the workers to fence. No other store delays a step.
+
+With a tier below host memory (``disk_path``, or a plugin's backend), a
+:class:`~kvhal.chain.TierChain` holds both tiers' indexes: a hit found only
+below is promoted into host slots by the load job itself (the request stays
+parked meanwhile, so no scheduler step waits), and stores cascade into the
+lower tier as write jobs the workers run off the engine's thread.
 """
 
 from __future__ import annotations
@@ -29,11 +35,22 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
 
+from kvhal.chain import LoadPlan, TierChain, WritePlan
 from kvhal.errors import ValidationError
 from kvhal.manager import OffloadingManager
+from kvhal.tier_backend import TierBackend
+from kvhal.tier_index import TierIndex
 from kvhal.vllm.config import ConnectorConfig
 from kvhal.vllm.keys import offload_key, split_offload_key
-from kvhal.vllm.metadata import JobKind, KVHALMetadata, KVHALWorkerMetadata, TransferJob
+from kvhal.vllm.lower_tier import open_lower_tier
+from kvhal.vllm.metadata import (
+    JobKind,
+    KVHALMetadata,
+    KVHALWorkerMetadata,
+    TierReads,
+    TierWrite,
+    TransferJob,
+)
 from kvhal.vllm.stats import KVHALStats
 
 #: The medium kvhal's host tier appears as in vLLM's KV events.
@@ -64,6 +81,7 @@ class _Job:
     blocks: frozenset[int] = frozenset()  # a store's source block ids, every group's
     reports: int = 0
     ok: bool = True
+    plan: LoadPlan | WritePlan | None = None  # a load's or a write's plan in the tier chain
 
 
 @dataclass
@@ -75,9 +93,8 @@ class SchedulerSide:
     stats: KVHALStats = field(default_factory=KVHALStats)
 
     def __post_init__(self) -> None:
-        self.manager = OffloadingManager(
-            self.config.num_slots, self.config.eviction_policy, enable_events=True
-        )
+        self.lower_backend: TierBackend | None = None
+        self.manager, self.chain = self._new_chain()
         self._requests: dict[str, _RequestState] = {}
         self._jobs: dict[int, _Job] = {}
         self._storing: set[bytes] = set()
@@ -98,6 +115,26 @@ class SchedulerSide:
             state = self._requests[request.request_id] = _RequestState(request)
         return state
 
+    def _new_chain(self) -> tuple[OffloadingManager, TierChain]:
+        """The host tier's manager and the chain over it and the lower tier, if any.
+
+        The lower tier's backend is opened once (the scheduler owns its medium
+        for the engine's life) and what it holds is recovered into the index.
+        """
+        manager = OffloadingManager(self.config.num_slots, self.config.eviction_policy, enable_events=True)
+        lower = self.config.lower_tier
+        if lower is None:
+            return manager, TierChain(manager)
+        if self.lower_backend is None:
+            self.lower_backend = open_lower_tier(self.config, role="index", rank=0)
+            index = TierIndex(self.lower_backend.num_slots, lower.eviction_policy)
+            slots, keys = self.lower_backend.recover()
+            if keys:  # a key found twice after a crash is indexed once
+                self.stats.add("tier_recovered_blocks", index.recover(slots, keys))
+        else:  # a reset: forget what the lower tier holds too
+            index = TierIndex(self.lower_backend.num_slots, lower.eviction_policy)
+        return manager, TierChain(manager, index, lower.write)  # type: ignore[arg-type]
+
     def _keys(self, hashes: list[bytes], group_id: int) -> list[bytes]:
         return [offload_key(h, group_id) for h in hashes]
 
@@ -117,7 +154,7 @@ class SchedulerSide:
             if hit == 0:
                 break
             keys = self._keys(hashes[:hit], group.group_id)
-            found = self.manager.lookup(keys)
+            found, _ = self.chain.lookup(keys)
             if found < hit and keys[found] in self._storing:
                 return None, False
             hit = found
@@ -137,21 +174,37 @@ class SchedulerSide:
             )
         table = blocks.get_block_ids()
         hashes = request.block_hashes
-        groups: dict[int, tuple[list[int], list[int]]] = {}
+        group_ids: dict[int, list[int]] = {}
         keys: list[bytes] = []
+        block_of: dict[bytes, int] = {}
         for group in self.config.groups:
-            ids, group_keys = [], []
+            ids = group_ids[group.group_id] = []
             for index in range(state.hit_start, state.hit_start + count):
                 block_id = table[group.group_id][index]
                 if block_id == 0:  # outside a sliding window: nothing to load
                     continue
                 ids.append(block_id)
-                group_keys.append(offload_key(hashes[index], group.group_id))
-            groups[group.group_id] = (ids, self.manager.prepare_load(group_keys))
-            keys.extend(group_keys)
+                key = offload_key(hashes[index], group.group_id)
+                keys.append(key)
+                block_of[key] = index
             self._load_blocks.update(ids)
-        self.manager.touch(keys)
-        job = self._new_job(JobKind.LOAD, request.request_id, keys, groups)
+        plan = self.chain.prepare_load(keys)
+        groups: dict[int, tuple[list[int], list[int]]] = {}
+        reads = None
+        if plan is None:
+            # the host tier had no room left for the promotion since the lookup:
+            # the job fails on the workers without copying, and vLLM recomputes
+            groups = {gid: ([], []) for gid in group_ids}
+        else:
+            slots = iter(plan.host_slots)
+            groups = {gid: (ids, [next(slots) for _ in ids]) for gid, ids in group_ids.items()}
+            self.manager.touch(keys)
+            if plan.promoted:
+                reads = TierReads(plan.promoted, plan.lower_slots, plan.promoted_host_slots)
+                self.stats.add("tier_hit_tokens", len({block_of[k] for k in plan.promoted}) * bs)
+        job = self._new_job(JobKind.LOAD, request.request_id, keys, groups, plan=plan)
+        job.reads = reads
+        job.doomed = plan is None
         self._pending_loads.append(job)
         state.loading = job.job_id
         state.loaded_tokens = num_external_tokens
@@ -159,7 +212,12 @@ class SchedulerSide:
         self.stats.add("lookup_tokens", (len(request.block_hashes) - state.hit_start) * bs)
 
     def _new_job(
-        self, kind: JobKind, req_id: str, keys: list[bytes], groups: dict[int, tuple[list[int], list[int]]]
+        self,
+        kind: JobKind,
+        req_id: str,
+        keys: list[bytes],
+        groups: dict[int, tuple[list[int], list[int]]],
+        plan: LoadPlan | WritePlan | None = None,
     ) -> TransferJob:
         job_id = self._next_job
         self._next_job += 1
@@ -168,7 +226,7 @@ class SchedulerSide:
             blocks = frozenset(b for ids, _ in groups.values() for b in ids)
             for block in blocks:
                 self._readers.setdefault(block, set()).add(job_id)
-        self._jobs[job_id] = _Job(kind, req_id, keys, blocks)
+        self._jobs[job_id] = _Job(kind, req_id, keys, blocks, plan=plan)
         return TransferJob(job_id, kind, req_id, groups)
 
     # -- stores ----------------------------------------------------------------
@@ -198,10 +256,11 @@ class SchedulerSide:
                             block_id,
                         )
             state.stored_upto = end
-            plan = self.manager.prepare_store(list(where))
-            if plan is None:
+            planned = self.chain.prepare_store(list(where))
+            if planned is None:
                 self.stats.add("store_skipped_blocks", len(where))
                 continue
+            plan, write = planned
             self.stats.add("evicted_blocks", len(plan.evicted))
             if not plan.keys:
                 continue
@@ -212,7 +271,9 @@ class SchedulerSide:
                 ids.append(block_id)
                 slots.append(slot)
             self._storing.update(plan.keys)
-            job = self._new_job(JobKind.STORE, req_id, plan.keys, groups)
+            job = self._new_job(JobKind.STORE, req_id, plan.keys, groups, plan=write)
+            if write is not None:
+                job.write = self._write_job(write)
             state.store_jobs.add(job.job_id)
             stores.append(job)
         return stores
@@ -253,25 +314,40 @@ class SchedulerSide:
     def build_meta(self, scheduler_output: SchedulerOutput) -> KVHALMetadata:
         # fences first: this step's own stores are ordered after its compute anyway
         fence = self._fence(scheduler_output)
+        stores = self._plan_stores(scheduler_output)
         meta = KVHALMetadata(
             loads=self._pending_loads,
-            stores=self._plan_stores(scheduler_output),
+            stores=stores,
             fence=fence,
             held=self._held,
+            writes=self._plan_writes(),  # after the stores: write-back snapshots their evictions
         )
         self._pending_loads, self._held = [], []
         self._load_blocks = set()
         return meta
+
+    def _write_job(self, plan: WritePlan) -> TierWrite:
+        job = self._new_job(JobKind.WRITE, "", plan.keys, {}, plan=plan)
+        return TierWrite(job.job_id, plan.keys, plan.host_slots, plan.lower_slots, plan.snapshot)
+
+    def _plan_writes(self) -> list[TierWrite]:
+        """Write-back snapshots of the blocks this step's stores and promotions evicted."""
+        writes = [self._write_job(plan) for plan in self.chain.take_writes()]
+        self.stats.add("tier_write_skipped_blocks", self.chain.skipped_writes)
+        self.stats.add("tier_evicted_blocks", self.chain.lower_evictions)
+        self.chain.skipped_writes = self.chain.lower_evictions = 0
+        return writes
 
     # -- results -----------------------------------------------------------------
 
     def on_output(self, output: KVConnectorOutput) -> None:
         worker_meta = output.kv_connector_worker_meta
         if isinstance(worker_meta, KVHALWorkerMetadata):
-            for job_id, count in worker_meta.succeeded.items():
-                self._report(job_id, count, ok=True)
-            for job_id, count in worker_meta.failed.items():
-                self._report(job_id, count, ok=False)
+            # in job order: a store's write-through (a later job) ends after the store
+            reports = [(j, n, True) for j, n in worker_meta.succeeded.items()]
+            reports += [(j, n, False) for j, n in worker_meta.failed.items()]
+            for job_id, count, ok in sorted(reports):
+                self._report(job_id, count, ok=ok)
         self._holding.difference_update(output.finished_sending or ())
         for req_id in output.failed_recving or ():
             state = self._requests.get(req_id)
@@ -287,6 +363,14 @@ class SchedulerSide:
             return
         del self._jobs[job_id]
         state = self._requests.get(job.req_id)
+        if job.kind is JobKind.WRITE:
+            assert isinstance(job.plan, WritePlan)
+            self.chain.complete_write(job.plan, success=job.ok)
+            if job.ok:
+                self.stats.add("tier_written_blocks", len(job.keys))
+            else:
+                self.stats.add("tier_failed_writes", 1)
+            return
         if job.kind is JobKind.STORE:
             for block in job.blocks:
                 readers = self._readers[block]
@@ -296,7 +380,8 @@ class SchedulerSide:
             if state is not None:
                 state.store_jobs.discard(job_id)
             self._storing.difference_update(job.keys)
-            self.manager.complete_store(job.keys, success=job.ok)
+            write = job.plan if isinstance(job.plan, WritePlan) else None
+            self.chain.complete_store(job.keys, success=job.ok, write=write)
             if not job.ok:
                 self.stats.add("failed_stores", 1)
             elif job.keys:  # once per block, however many workers copied a share of it
@@ -304,7 +389,13 @@ class SchedulerSide:
         else:
             if state is not None and state.loading == job_id:
                 state.loading = None
-            self.manager.complete_load(job.keys)
+            if isinstance(job.plan, LoadPlan):  # None: the chain refused it, nothing to release
+                self.chain.complete_load(job.plan, success=job.ok)
+                if job.plan.promoted:
+                    if job.ok:
+                        self.stats.add("tier_loaded_blocks", len(job.plan.promoted))
+                    else:
+                        self.stats.add("tier_failed_loads", 1)
             if not job.ok:
                 self.stats.add("failed_loads", 1)
             elif job.keys:
@@ -366,9 +457,13 @@ class SchedulerSide:
         """Forget everything the host tier holds; refused (False) while jobs are in flight."""
         if self._jobs:
             return False
-        self.manager = OffloadingManager(
-            self.config.num_slots, self.config.eviction_policy, enable_events=True
-        )
+        self.manager, self.chain = self._new_chain()
         for state in self._requests.values():
             state.stored_upto = 0
         return True
+
+    def close(self) -> None:
+        """Release the lower tier's medium (another engine may open it then)."""
+        if self.lower_backend is not None:
+            self.lower_backend.close()
+            self.lower_backend = None

