@@ -18,6 +18,7 @@ from kvhal.registry import PluginRegistry, Selection
 #: ``kvhal bench NAME`` -> module with ``add_arguments(parser)`` and ``run(args) -> int``.
 BENCHMARKS = {
     "copy": "kvhal.bench.copy",
+    "disk": "kvhal.bench.disk",
     "e2e": "kvhal.bench.e2e",
     "manager": "kvhal.bench.manager",
 }
