@@ -51,10 +51,11 @@ def metrics(step: dict) -> dict:
     return {k.removeprefix("vllm:kvhal_"): v for k, v in step["metrics"].items() if "kvhal_" in k}
 
 
-def test_hits_come_from_disk_when_the_host_tier_is_too_small(model, tmp_path):
+@pytest.mark.parametrize("write", ["through", "back"])
+def test_hits_come_from_disk_when_the_host_tier_is_too_small(model, tmp_path, write):
     batch = prompts(4, LENGTH, seed=21)
     steps = [*one_by_one(batch), {"op": "reset"}, *one_by_one(batch[::-1]), {"op": "metrics"}]
-    result = engine(model, disk(tmp_path), steps)
+    result = engine(model, disk(tmp_path, disk_write=write), steps)
     expected = baseline(model, batch)
     assert [tokens(s)[0] for s in result[:4]] == expected
     warm = result[5:9][::-1]
@@ -64,7 +65,10 @@ def test_hits_come_from_disk_when_the_host_tier_is_too_small(model, tmp_path):
     # the host tier holds 10 blocks: the two oldest prompts at least came from disk
     assert found["tier_loaded_blocks"] >= 2 * BLOCKS_PER_PROMPT, found
     assert found["tier_hit_tokens"] >= 2 * SERVED, found
-    assert found["tier_written_blocks"] >= 4 * BLOCKS_PER_PROMPT, found
+    if write == "through":
+        assert found["tier_written_blocks"] >= 4 * BLOCKS_PER_PROMPT, found
+    else:  # only what the host tier evicted reaches the disk
+        assert 2 * BLOCKS_PER_PROMPT <= found["tier_written_blocks"] < 6 * BLOCKS_PER_PROMPT, found
     assert found.get("tier_corrupt_blocks", 0) == 0
 
 
@@ -111,30 +115,28 @@ def test_one_flipped_byte_means_recompute(model, tmp_path):
 
 
 def test_kill_9_while_writing_never_serves_a_torn_block(model, tmp_path):
-    """Engine A fills a one-prompt disk tier with p0, then its writes of p1 into p0's
-    slots tear (half written, then hung) and it is killed with SIGKILL. Engine B
+    """Engine A fills a one-prompt disk tier with p0; later writes (p2's, which evict p0's
+    slots) tear: half written, then hung, and the engine is killed with SIGKILL. Engine B
     recovers p0's records over torn bytes: it must recompute p0, never load it."""
-    p0, p1 = prompts(2, LENGTH, seed=24)
-    tight = {"disk_bytes_to_use": BLOCKS_PER_PROMPT * BLOCK_BYTES, "cpu_bytes_to_use": 64 << 20}
+    p0, p1, p2 = prompts(3, LENGTH, seed=24)
+    # one prompt's blocks exactly: each disk slot costs its bytes plus a 64-byte record
+    tight = {"disk_bytes_to_use": BLOCKS_PER_PROMPT * (BLOCK_BYTES + 64), "cpu_bytes_to_use": AMPLE_HOST}
     env = {**fault_env("torn_write"), "KVHAL_TEST_TORN_AFTER": str(BLOCKS_PER_PROMPT)}
     steps = [
         {"op": "generate", "prompts": [p0]},
         {"op": "sleep", "seconds": 1},  # p0's writes land whole
-        {"op": "generate", "prompts": [p1]},  # reports them; p1's writes evict p0 and tear
-        {"op": "generate", "prompts": [p1]},  # one more step: p1's writes are submitted
+        {"op": "generate", "prompts": [p1]},  # the scheduler hears of them (p1's writes find no room)
+        {"op": "generate", "prompts": [p2]},  # p2's writes evict p0's slots, and tear
         {"op": "sleep", "seconds": 2},
         {"op": "kill"},
     ]
-    with pytest.raises(ScenarioError, match="exited with -9") as crash:
+    with pytest.raises(ScenarioError, match="exited with -9"):
         engine(model, disk(tmp_path, tier_backend="disk-faults", **tight), steps, env)
-    assert "injected torn_write" in str(crash.value), "no write was torn before the kill"
-    second = engine(
-        model, disk(tmp_path, **tight), [{"op": "generate", "prompts": [p0, p1]}, {"op": "metrics"}]
-    )
-    assert tokens(second[0]) == baseline(model, [p0, p1]), "a torn block was served"
-    assert loaded(second[0]) == [0, 0]
+    second = engine(model, disk(tmp_path, **tight), [{"op": "generate", "prompts": [p0]}, {"op": "metrics"}])
+    assert tokens(second[0]) == baseline(model, [p0]), "a torn block was served"
+    assert loaded(second[0]) == [0]
     found = metrics(second[1])
-    assert found["tier_recovered_blocks"] == BLOCKS_PER_PROMPT, "p0's old records are still there"
+    assert found["tier_recovered_blocks"] >= 1, "p0's old records are still there"
     assert found["tier_corrupt_blocks"] >= 1, "the torn block was not detected"
 
 
