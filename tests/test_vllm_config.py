@@ -103,3 +103,64 @@ def test_groups_with_unequal_bytes_per_block_are_refused() -> None:
     ) as raised:
         ConnectorConfig.from_vllm(vllm_config, kv_cache_config)
     assert raised.value.argument == "kv_cache_config"
+
+
+# -- the tier below host memory ----------------------------------------------------------------
+
+
+def with_model(vllm_config: SimpleNamespace, algo: str = "sha256") -> SimpleNamespace:
+    vllm_config.model_config = SimpleNamespace(model="/m", revision=None, dtype="bfloat16", quantization=None)
+    vllm_config.cache_config.cache_dtype = "auto"
+    vllm_config.cache_config.prefix_caching_hash_algo = algo
+    return vllm_config
+
+
+def disk_config(extra: dict, algo: str = "sha256", tensor: int = 1) -> ConnectorConfig:
+    vllm_config, kv_cache_config = configs({"cpu_bytes_to_use": 1 << 20, **extra}, tensor=tensor)
+    return ConnectorConfig.from_vllm(with_model(vllm_config, algo), kv_cache_config)
+
+
+def test_disk_keys_become_the_disk_backends_options() -> None:
+    config = disk_config({"disk_path": "/d", "disk_bytes_to_use": 1 << 30, "disk_write": "back"})
+    tier = config.lower_tier
+    assert (tier.backend, tier.options, tier.write, tier.eviction_policy) == (
+        "disk",
+        {"path": "/d", "bytes_to_use": 1 << 30},
+        "back",
+        "clock",
+    )
+    assert tier.config_keys["path"] == "kv_connector_extra_config.disk_path"
+    assert config.fingerprint["model"] == "/m" and config.fingerprint["hash_seed"] == "vllm-default"
+    assert disk_config({}).lower_tier is None
+
+
+@pytest.mark.parametrize(
+    ("extra", "argument"),
+    [
+        ({"disk_path": "/d"}, "disk_bytes_to_use"),
+        ({"disk_bytes_to_use": 1 << 30}, "disk_path"),
+        ({"disk_path": "", "disk_bytes_to_use": 1 << 30}, "disk_path"),
+        ({"disk_path": "/d", "disk_bytes_to_use": -1}, "disk_bytes_to_use"),
+        ({"disk_path": "/d", "disk_bytes_to_use": True}, "disk_bytes_to_use"),
+        ({"disk_path": "/d", "disk_bytes_to_use": 1 << 30, "disk_write": "later"}, "disk_write"),
+        ({"disk_path": "/d", "disk_bytes_to_use": 1, "disk_eviction_policy": 3}, "disk_eviction_policy"),
+        ({"disk_write": "back"}, "disk_write"),
+        ({"tier_backend": "s3", "tier_options": []}, "tier_options"),
+        ({"tier_backend": ""}, "tier_backend"),
+    ],
+)
+def test_bad_disk_keys_are_refused_by_name(extra: dict, argument: str) -> None:
+    with pytest.raises(ValidationError) as raised:
+        disk_config(extra)
+    assert raised.value.argument == f"kv_connector_extra_config.{argument}"
+
+
+def test_fingerprint_tells_reproducible_hashes_apart(monkeypatch: pytest.MonkeyPatch) -> None:
+    disk = {"disk_path": "/d", "disk_bytes_to_use": 1 << 30}
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    assert disk_config(disk, algo="xxhash").fingerprint["hash_seed"] == "random-per-process"
+    monkeypatch.setenv("PYTHONHASHSEED", "7")
+    seeded = disk_config(disk, algo="xxhash").fingerprint["hash_seed"]
+    assert seeded not in ("7", "random-per-process"), "the seed is kept as a digest only"
+    monkeypatch.setenv("PYTHONHASHSEED", "8")
+    assert disk_config(disk, algo="xxhash").fingerprint["hash_seed"] != seeded
