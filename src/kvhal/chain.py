@@ -120,17 +120,24 @@ class TierChain:
         hits = self.host.lookup(keys)
         if self.lower is None or hits == len(keys):
             return hits, 0
-        # room for promotions: what the host tier could evict, less its own hits
-        room = self.host.num_free + self.host.num_evictable - hits
+        # A promotion takes host slots that only evictable blocks can give, and the load
+        # pins its host hits first: the idle hits and the promotions must fit together.
+        capacity = self.host.num_free + self.host.num_evictable
+        idle = sum(1 for key in keys[:hits] if not self.host.loads_in_flight(key))
         promoted = 0
         for key in keys[hits:]:
             state = self.host.state(key)
-            if state is BlockState.ABSENT and promoted < room and self.lower.state(key) is BlockState.READY:
+            if state is BlockState.READY:
+                cost = 0 if self.host.loads_in_flight(key) else 1
+                if promoted and promoted + idle + cost > capacity:
+                    break
+                idle += cost
+            elif state is BlockState.ABSENT and self.lower.state(key) is BlockState.READY:
+                if promoted + 1 + idle > capacity:
+                    break
                 promoted += 1
-            elif state is not BlockState.READY:
-                break
             else:
-                room -= 1
+                break
             hits += 1
         return hits, promoted
 

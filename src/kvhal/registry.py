@@ -342,7 +342,7 @@ class PluginRegistry:
                 offer.plugin,
                 offer.distribution,
                 hook,
-                f"factory of {name!r} returned {type(made).__name__}; expected an {expected.__name__}",
+                f"factory of {name!r} returned {type(made).__name__}; expected an instance of {expected.__name__}",
             )
         return made
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
+from vllm.logger import init_logger
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import KVConnectorOutput
@@ -53,11 +54,18 @@ from kvhal.vllm.metadata import (
 )
 from kvhal.vllm.stats import KVHALStats
 
+logger = init_logger(__name__)
+
 #: The medium kvhal's host tier appears as in vLLM's KV events.
 MEDIUM = "CPU"
 #: The key of ``RequestOutput.kv_transfer_params`` that says how many prompt
 #: tokens kvhal loaded for the request (0 after a failed load).
 LOADED_TOKENS = "kvhal_loaded_tokens"
+
+
+def _log_recovery(done: int, total: int) -> None:
+    """Progress of a warm restart's index rebuild (the backend calls it now and then)."""
+    logger.info("kvhal: recovering the lower tier's index: %d of %d slots read", done, total)
 
 
 @dataclass
@@ -128,7 +136,7 @@ class SchedulerSide:
         if self.lower_backend is None:
             self.lower_backend = open_lower_tier(self.config, role="index", rank=0)
             index = TierIndex(self.lower_backend.num_slots, lower.eviction_policy)
-            slots, keys = self.lower_backend.recover()
+            slots, keys = self.lower_backend.recover(progress=_log_recovery)
             if keys:  # a key found twice after a crash is indexed once
                 self.stats.add("tier_recovered_blocks", index.recover(slots, keys))
         else:  # a reset: forget what the lower tier holds too
