@@ -342,7 +342,8 @@ class PluginRegistry:
                 offer.plugin,
                 offer.distribution,
                 hook,
-                f"factory of {name!r} returned {type(made).__name__}; expected an instance of {expected.__name__}",
+                f"factory of {name!r} returned {type(made).__name__}; "
+                f"expected an instance of {expected.__name__}",
             )
         return made
 
