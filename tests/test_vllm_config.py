@@ -164,3 +164,40 @@ def test_fingerprint_tells_reproducible_hashes_apart(monkeypatch: pytest.MonkeyP
     assert seeded not in ("7", "random-per-process"), "the seed is kept as a digest only"
     monkeypatch.setenv("PYTHONHASHSEED", "8")
     assert disk_config(disk, algo="xxhash").fingerprint["hash_seed"] != seeded
+
+
+def test_opening_the_lower_tier_names_the_users_keys(tmp_path, monkeypatch) -> None:
+    import logging
+
+    from kvhal.errors import TierError
+    from kvhal.vllm import lower_tier
+    from kvhal.vllm.lower_tier import open_lower_tier
+
+    class Records(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__()
+            self.messages: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.messages.append(record.getMessage())
+
+    records = Records()
+    lower_tier.logger.addHandler(records)
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    small = disk_config({"disk_path": str(tmp_path / "d"), "disk_bytes_to_use": 100}, algo="xxhash")
+    try:
+        with pytest.raises(ValidationError) as raised:
+            open_lower_tier(small, role="index", rank=0)
+    finally:
+        lower_tier.logger.removeHandler(records)
+    assert raised.value.argument == "kv_connector_extra_config.disk_bytes_to_use"
+    assert any("set PYTHONHASHSEED" in m for m in records.messages), records.messages
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    linked = disk_config({"disk_path": str(tmp_path / "link"), "disk_bytes_to_use": 1 << 20})
+    with pytest.raises(TierError, match="symbolic link"):
+        open_lower_tier(linked, role="index", rank=0)
+    fine = disk_config({"disk_path": str(tmp_path / "ok"), "disk_bytes_to_use": 1 << 20})
+    tier = open_lower_tier(fine, "index", 0)
+    assert tier.num_slots > 0
+    tier.close()
