@@ -128,3 +128,26 @@ def test_tp_negative_control_corrupted_loads_on_one_rank_change_outputs(model):
     assert loaded(warm) == [SERVED] * 3, "the corrupted loads were not served"
     changed = [a != b for a, b in zip(tokens(warm), tokens(cold), strict=True)]
     assert all(changed), f"outputs survived noise in rank 1's loaded blocks: {changed}"
+
+
+def test_tp_disk_tier_restart_serves_each_ranks_share(model, tmp_path):
+    """Each rank writes its half of every block to its own directory; a restarted TP=2
+    engine recovers the blocks both ranks hold and loads each rank's half from disk."""
+    kvhal = {**KVHAL, "disk_path": str(tmp_path), "disk_bytes_to_use": 8 << 20}
+
+    def run(steps: list[dict]) -> list[dict]:
+        spec = {"model": model, "kvhal": kvhal, "steps": steps, "engine": TP_ENGINE, "env": TP_ENV}
+        return run_scenario(spec, timeout=600)["steps"]
+
+    run([{"op": "generate", "prompts": BATCH}, {"op": "sleep", "seconds": 2}])
+    assert sorted(p.name for p in (tmp_path / "kvhal-tier-v1").iterdir() if p.is_dir()) == [
+        "rank0of2",
+        "rank1of2",
+    ]
+    second = run([{"op": "generate", "prompts": BATCH}, {"op": "metrics"}])
+    assert tokens(second[0]) == baseline(model)
+    assert loaded(second[0]) == [SERVED] * 3, "a restarted TP engine got no hit from disk"
+    found = second[1]["metrics"]
+    assert found["vllm:kvhal_tier_recovered_blocks"] == 3 * SERVED // BLOCK
+    assert found["vllm:kvhal_tier_loaded_blocks"] == 3 * SERVED // BLOCK, "blocks counted once, not per rank"
+    assert found["vllm:kvhal_tier_read_bytes"] == 3 * SERVED // BLOCK * BLOCK_BYTES, "each rank read its half"
