@@ -432,7 +432,7 @@ def ttft(folder: str, prompt_len: int, repeats: int, models: Path, progress: Pro
     warm, *prompts = [_prompt(rng, prompt_len, BENCH_MODEL.vocab_size) for _ in range(repeats + 1)]
     fresh = _prompt(rng, prompt_len, BENCH_MODEL.vocab_size)
     env = {**MALLOC_ENV, "PYTHONHASHSEED": "0"}  # block hashes equal across engines, whatever the algorithm
-    engine = engine_args(prompt_len)
+    engine = {**engine_args(prompt_len), "disable_log_stats": False}  # the tier_* metrics
     m = BENCH_MODEL  # one block's KV: layers x 32 tokens x KV heads x (K, V) x head size x bf16
     block_bytes = m.num_hidden_layers * 32 * m.num_key_value_heads * 2 * m.head_dim * 2
     disk = {"disk_path": os.path.join(folder, "e2e-disk"), "disk_bytes_to_use": 1 << 30}
@@ -455,15 +455,24 @@ def ttft(folder: str, prompt_len: int, repeats: int, models: Path, progress: Pro
     for p in prompts:
         host_steps += [gen(p, "cold"), {"op": "reset"}, gen(p, "host hit")]
     host = scenario("host hit", {"cpu_bytes_to_use": 2 << 30}, host_steps)
+    # A store's write-through starts when a later engine step sees the store done, and a
+    # write left unstarted when the process exits fails there: every engine ends with steps
+    # (a short prompt decoding a few tokens), a pause for the writes, and one more step.
+    drain = [
+        {"op": "generate", "prompts": [fresh[:64]], "max_tokens": 8, "name": "drain"},
+        {"op": "sleep", "seconds": 3},
+        {"op": "generate", "prompts": [fresh[64:128]], "max_tokens": 8, "name": "drain"},
+        {"op": "metrics"},
+    ]
     written = scenario(
         "writing the prompts to disk",
         {"cpu_bytes_to_use": 2 << 30, **disk},
-        [gen(p, "populate") for p in (warm, *prompts)] + [{"op": "sleep", "seconds": 3}, {"op": "metrics"}],
+        [gen(p, "populate") for p in (warm, *prompts)] + drain,
     )
     tier_files = glob.glob(os.path.join(disk["disk_path"], TREE, "rank*", "*.bin"))
     drop_cache(tier_files)  # nothing there with O_DIRECT; a buffered fallback's pages go too
-    disk_steps = [gen(fresh, "warm-up"), {"op": "sleep", "seconds": 3}, gen(warm, "warm-up")]
-    disk_steps += [gen(p, "disk hit") for p in prompts] + [{"op": "metrics"}]
+    disk_steps = [{**gen(fresh, "warm-up"), "max_tokens": 8}, {"op": "sleep", "seconds": 3}]
+    disk_steps += [gen(warm, "warm-up"), *(gen(p, "disk hit") for p in prompts), *drain]
     from_disk = scenario("disk hit (a fresh engine)", {"cpu_bytes_to_use": small_host, **disk}, disk_steps)
 
     def rows(result: dict, name: str) -> list[dict]:
