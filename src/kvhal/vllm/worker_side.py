@@ -185,10 +185,14 @@ class WorkerSide:
             elif job.reads is not None:
                 assert self.tier_io is not None
                 reads = job.reads
-                self._reads[job.job_id] = (
-                    job,
-                    self.tier_io.read(reads.keys, reads.lower_slots, reads.host_slots),
-                )
+                try:
+                    future = self.tier_io.read(reads.keys, reads.lower_slots, reads.host_slots)
+                except Exception:  # a refused read fails the load; vLLM recomputes
+                    logger.exception("kvhal: load job %d: reading the lower tier was refused", job.job_id)
+                    self._running[job.job_id] = _Running(job, set(), ok=False)
+                    self._finish(job.job_id)
+                    continue
+                self._reads[job.job_id] = (job, future)
             else:
                 self._submit(job)
 
@@ -282,7 +286,12 @@ class WorkerSide:
             self._failed[write.job_id] = 1
             return
         assert self.tier_io is not None
-        future = self.tier_io.write(write.keys, write.host_slots, write.lower_slots, write.snapshot)
+        try:
+            future = self.tier_io.write(write.keys, write.host_slots, write.lower_slots, write.snapshot)
+        except Exception:  # a refused write leaves nothing loadable below
+            logger.exception("kvhal: write job %d to the lower tier was refused", write.job_id)
+            self._failed[write.job_id] = 1
+            return
         self._writes[write.job_id] = (write, future)
 
     def _poll_tier(self, wait: bool = False) -> None:
