@@ -564,7 +564,8 @@ def check_targets(rows: list[dict], index: dict, recover: dict, restart: dict | 
     return checks
 
 
-def print_report(console: Console, result: dict) -> None:
+def print_storage(console: Console, result: dict) -> None:
+    """The throughput table and the index figures."""
     rows = result["throughput"]
     table = Table(
         title=f"kvhal bench disk: {result['path']} ({'O_DIRECT' if result['limit_direct'] else 'buffered'}), "
@@ -605,7 +606,9 @@ def print_report(console: Console, result: dict) -> None:
             f"({restart['blocks_per_s'] / 1e6:.2f}M blocks/s): tier opened and records checked "
             f"{restart['tier_recover_seconds']:.3f} s, index rebuilt {restart['index_recover_seconds']:.3f} s"
         )
-    e2e = result["e2e"]
+
+
+def print_ttft(console: Console, e2e: dict) -> None:
     if e2e is not None:
         recompute = next(r["ttft_s"] for r in e2e["rows"] if r["category"] == "recompute")
         ttft_table = Table(
@@ -628,7 +631,10 @@ def print_report(console: Console, result: dict) -> None:
             f"{e2e['disk_hit_prompts']} prompts), {e2e['tier_corrupt_blocks']:.0f} corrupt; outputs "
             + ("equal in all three" if e2e["outputs_equal"] else "[red]differ[/red]")
         )
-    for check in result["targets"]:
+
+
+def print_targets(console: Console, checks: list[dict]) -> None:
+    for check in checks:
         value = check["value"]
         shown = f"{value / 1e6:.2f}M" if value > 1e5 else f"{value:.3f}"
         console.print(f"target {check['target']}: {'met' if check['met'] else '[red]MISSED[/red]'} ({shown})")
@@ -738,23 +744,25 @@ def run(args: argparse.Namespace) -> int:
                 progress.update(task, description=f"warm restart of {args.recover_blocks:,} blocks")
                 restart = warm_restart(folder, args.recover_blocks)
             progress.remove_task(task)
+            result = {
+                **result_header("disk"),
+                "path": str(Path(parent).resolve()),
+                "limit_direct": direct,
+                "inflight": args.inflight,
+                "order": args.order,
+                "throughput": rows,
+                "index": index,
+                "recover": recover,
+                "warm_restart": restart,
+            }
+            print_storage(console, result)  # before the engines' minutes
             e2e = ttft(folder, args.prompt_len, args.repeats, args.models, progress) if args.e2e else None
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-    result = {
-        **result_header("disk"),
-        "path": str(Path(parent).resolve()),
-        "limit_direct": direct,
-        "inflight": args.inflight,
-        "order": args.order,
-        "throughput": rows,
-        "index": index,
-        "recover": recover,
-        "warm_restart": restart,
-        "e2e": e2e,
-    }
+    result["e2e"] = e2e
     result["targets"] = check_targets(rows, index, recover, restart, e2e)
-    print_report(console, result)
+    print_ttft(console, e2e)
+    print_targets(console, result["targets"])
     json_path, png_path = write_outputs(args.out, "disk", result)
     plot(result, png_path)
     console.print(f"wrote {json_path} and {png_path}")
