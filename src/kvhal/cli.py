@@ -1,4 +1,4 @@
-"""The ``kvhal`` command: ``kvhal devices``, ``kvhal bench ...``, ``kvhal conformance``."""
+"""The ``kvhal`` command: ``kvhal devices``, ``bench ...``, ``conformance``, ``new-plugin``."""
 
 from __future__ import annotations
 
@@ -129,6 +129,20 @@ def cmd_conformance(args: argparse.Namespace) -> int:
     return runner.main(args.conformance_args)
 
 
+def cmd_new_plugin(args: argparse.Namespace) -> int:
+    from kvhal.errors import ValidationError
+    from kvhal.scaffold import write_plugin
+
+    try:
+        root = write_plugin(args.name, args.dir)
+    except ValidationError as exc:
+        print(f"kvhal new-plugin: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {root}: every hook is a stub naming its section of kvhal's docs/vendor-guide.md")
+    print(f"next: pip install -e '{root}[test]' && kvhal conformance --device {args.name} --quick")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvhal", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -154,6 +168,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--models", type=Path, default=Path.home() / ".cache" / "kvhal-bench-models")
     demo.add_argument("--out", type=Path, default=Path("bench-results"))
     demo.set_defaults(func=cmd_demo, no_throughput=True, rounds=0, malloc_default=False, print_targets=False)
+
+    new_plugin = sub.add_parser("new-plugin", help="write the package of a new device plugin, hooks stubbed")
+    new_plugin.add_argument("name", help="the plugin's name (its entry point; KVHAL_DEVICE=NAME selects it)")
+    new_plugin.add_argument("--dir", type=Path, default=Path("."), help="write kvhal-NAME/ here (default: .)")
+    new_plugin.set_defaults(func=cmd_new_plugin)
 
     conformance = sub.add_parser("conformance", help="run the conformance suite against a device plugin")
     conformance.add_argument(
