@@ -582,3 +582,33 @@ def test_valid_records_checks_crc_a_group_at_a_time():
     within = np.zeros(n, bool)
     within[10] = True
     assert np.flatnonzero(disk_format.valid_records(raw, digest, within=within)).tolist() == [10]
+
+
+def test_a_write_submitted_while_the_interpreter_exits_still_lands(tmp_path):
+    """vLLM shuts the connector down from an atexit finalizer, after concurrent.futures
+    stopped taking work: the engine's last writes must still reach the disk."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        f"""
+        import atexit
+        import numpy as np
+        from kvhal.tier_backend import TierSpec
+        from kvhal.tiers.disk import DiskTier
+        tier = DiskTier(TierSpec({{"path": {str(tmp_path)!r}, "bytes_to_use": 1 << 20}}, 8192, role="io"))
+        def late():
+            done = tier.write([0], [b"late"], [memoryview(np.full(8192, 7, np.uint8))])
+            print("written", done.result(), flush=True)
+            tier.close()
+        atexit.register(late)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    assert "written [True]" in out
+    tier = DiskTier(TierSpec({"path": str(tmp_path), "bytes_to_use": 1 << 20}, 8192, role="index"))
+    try:
+        assert tier.recover() == ([0], [b"late"])
+    finally:
+        tier.close()

@@ -425,7 +425,21 @@ class DiskTier(TierBackend):
 
         assert self._pool is not None
         for task in tasks:
-            self._pool.submit(work, task, slots, keys, views, results, errors).add_done_callback(finished)
+            try:
+                future = self._pool.submit(work, task, slots, keys, views, results, errors)
+            except RuntimeError:
+                # The interpreter is exiting (concurrent.futures takes no new work once its
+                # atexit hook ran, before vLLM shuts the connector down): do it here, so an
+                # engine's last stores still reach the disk.
+                future = Future()
+                future.set_running_or_notify_cancel()
+                try:
+                    work(task, slots, keys, views, results, errors)
+                except BaseException as exc:
+                    future.set_exception(exc)
+                else:
+                    future.set_result(None)
+            future.add_done_callback(finished)
         return outer
 
     def _write_task(
