@@ -27,11 +27,18 @@ DEFAULT_ALIGNMENT = 256
 
 @dataclass(frozen=True)
 class SegmentFamily:
-    """A contiguous byte run present once in every block.
+    """A contiguous byte run present once in every block of a cache.
 
     Block ``b``'s run starts at ``address + b * block_stride`` and is
     ``length`` bytes long. ``keys`` name the (layer, part, outer index) pieces
     the run holds, in address order, so that two caches' runs can be paired.
+    A plugin meets these in :attr:`kvhal.copyplan.CopyPlan.families`.
+
+    :param address: virtual address of block 0's run, in the cache's memory
+        (device or host, as the cache's device says); valid while the cache is alive.
+    :param length: bytes in one block's run.
+    :param block_stride: bytes from one block's run to the next block's.
+    :param keys: ``(layer, part, *outer index)`` of each piece the run holds.
     """
 
     address: int
@@ -48,7 +55,11 @@ class SegmentFamily:
 @dataclass(frozen=True)
 class BlockSegments:
     """Where one block's bytes lie: ``merged`` families (adjacent runs joined)
-    and the ``fine`` ones (one per layer, part and outer index, in key order)."""
+    and the ``fine`` ones (one per layer, part and outer index, in key order).
+
+    :param merged: the fewest runs covering a block, by address.
+    :param fine: one run per layer, part and outer index, by key.
+    """
 
     merged: tuple[SegmentFamily, ...]
     fine: tuple[SegmentFamily, ...]
@@ -129,11 +140,20 @@ def _elements_distinct(view: torch.Tensor) -> bool:
 class KVCache:
     """A KV cache: per-layer logical views plus what keeps their memory alive.
 
+    What ``kvhal_allocate_kv_cache`` returns (build it with
+    :func:`allocate_dense_kv_cache`, :func:`dense_kv_cache` or this constructor)
+    and what a :class:`~kvhal.copyplan.CopyPlan` copies between. Checked when made:
+    the views must have the geometry's shapes and dtype, lie on one device, and
+    give every element its own memory (else :class:`~kvhal.errors.ValidationError`).
+    The memory stays valid as long as the cache (or a view) is alive.
+
     :param geometry: the sizes; ``geometry.num_blocks`` is the block count.
     :param layout: the physical order the views were laid out in.
     :param layers: per layer, one ``[B, H, N, C]`` view per part (one for
         STACKED, (K, V) for SPLIT); all on one device, of ``geometry.dtype``.
-    :param storage: backing buffers, held so the views stay valid.
+        ``layers[layer][part]`` indexes them.
+    :param storage: backing buffers, held so the views stay valid (for a host
+        cache: the buffers from ``kvhal_allocate_host_buffer``).
     """
 
     geometry: KVGeometry
@@ -213,10 +233,12 @@ class KVCache:
 
     @property
     def device(self) -> torch.device:
+        """The torch device every view lies on (``cpu`` for a host cache)."""
         return self.layers[0][0].device
 
     @property
     def num_blocks(self) -> int:
+        """Blocks in the cache: valid block ids are ``0 .. num_blocks - 1``."""
         return self.geometry.num_blocks
 
     def layer(self, index: int) -> torch.Tensor | tuple[torch.Tensor, ...]:
@@ -249,7 +271,7 @@ class KVCache:
 
     @cached_property
     def storage_spans(self) -> frozenset[tuple[int, int]]:
-        """``(address, nbytes)`` of every distinct storage under the views."""
+        """``(address, nbytes)`` of every distinct torch storage under the views."""
         return frozenset(
             (v.untyped_storage().data_ptr(), v.untyped_storage().nbytes()) for p in self.layers for v in p
         )

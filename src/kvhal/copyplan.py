@@ -5,6 +5,12 @@ destinations, caches of one geometry and layout, no overlap) and turns the
 ``(src block, dst block)`` pairs into byte descriptors: one per run of
 consecutive ids and contiguous segment. A plugin executes the descriptors
 with its device's (batched) copy call; it never re-derives addresses.
+
+The descriptors' addresses are virtual addresses (as ``Tensor.data_ptr()``
+gives them) into the memory of the two caches: device memory on the device's
+side, host memory on the host's. They stay valid as long as ``plan.src`` and
+``plan.dst`` are alive; a plugin keeps a reference to the plan in the work it
+enqueues until that work has run. docs/vendor-guide.md ("Copies") says more.
 """
 
 from __future__ import annotations
@@ -24,7 +30,10 @@ BlockMapping = Sequence[tuple[int, int]] | np.ndarray | torch.Tensor
 
 
 class Direction(str, enum.Enum):
-    """Where the bytes go, by the devices of the two caches."""
+    """Where the bytes go, by the torch device types of the two caches (``cpu`` is the host).
+
+    A device whose tensors are torch ``cpu`` tensors sees every plan as :attr:`H2H`.
+    """
 
     D2H = "d2h"
     H2D = "h2d"
@@ -34,12 +43,23 @@ class Direction(str, enum.Enum):
 
 @dataclass(frozen=True, eq=False)
 class CopyPlan:
-    """A checked copy of whole blocks from ``src`` to ``dst``.
+    """A checked copy of whole blocks from ``src`` to ``dst``: what ``kvhal_copy_blocks`` gets.
 
+    Made by :func:`plan_copy` (never by a plugin) and read-only. Checked before any
+    byte moves: block ids in range, destination ids unique, both caches of one
+    geometry and layout, sharing no memory. Hence no two destination ranges of
+    :attr:`descriptors` overlap and no source range overlaps a destination range:
+    the descriptors are independent, to run in any order, in parallel or batched.
+
+    :param src: the cache read; its memory is what the source addresses point into.
+    :param dst: the cache written; its memory is what the destination addresses point into.
     :param mapping: ``(n, 2)`` int64 ``(src id, dst id)`` rows, sorted by src.
     :param runs: ``(m, 3)`` int64 ``(src start, dst start, count)``: maximal
         runs where both ids advance by one.
-    :param families: paired ``(src, dst)`` segment families with equal lengths.
+    :param families: paired ``(src, dst)`` :class:`~kvhal.cache.SegmentFamily`
+        with equal lengths: the contiguous byte runs each block consists of, from
+        which :attr:`descriptors` are built (for plugins that build their own
+        batches, e.g. a kernel taking strides).
     """
 
     src: KVCache
@@ -50,22 +70,27 @@ class CopyPlan:
 
     @property
     def num_blocks(self) -> int:
+        """How many blocks are copied (rows of :attr:`mapping`)."""
         return len(self.mapping)
 
     @property
     def num_bytes(self) -> int:
+        """How many bytes are copied: :attr:`num_blocks` times the bytes of one block."""
         return self.num_blocks * sum(s.length for s, _ in self.families)
 
     @property
     def src_ids(self) -> np.ndarray:
+        """The source block ids, int64, ascending (the first column of :attr:`mapping`)."""
         return self.mapping[:, 0]
 
     @property
     def dst_ids(self) -> np.ndarray:
+        """The destination block ids, int64, unique, paired with :attr:`src_ids`."""
         return self.mapping[:, 1]
 
     @property
     def direction(self) -> Direction:
+        """Which side is the host: from the torch device types of :attr:`src` and :attr:`dst`."""
         src_host = self.src.device.type == "cpu"
         dst_host = self.dst.device.type == "cpu"
         if src_host and dst_host:
@@ -76,11 +101,20 @@ class CopyPlan:
 
     @cached_property
     def descriptors(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``(src_ptrs, dst_ptrs, sizes)``, int64 arrays of equal length.
+        """``(src_ptrs, dst_ptrs, sizes)``, int64 arrays of equal length: descriptor
+        ``i`` copies ``sizes[i]`` bytes from address ``src_ptrs[i]`` to ``dst_ptrs[i]``.
+
+        Addresses are virtual addresses into :attr:`src`'s and :attr:`dst`'s memory
+        (device memory on the device's side, host memory on the host's, which is
+        usually a buffer from ``kvhal_allocate_host_buffer`` but may be any CPU
+        tensor a caller wrapped), valid while those caches are alive. No alignment
+        is promised beyond the dtype's element size, and sizes need not be multiples
+        of any page or vector width. Empty when the mapping is.
 
         One descriptor per run and segment family where both sides' runs are
         dense (consecutive blocks touch), else one per block and family;
-        family-major (all of a family's descriptors together).
+        family-major (all of a family's descriptors together). Computed on first
+        use, then kept.
         """
         table = np.array(
             [(s.address, s.block_stride, d.address, d.block_stride, s.length) for s, d in self.families],
@@ -108,6 +142,7 @@ class CopyPlan:
 
     @property
     def num_descriptors(self) -> int:
+        """How many descriptors :attr:`descriptors` holds."""
         return len(self.descriptors[2])
 
 

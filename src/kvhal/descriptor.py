@@ -12,8 +12,15 @@ from kvhal.errors import ValidationError, check_int
 
 
 class Capability(str, enum.Enum):
-    """Optional abilities a plugin declares; the conformance suite tests each one
-    declared and skips, naming it, each one not declared."""
+    """Optional abilities a plugin declares in :attr:`DeviceDescriptor.capabilities`.
+
+    The conformance suite tests each one declared and skips, naming it, each one
+    not declared; kvhal refuses (:class:`~kvhal.errors.ValidationError` naming the
+    capability) to allocate or copy what needs an undeclared one. Besides these,
+    ``dtype.<torch dtype>`` strings (:func:`dtype_capability`) declare dtypes
+    beyond the required bfloat16, float16 and float32. Any other string fails the
+    probe's contract, so a typo does not go unnoticed.
+    """
 
     #: Allocates and copies cross-layer (``B``-outermost) caches.
     CROSS_LAYER = "layout.cross_layer"
@@ -23,30 +30,47 @@ class Capability(str, enum.Enum):
     PINNED_HOST = "host.pinned"
     #: Copies run asynchronously to the calling thread.
     ASYNC_COPY = "copy.async"
-    #: A batch of descriptors goes to the device in one call.
+    #: A batch of descriptors goes to the device in one call (reported; not testable from outside).
     BATCHED_COPY = "copy.batched"
     #: float8_e4m3fn caches.
     FP8 = "dtype.float8_e4m3fn"
 
 
 def dtype_capability(dtype: torch.dtype) -> str:
-    """The capability string that declares support for ``dtype``."""
+    """The capability string that declares support for ``dtype``
+    (``dtype_capability(torch.float8_e5m2) == "dtype.float8_e5m2"``)."""
     return "dtype." + str(dtype).removeprefix("torch.")
 
 
 @dataclass(frozen=True)
 class DeviceDescriptor:
-    """A device a plugin found and can serve.
+    """A device a plugin found and can serve: what ``kvhal_probe`` returns when it is here.
 
-    :param name: the device's kvhal name (``"cpu"``, ``"cuda"``, ``"rocm"``, ``"npu"``).
+    Frozen, and checked when made (:class:`~kvhal.errors.ValidationError` naming
+    the field).
+
+    :param name: the device's name as users read it (``"cpu"``, ``"cuda"``,
+        ``"rocm"``, ``"npu"``): ``kvhal devices``, :attr:`kvhal.device.Device.name`
+        and kvhal's messages show it. It is not the plugin's name: that is the
+        name of its entry point in ``kvhal.plugins``, which ``KVHAL_DEVICE``,
+        :func:`kvhal.select_device`, the allow and block lists and ``kvhal
+        conformance --device`` use. kvhal never selects by this name and does not
+        require the two to match; use one string for both unless there is a reason.
     :param torch_device_type: the torch device type its tensors use
         (ROCm reports ``"cuda"``).
     :param vendor: who makes the device.
-    :param capabilities: :class:`Capability` values (and ``dtype.*`` strings) it supports.
-    :param priority: selection rank among present devices; accelerators
-        should use 100, the CPU plugin uses 0.
-    :param device_count: devices of this kind visible.
-    :param details: free-form facts for ``kvhal devices`` (versions, copy engine).
+    :param capabilities: :class:`Capability` values (and ``dtype.*`` strings) it
+        supports; stored as a frozenset of strings.
+    :param priority: selection rank among present devices of the type asked for:
+        the highest wins and a tie is an error (``several device plugins are
+        present with priority N``) that breaks automatic selection for everyone
+        who has both plugins. Any int, negative ones included. The CPU plugin uses
+        0, kvhal's accelerator plugins 100 (the default); a plugin that is not the
+        default one for its device type takes a priority below that plugin's, used
+        by no other, and is chosen by name.
+    :param device_count: devices of this kind visible (at least 1).
+    :param details: free-form facts for ``kvhal devices`` and the conformance
+        report (versions, copy engine); keys and values become strings.
     """
 
     name: str
@@ -69,16 +93,19 @@ class DeviceDescriptor:
         object.__setattr__(self, "details", {str(k): str(v) for k, v in dict(self.details).items()})
 
     def supports(self, capability: Capability | str) -> bool:
+        """Whether ``capability`` (a :class:`Capability` or its string) is declared."""
         value = capability.value if isinstance(capability, Capability) else capability
         return value in self.capabilities
 
 
 @dataclass(frozen=True)
 class Refusal:
-    """A plugin's answer when its hardware or software is not here.
+    """A plugin's answer when its hardware or software is not here: ``kvhal_probe``
+    returns it instead of raising. ``kvhal devices`` shows the reason; a refusing
+    plugin is never selected automatically and breaks nothing for anyone.
 
     :param reason: one line a user can act on ("no CUDA device visible",
-        "torch_npu is not installed").
+        "torch_npu is not installed"); it must not be empty.
     """
 
     reason: str

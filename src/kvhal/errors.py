@@ -2,7 +2,14 @@
 
 Every error a plugin can cause names the culprit: the plugin, the distribution
 that ships it, and the hook. Validation errors name the argument. All of them
-are raised before any byte moves.
+are raised before any byte moves, except :class:`TransferError`, which reports
+a copy that failed while it ran.
+
+A device plugin raises two of them on purpose: :class:`ValidationError` from
+``kvhal_allocate_kv_cache`` for what the device cannot hold, and
+:class:`TransferError` from ``kvhal_query_event``/``kvhal_synchronize_event``
+for a failed copy. kvhal wraps anything else a hook raises in a
+:class:`PluginError` naming the plugin, its distribution and the hook.
 """
 
 from __future__ import annotations
@@ -15,7 +22,12 @@ class KVHALError(Exception):
 class ValidationError(KVHALError, ValueError):
     """An argument is invalid; nothing was done.
 
-    :param argument: the name of the offending argument.
+    ``ValidationError(argument, message)``; ``str()`` is ``"argument: message"``.
+    A plugin raising it from a hook reaches its caller as a
+    :class:`PluginValidationError`.
+
+    :param argument: the name of the offending argument (``"layout"``, ``"geometry"``).
+    :param message: what is wrong with it.
     """
 
     def __init__(self, argument: str, message: str) -> None:
@@ -28,7 +40,9 @@ class LayoutError(ValidationError):
 
 
 class CopyValidationError(ValidationError):
-    """A block copy was refused before any byte moved (bad ids, mismatched caches)."""
+    """A block copy was refused before any byte moved (bad ids, mismatched caches, an
+    undeclared capability). ``CopyValidationError(argument, message)``, as
+    :class:`ValidationError`."""
 
 
 class BlockStateError(KVHALError):
@@ -64,10 +78,15 @@ class PolicyError(KVHALError):
 class PluginError(KVHALError):
     """A device plugin failed to load, misbehaved, or returned a malformed result.
 
-    :param plugin: the plugin's registered name.
+    ``PluginError(plugin, distribution, hook, message)``; ``str()`` is
+    ``"plugin 'NAME' (distribution D), hook H: message"``. kvhal raises it (and its
+    subclasses) about a plugin; a plugin does not raise it.
+
+    :param plugin: the plugin's registered name (its entry point's name).
     :param distribution: ``name version`` of the distribution shipping it, or
         ``"kvhal (built-in)"``.
     :param hook: the hook involved, or ``None`` when the plugin failed to load.
+    :param message: what happened.
     """
 
     def __init__(self, plugin: str, distribution: str | None, hook: str | None, message: str) -> None:
@@ -83,11 +102,14 @@ class PluginError(KVHALError):
 
 
 class PluginLoadError(PluginError):
-    """A plugin's entry point could not be imported or registered."""
+    """A plugin's entry point could not be imported or registered (an import error, a hook
+    taking an argument its spec lacks, a ``kvhal_*`` name kvhal does not define).
+    Constructor as :class:`PluginError`; ``hook`` is ``None`` for an import error."""
 
 
 class MissingHookError(PluginError):
-    """A device plugin does not implement a hook every device plugin must implement."""
+    """A device plugin does not implement a hook every device plugin must implement
+    (raised when it is selected). Constructor as :class:`PluginError`."""
 
 
 class PluginValidationError(PluginError, ValidationError):
@@ -106,11 +128,13 @@ class PluginValidationError(PluginError, ValidationError):
 
 
 class MalformedResultError(PluginError):
-    """A hook returned something that breaks its contract."""
+    """A hook returned something that breaks its contract (``None`` from a hook that
+    must answer, a result of the wrong type). Constructor as :class:`PluginError`."""
 
 
 class DeviceSelectionError(KVHALError):
-    """No device plugin could be selected (none present, ambiguous, or the named one declined)."""
+    """No device plugin could be selected (none present, a tie of priorities, or the named
+    one declined). ``DeviceSelectionError(message)``."""
 
 
 class TierError(KVHALError):
@@ -127,7 +151,14 @@ class TierError(KVHALError):
 
 
 class TransferError(KVHALError):
-    """An asynchronous block copy failed; the destination blocks hold no valid KV."""
+    """An asynchronous block copy failed; the destination blocks hold no valid KV.
+
+    ``TransferError(message)``: one argument, the message (say what failed and why;
+    raise it ``from`` the underlying error). A device plugin raises it from
+    ``kvhal_query_event`` and ``kvhal_synchronize_event`` for the event of a copy
+    that failed, on every call until the event is recorded again; kvhal passes it
+    through unwrapped, and the transfer engine reports the blocks for recompute.
+    """
 
 
 def check_int(

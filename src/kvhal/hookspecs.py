@@ -17,6 +17,15 @@ the hook. Results are checked; a malformed one raises
 hook. Helpers a plugin can build on: :func:`kvhal.cache.allocate_dense_kv_cache`,
 :func:`kvhal.cache.dense_kv_cache`, :class:`kvhal.copyplan.CopyPlan`.
 
+Implementing a hook: a function or method named as below, decorated with
+:data:`hookimpl` (``kvhal.hookimpl``), on the object an entry point names (a
+class, instantiated once without arguments; an instance; or a module, whose
+functions are the hooks). kvhal passes arguments by keyword under the names
+below: an implementation may take any subset of them, in any order, and one
+taking an argument the spec lacks is refused when it loads. A hook marked
+"Stop at first non-None result" must return a value. Hooks may be called from
+any thread. docs/vendor-guide.md walks through a whole plugin.
+
 Vocabulary (vLLM 0.32): logical KV dims ``[L, B, H, N, C]`` = layers,
 blocks, heads, tokens per block, content; see :mod:`kvhal.layouts`.
 """
@@ -67,6 +76,14 @@ def kvhal_probe() -> DeviceDescriptor | Refusal:
     - ``probe.no_work``: it must not allocate device memory or start device
       work (streams, threads) beyond what detection needs.
 
+    Naming and selection: the plugin's name is its entry point's name, which
+    ``KVHAL_DEVICE`` and :func:`kvhal.select_device` take; the descriptor's
+    ``name`` is what users read and need not match it. Among present plugins
+    (of the torch device type asked for, if any) the highest ``priority``
+    wins and a tie is an error, so a plugin that is not the default one for
+    its device type takes a priority below that one's (negative ones are
+    allowed; the CPU plugin uses 0) and is chosen by name.
+
     :return: the descriptor or refusal. Anything else, or an exception, is an
         error naming the plugin; kvhal never falls back to another device
         because of it.
@@ -96,6 +113,12 @@ def kvhal_kv_layouts(attention_backend: str | None) -> Sequence[KVLayout]:
     - ``layouts.cross_layer``: cross-layer layouts are offered only by a
       plugin declaring ``layout.cross_layer``, and such a plugin offers at
       least one for ``None``.
+
+    ``layouts.cross_layer`` obliges the default answer (``None``) only: for a
+    backend name, a plugin declaring ``layout.cross_layer`` may answer
+    layer-separate layouts alone when those kernels read nothing else. kvhal
+    allocates only layouts in the default answer, so that answer should hold
+    every layout any backend's answer holds.
 
     :param attention_backend: the engine's attention backend name (vLLM's,
         e.g. ``"FLASH_ATTN"``, ``"ROCM_ATTN"``, ``"CPU_ATTN"``) or ``None``
@@ -222,6 +245,12 @@ def kvhal_create_stream(device: torch.device) -> Any:
       runs in submission order, asynchronously to the caller: a later copy
       sees everything an earlier one wrote.
 
+    A stream is any object; kvhal only passes it back to this plugin's hooks.
+    There is no destroy hook: a stream lives as long as kvhal holds it (as
+    long as the device facade or transfer engine that made it), and its
+    resources are released when it is garbage-collected; work already
+    submitted to it still runs to the end.
+
     Stop at first non-None result.
     """
 
@@ -238,6 +267,12 @@ def kvhal_current_stream(device: torch.device) -> Any:
     - ``current.compute``: the same stream on every call and, where torch
       drives streams for the device type, torch's current stream.
 
+    On a device whose compute runs inline on the caller's thread (torch
+    ``cpu`` tensors), the compute stream is an object on which submitted work
+    runs at once, an event recorded completes at once (the work before it is
+    done when the record is made), and a wait blocks the caller until the
+    event completes: the work after the wait is the caller's own.
+
     Stop at first non-None result.
     """
 
@@ -251,6 +286,9 @@ def kvhal_create_event(device: torch.device) -> Any:
     - ``event.new``: every call returns a new event, never one returned
       before; until it is recorded, querying it reports complete and
       synchronizing it returns at once.
+
+    An event is any object; like a stream it has no destroy hook and lives as
+    long as it is held.
 
     Stop at first non-None result.
     """
@@ -271,6 +309,9 @@ def kvhal_record_event(event: Any, stream: Any) -> None:
     - ``record.again``: recording an event again makes it follow the new
       record only: queries, synchronizes and stream waits after that call
       refer to the new record.
+
+    An event may be recorded any number of times, on the same stream or
+    another, also while its previous record is still pending.
     """
 
 
@@ -285,6 +326,10 @@ def kvhal_query_event(event: Any) -> bool:
     - ``query.nonblocking``: it returns at once, without waiting for that work.
     - ``query.error``: it raises :class:`~kvhal.errors.TransferError` when the
       copy the event follows failed.
+
+    A failure sticks to the record: every query and every synchronize of the
+    event raises :class:`~kvhal.errors.TransferError` again, as often as
+    called, until the event is recorded again.
 
     :raises kvhal.errors.TransferError: the copy it follows failed.
     :return: ``True`` or ``False``. Stop at first non-None result.
@@ -302,6 +347,9 @@ def kvhal_synchronize_event(event: Any) -> None:
     - ``sync.error``: it raises :class:`~kvhal.errors.TransferError` when the
       copy the event follows failed.
 
+    It raises again on every later call, as a query does, until the event is
+    recorded again.
+
     :raises kvhal.errors.TransferError: the copy it follows failed.
     """
 
@@ -317,6 +365,13 @@ def kvhal_stream_wait_event(stream: Any, event: Any) -> None:
       start before the work before ``event``'s last record has completed,
       whatever its direction and size (an event never recorded holds nothing up).
     - ``wait.nonblocking``: it returns at once, without waiting for ``event``.
+
+    "Without blocking" concerns streams from :func:`kvhal_create_stream`. On
+    an inline compute stream (see :func:`kvhal_current_stream`) the work that
+    follows the wait is the caller's own, so the wait blocks the caller; kvhal
+    waits there for stores that still read blocks a step reuses. A wait only
+    orders: the failure of the work an event follows is reported through the
+    event, not through the waiting stream.
     """
 
 
@@ -358,6 +413,14 @@ def kvhal_copy_blocks(plan: CopyPlan, stream: Any) -> Any:
     - ``copy.throughput``: copies run at the speed of the device: the
       conformance suite holds them to a fraction (0.25 by default) of a plain
       torch copy of the same bytes between the same memories.
+
+    The descriptors' addresses are virtual addresses into ``plan.src``'s and
+    ``plan.dst``'s memory (device memory on the device's side, host memory on
+    the host's), valid while those caches are alive: keep a reference to
+    ``plan`` in the enqueued work until it has run. Read the plan inside that
+    work too, or catch what reading it raises: a copy that cannot be built
+    must fail through its event, not raise here (``copy.error``). See
+    :class:`~kvhal.copyplan.CopyPlan`.
 
     :return: an event (as from :func:`kvhal_create_event`) that completes when
         every byte is written; a failure surfaces as
