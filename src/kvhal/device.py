@@ -35,6 +35,20 @@ HOST_ALIGNMENT = 4096
 #: dtypes every device plugin must copy; others need a ``dtype.*`` capability.
 REQUIRED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
+#: What each first-result device hook must return, for the message when it returns None.
+EXPECTED_RESULTS = {
+    "kvhal_kv_layouts": "a non-empty sequence of KVLayout",
+    "kvhal_allocate_kv_cache": "a KVCache",
+    "kvhal_allocate_host_buffer": "a flat CPU byte tensor",
+    "kvhal_host_buffer_is_pinned": "True or False",
+    "kvhal_create_stream": "a new stream",
+    "kvhal_current_stream": "the compute stream",
+    "kvhal_create_event": "a new event",
+    "kvhal_query_event": "True or False",
+    "kvhal_copy_blocks": "an event recorded after the copy (a failed copy must return one too, "
+    "whose query and synchronize raise TransferError)",
+}
+
 
 class Device:
     """One device plugin, bound: allocation, host memory, streams, events, copies.
@@ -105,7 +119,8 @@ class Device:
     def _call_first(self, hook: str, **kwargs: Any) -> Any:
         result = self._call(hook, **kwargs)
         if result is None:
-            raise self._error(MalformedResultError, hook, "returned None")
+            expected = EXPECTED_RESULTS.get(hook, "a result")
+            raise self._error(MalformedResultError, hook, f"returned None; expected {expected}")
         return result
 
     def _dev(self, device: torch.device | str | None) -> torch.device:

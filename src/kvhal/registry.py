@@ -2,7 +2,9 @@
 
 Plugins come from the entry-point group ``kvhal.plugins`` (an entry point may
 name a module, an object, or a class, which is instantiated without
-arguments); the CPU plugin is built in. Selection, strictest first:
+arguments; what it names must implement kvhal hooks, else it is an error naming
+the plugin, e.g. a module whose plugin is a class inside it); the CPU plugin is
+built in. Selection, strictest first:
 
 1. a device named by argument, else by ``KVHAL_DEVICE``: that plugin or an error;
 2. a torch device type (the engine's): the present plugins serving it;
@@ -119,6 +121,42 @@ def _distribution_of(ep: importlib.metadata.EntryPoint) -> str | None:
     return f"{dist.name} {dist.version}" if dist is not None else None
 
 
+def _hook_carriers(module: object) -> list[str]:
+    """Attributes of ``module`` defined there that carry kvhal hook implementations."""
+    found = []
+    for attr, value in sorted(vars(module).items()):
+        if attr.startswith("_") or getattr(value, "__module__", None) != getattr(module, "__name__", None):
+            continue
+        owner = value if isinstance(value, type) else type(value)
+        if any(
+            callable(member) and hasattr(member, f"{hookspecs.PROJECT}_impl")
+            for key, member in inspect.getmembers(owner)
+            if key.startswith(f"{hookspecs.PROJECT}_")
+        ):
+            found.append(attr)
+    return found
+
+
+def _no_hooks_message(plugin: object) -> str:
+    """Why a plugin that implements no kvhal hook is refused, and what was probably meant."""
+    if not inspect.ismodule(plugin):
+        return (
+            f"registers no kvhal hooks: {type(plugin).__name__} has no method marked with "
+            "kvhal.hookspecs.hookimpl, so kvhal cannot ask it anything"
+        )
+    carriers = _hook_carriers(plugin)
+    hint = (
+        "; name the plugin object in the entry point instead: "
+        + " or ".join(f"'{plugin.__name__}:{attr}'" for attr in carriers)
+        if carriers
+        else ""
+    )
+    return (
+        f"registers no kvhal hooks: it is the module {plugin.__name__!r}, which defines no function "
+        f"marked with kvhal.hookspecs.hookimpl{hint}"
+    )
+
+
 class PluginRegistry:
     """A pluggy manager holding kvhal's hookspecs and every plugin found.
 
@@ -201,30 +239,33 @@ class PluginRegistry:
         try:
             self.pm.register(plugin, name=name)
         except pluggy.PluginValidationError as exc:
-            info.error = PluginLoadError(name, distribution, self._mismatched_hook(plugin), str(exc))
+            hook, reason = self._mismatched_hook(plugin)
+            info.error = PluginLoadError(name, distribution, hook, reason or " ".join(str(exc).split()))
+            info.error.__cause__ = exc
             self.plugins.append(info)
             return info
         except ValueError as exc:  # duplicate name
             info.error = PluginLoadError(name, distribution, None, str(exc))
             self.plugins.append(info)
             return info
-        unknown = [
-            caller.name
-            for caller in self.pm.get_hookcallers(plugin) or []
-            if caller.spec is None and caller.name.startswith("kvhal_")
-        ]
+        callers = self.pm.get_hookcallers(plugin) or []
+        unknown = [c.name for c in callers if c.spec is None and c.name.startswith("kvhal_")]
         if unknown:
             self.pm.unregister(plugin)
             info.error = PluginLoadError(
                 name, distribution, unknown[0], f"implements {unknown} which kvhal does not define (a typo?)"
             )
+        elif not any(c.name.startswith(f"{hookspecs.PROJECT}_") for c in callers):
+            self.pm.unregister(plugin)
+            info.error = PluginLoadError(name, distribution, None, _no_hooks_message(plugin))
         else:
             info.plugin = plugin
         self.plugins.append(info)
         return info
 
-    def _mismatched_hook(self, plugin: object) -> str | None:
-        """The hook whose implementation pluggy refused: it takes an argument its spec lacks."""
+    def _mismatched_hook(self, plugin: object) -> tuple[str | None, str | None]:
+        """The hook whose implementation pluggy refused and why, in one line: it takes an
+        argument its spec lacks. ``(None, None)`` when none such is found."""
         for attr in dir(plugin):
             prefixed = attr.startswith(f"{hookspecs.PROJECT}_")
             if not prefixed or self.pm.parse_hookimpl_opts(plugin, attr) is None:
@@ -236,10 +277,15 @@ class PluginRegistry:
             try:
                 parameters = inspect.signature(getattr(plugin, attr)).parameters
             except (TypeError, ValueError):
-                return attr
-            if set(parameters) - set(spec.argnames):
-                return attr
-        return None
+                return attr, "has no signature kvhal can read"
+            extra = [p for p in parameters if p not in spec.argnames]
+            if extra:
+                return attr, (
+                    f"takes argument(s) {', '.join(map(repr, extra))}, which the hookspec "
+                    f"{attr}({', '.join(spec.argnames)}) does not define: an implementation takes the "
+                    "spec's arguments by name (any subset of them)"
+                )
+        return None, None
 
     def call_one(self, hook: str, info: PluginInfo, **kwargs: Any) -> list[Any]:
         """Call ``hook`` on one plugin through pluggy's hook caller, so that wrappers

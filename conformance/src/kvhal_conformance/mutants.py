@@ -553,6 +553,57 @@ class RecordCompletesAtOnce(CPUPlugin):
         InlineStream().record(event)
 
 
+class _InFlight:
+    """The task a stream's worker runs now (its completion), shared with the worker."""
+
+    task_done: threading.Event | None = None
+
+
+class _InFlightStream(CPUStream):
+    """A CPU stream that knows which of its tasks is running (a hardware queue's in-flight
+    fence)."""
+
+    def __init__(self) -> None:
+        super().__init__("kvhal-in-flight")
+        self.in_flight = _InFlight()
+
+    def submit(self, task: Callable[[], None]) -> None:
+        in_flight = self.in_flight  # not self: queued work must not keep the stream alive
+
+        def run() -> None:
+            finished = threading.Event()
+            in_flight.task_done = finished
+            try:
+                task()
+            finally:
+                finished.set()
+
+        super().submit(run)
+
+
+@mutant("record.after_work", also=("record.again",), why="the second record follows only running work too")
+class RecordFollowsRunningWork(CPUPlugin):
+    """kvhal_record_event makes the event follow the work its stream runs now, not the work
+    still queued behind it (the fence of what was dispatched, not of what was submitted)."""
+
+    @hookimpl
+    def kvhal_create_stream(self, device: torch.device) -> CPUStream:
+        return _InFlightStream()
+
+    @hookimpl
+    def kvhal_record_event(self, event: CPUEvent, stream: Stream) -> None:
+        if not isinstance(stream, _InFlightStream):
+            stream.record(event)
+            return
+        marker = _Marker()
+        event._marker = marker
+        fence = stream.in_flight.task_done
+        if fence is None or fence.is_set():
+            marker.done.set()
+            return
+        threading.Thread(target=lambda: (fence.wait(), marker.done.set()), daemon=True).start()
+
+
 @mutant("record.completes")
 class IdleRecordNeedsSync(CPUPlugin):
     """An event recorded on a copy stream with nothing queued never queries complete; only a
@@ -828,6 +879,28 @@ class SyncCopy(CPUPlugin):
         done = CPUEvent()
         stream.record(done)
         return done
+
+
+#: The staging buffer of :class:`StagingOverflow`: more than every preset's large copy (at most
+#: 4 MiB, in ``tiny``, the size mutants run at), less than the busy work's batch (8 MiB there).
+STAGING = 6 << 20
+
+
+@mutant("copy.data")
+class StagingOverflow(CPUPlugin):
+    """Copies through a staging area of 6 MiB: of a larger batch, only the descriptors that fit
+    are copied, the rest is silently left out (the overflow check counts bytes once per batch)."""
+
+    @hookimpl
+    def kvhal_copy_blocks(self, plan: CopyPlan, stream: Stream) -> CPUEvent:
+        engine = self.engine
+
+        def staged() -> None:
+            src, dst, sizes = plan.descriptors
+            fits = np.cumsum(sizes) <= STAGING
+            engine.run(src[fits], dst[fits], sizes[fits])
+
+        return _record_after(stream, staged)
 
 
 @mutant("copy.throughput", floor=0.25)

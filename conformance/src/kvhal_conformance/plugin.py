@@ -7,6 +7,7 @@ own tests then skip, saying how to run them, and no other test is touched.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Generator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,6 +70,19 @@ def pytest_configure(config: pytest.Config) -> None:
     settings = Settings.from_config(config)
     config.stash[STATE] = State(settings)
     timing.set_pin_timeout(settings.pin_timeout)
+    timing.set_progress_reporter(lambda message: show_progress(config, message))
+
+
+def show_progress(config: pytest.Config, message: str) -> None:
+    """Write a long wait's progress on the terminal while a test runs (past output capturing)."""
+    terminal = config.pluginmanager.get_plugin("terminalreporter")
+    capture = config.pluginmanager.get_plugin("capturemanager")
+    if terminal is None:
+        timing.print_progress(message)
+        return
+    with capture.global_and_fixture_disabled() if capture is not None else contextlib.nullcontext():
+        terminal.ensure_newline()
+        terminal.write_line(f"kvhal conformance: {message}", yellow=True)
 
 
 #: What the ``dtype`` of a suite check runs over without a plugin to ask (the checks then skip).

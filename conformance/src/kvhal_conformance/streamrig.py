@@ -24,7 +24,15 @@ from kvhal_conformance.copycase import CONTROL_BUSY_S, piece_geometry, query_lie
 from kvhal_conformance.copycheck import mapped_problems
 from kvhal_conformance.timing import Busy, poll, settle, wait
 
-COPY_WRONG = "the copy itself is wrong (see the copies contract)"
+#: Where the blame lies when the chain's bytes never arrive: the copy, not the streams.
+COPY_WRONG = (
+    "kvhal_copy_blocks copied this batch wrong (the copies contract checks a copy of the same size "
+    "alone: test_block_sizes[...-large])"
+)
+
+
+def _size(plan: CopyPlan) -> str:
+    return f"{plan.num_bytes >> 20} MiB in {plan.num_blocks} blocks"
 
 
 @dataclass(repr=False)
@@ -145,8 +153,8 @@ class Chain:
         if first:
             violated(
                 "copy.data",
-                f"{what}: the host->device copy never delivered its blocks: {COPY_WRONG}: "
-                + "; ".join(first),
+                f"{what}: the host->device copy ({_size(self.first)}) never delivered its blocks: "
+                f"{COPY_WRONG}: " + "; ".join(first),
             )
         out = blockdata.read(self.second.dst)
         src_ids, dst_ids = self.second.mapping.T
@@ -163,8 +171,8 @@ class Chain:
         second = mapped_problems(self.second.mapping, middle, self.out_before, out)
         violated(
             "copy.data",
-            f"{what}: the device->host copy is wrong ({COPY_WRONG}, or it read blocks while the first "
-            "copy was writing them): " + "; ".join(second),
+            f"{what}: the device->host copy ({_size(self.second)}) is wrong ({COPY_WRONG}, or it read "
+            "blocks while the first copy was writing them): " + "; ".join(second),
         )
 
 

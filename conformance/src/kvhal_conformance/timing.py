@@ -8,9 +8,9 @@ so they hold on a fast accelerator and on a loaded shared machine alike.
 from __future__ import annotations
 
 import math
+import sys
 import threading
 import time
-import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -31,6 +31,27 @@ T = TypeVar("T")
 WAIT_LIMIT_S = 120.0
 #: At most this many copies keep a stream busy, however fast one copy is.
 MAX_BUSY_COPIES = 5000
+#: A wait longer than this shows its progress, every as long.
+PROGRESS_EVERY_S = 5.0
+
+
+def print_progress(message: str) -> None:
+    print(f"kvhal conformance: {message}", file=sys.stderr, flush=True)
+
+
+_reporter: Callable[[str], None] = print_progress
+
+
+def set_progress_reporter(reporter: Callable[[str], None]) -> None:
+    """Where :func:`progress` writes (the suite's pytest plugin shows it on the terminal,
+    past output capturing)."""
+    global _reporter
+    _reporter = reporter
+
+
+def progress(message: str) -> None:
+    """Say what a long wait is waiting for, while it waits."""
+    _reporter(message)
 
 
 def wait(
@@ -60,8 +81,15 @@ def wait(
             done.set()
 
     threading.Thread(target=run, name="kvhal-conformance-wait", daemon=True).start()
-    if not done.wait(limit_s):
-        pytest.fail(f"kvhal_synchronize_event did not return within {limit_s:.0f} s ({what})")
+    start = time.perf_counter()
+    while not done.wait(min(PROGRESS_EVERY_S, max(0.0, start + limit_s - time.perf_counter()))):
+        waited = time.perf_counter() - start
+        if waited >= limit_s:
+            pytest.fail(f"kvhal_synchronize_event did not return within {limit_s:.0f} s ({what})")
+        progress(
+            f"kvhal_synchronize_event has not returned after {waited:.0f} s ({what}); "
+            f"giving up at {limit_s:.0f} s"
+        )
     if raised:
         raise raised[0]
     return result[0] if result else None
@@ -75,27 +103,42 @@ def poll(
     limit_s: float = WAIT_LIMIT_S,
 ) -> None:
     """Query ``event`` until complete, calling ``while_pending`` before each query."""
-    deadline = time.perf_counter() + limit_s
+    start = time.perf_counter()
+    shown = start
     while True:
         if while_pending is not None:
             while_pending()
         if device.query_event(event):
             return
-        if time.perf_counter() > deadline:
+        now = time.perf_counter()
+        if now - start > limit_s:
             pytest.fail(f"kvhal_query_event still reports incomplete after {limit_s:.0f} s ({what})")
+        if now - shown >= PROGRESS_EVERY_S:
+            shown = now
+            progress(
+                f"kvhal_query_event still reports incomplete after {now - start:.0f} s ({what}); "
+                f"giving up at {limit_s:.0f} s"
+            )
         time.sleep(0.0002)
 
 
 #: How long a plugin declaring host.pinned may take to pin a buffer in the background
 #: (``--kvhal-pin-timeout``).
 PIN_TIMEOUT_S = 60.0
-#: Devices that once failed to pin a buffer in time: later checks do not wait again.
-_NEVER_PINNED: weakref.WeakSet[Device] = weakref.WeakSet()
+#: Plugins (name, distribution) with a buffer that was not pinned in time: their later
+#: buffers are not waited for (one wrong answer costs one time-out per run, not one per check).
+_NEVER_PINNED: set[tuple[str, str | None]] = set()
 
 
 def set_pin_timeout(seconds: float) -> None:
+    """Set the time-out for a run (and forget the plugins an earlier run stopped waiting for)."""
     global PIN_TIMEOUT_S
     PIN_TIMEOUT_S = seconds
+    _NEVER_PINNED.clear()
+
+
+def _plugin_key(device: Device) -> tuple[str, str | None]:
+    return device.plugin_name, device.distribution
 
 
 def wait_pinned(device: Device, buffer: torch.Tensor, timeout: float | None = None) -> bool:
@@ -103,18 +146,37 @@ def wait_pinned(device: Device, buffer: torch.Tensor, timeout: float | None = No
 
     Pinning may finish after the buffer is returned (kvhal_allocate_host_buffer's
     contract): timings must not measure a buffer still pageable. False when the
-    plugin does not declare host.pinned, or the buffer was not pinned in time (after
-    one such time-out, the device's buffers are not waited for again).
+    plugin does not declare host.pinned, or the buffer was not pinned in time; after
+    one such time-out, the plugin's buffers are not waited for again
+    (:func:`pin_wait_note` says which happened). The wait shows its progress.
     """
     if not device.descriptor.supports(Capability.PINNED_HOST):
         return False
-    deadline = time.monotonic() + (PIN_TIMEOUT_S if timeout is None else timeout)
+    limit = PIN_TIMEOUT_S if timeout is None else timeout
+    start = time.monotonic()
+    shown = start
     while not guarded.is_pinned(device, buffer):
-        if device in _NEVER_PINNED or time.monotonic() > deadline:
-            _NEVER_PINNED.add(device)
+        now = time.monotonic()
+        if _plugin_key(device) in _NEVER_PINNED or now - start > limit:
+            _NEVER_PINNED.add(_plugin_key(device))
             return False
+        if now - shown >= PROGRESS_EVERY_S:
+            shown = now
+            progress(
+                f"plugin {device.plugin_name!r} declares host.pinned; waiting for "
+                f"kvhal_host_buffer_is_pinned to say a {buffer.numel() * buffer.element_size()}-byte "
+                f"buffer is pinned: {now - start:.0f} s of at most {limit:.0f} s (--kvhal-pin-timeout)"
+            )
         time.sleep(0.005)
     return True
+
+
+def pin_wait_note(device: Device) -> str:
+    """How long :func:`wait_pinned` waited for a buffer of ``device`` it returned False for."""
+    return (
+        f"waited {PIN_TIMEOUT_S:.0f} s for background pinning, once per plugin and run: after one "
+        "buffer was not pinned in time, the others are not waited for"
+    )
 
 
 def settle(device: Device) -> None:

@@ -124,10 +124,12 @@ class EngineCopyHooks(TorchStreamHooks):
     def kvhal_copy_blocks(self, plan: CopyPlan, stream: Any) -> CopyEvent:
         self.check_copy_stream(stream)  # raises: nothing is enqueued yet
         module = self.stream_module()
-        descriptors = split_at(Descriptors.of(plan), self.host_split_points())
-        direction = plan.direction
+        descriptors: Descriptors | None = None
+        direction: Direction | None = None
         error: BaseException | None = None
-        try:
+        try:  # reading the plan is part of the submission: its failure goes to the event too
+            descriptors = split_at(Descriptors.of(plan), self.host_split_points())
+            direction = plan.direction
             with module.stream(stream):
                 keep_alive_on(plan, stream)
                 if direction is Direction.H2H:
@@ -144,6 +146,6 @@ class EngineCopyHooks(TorchStreamHooks):
         event.record(stream)
         if error is not None:
             event.fail(error)
-        if direction is Direction.D2H:  # a failed store may have queued writes too
+        if direction is Direction.D2H and descriptors is not None:  # a failed store may have queued writes
             self.host_writes.add(descriptors, event.inner.query)
         return event

@@ -37,7 +37,7 @@ from kvhal_conformance.copycase import LATE_LIMIT_S, CopyCase, synchronize_and_c
 from kvhal_conformance.copycheck import mapped_problems, source_problems, unmapped_problems
 from kvhal_conformance.settings import Sizes
 from kvhal_conformance.target import Target
-from kvhal_conformance.timing import settle, wait
+from kvhal_conformance.timing import scratch_geometry, settle, wait
 
 #: What every check of a finished copy covers.
 COPY_CLAUSES = ("copy.data", "copy.dst_only", "copy.src_unchanged")
@@ -179,7 +179,7 @@ class CopiesContract(ContractFixtures):
     block, one odd-sized block and many MiB, every mapped block arrives bit for bit, no other
     destination byte changes and the source stays as it was.
 
-    Fixtures: ``kvhal_target``, ``kvhal_device``, ``kvhal_sizes`` (``large_batch``,
+    Fixtures: ``kvhal_target``, ``kvhal_device``, ``kvhal_sizes`` (``large_batch``, ``scratch_bytes``,
     ``large_copy_bytes``), ``kvhal_host_cache``, ``kvhal_seed``, ``kvhal_rng``,
     ``kvhal_new_stream`` (see :class:`ContractFixtures`); ``copier`` (function) runs the
     checked copies.
@@ -247,6 +247,19 @@ class CopiesContract(ContractFixtures):
         scattered, packed = copier.rng.permutation(n), np.arange(n)
         pairs = (scattered, packed) if direction == "d2h" else (packed, scattered)
         copier.check(geometry, layout, direction, np.stack(pairs, axis=1), f"{n} blocks", host_blocks=n)
+
+    @final
+    @covers(*COPY_CLAUSES)
+    @pytest.mark.parametrize("direction", DIRECTIONS)
+    def test_busy_work_batch(self, copier: Copier, kvhal_sizes: Sizes, direction: str) -> None:
+        """The batch the streams-and-events checks keep streams busy with (every block of the
+        scratch cache, ``scratch_bytes`` in all: their largest copy) copies exactly."""
+        geometry = scratch_geometry(kvhal_sizes.scratch_bytes)
+        n = geometry.num_blocks
+        ids = np.arange(n)
+        layout = copier.device.kv_layouts()[0]  # the busy work's layout
+        what = f"the streams checks' busy-work batch: {n} blocks, {geometry.total_bytes >> 20} MiB"
+        copier.check(geometry, layout, direction, np.stack([ids, ids], axis=1), what, host_blocks=n)
 
     @final
     @covers(*COPY_CLAUSES)

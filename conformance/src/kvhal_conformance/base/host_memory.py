@@ -240,8 +240,8 @@ class HostMemoryContract(ContractFixtures):
                 wait_pinned(kvhal_device, buffer),
                 "host.pinned",
                 f"plugin {kvhal_target.name!r} declares {Capability.PINNED_HOST.value} but {IS_PINNED} "
-                f"says a {nbytes}-byte buffer from {ALLOCATE} is not pinned (waited "
-                f"{timing.PIN_TIMEOUT_S:.0f} s for background pinning)",
+                f"says a {nbytes}-byte buffer from {ALLOCATE} is not pinned "
+                f"({timing.pin_wait_note(kvhal_device)})",
             )
             plain = torch.zeros(nbytes, dtype=torch.uint8)
             expect(

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 
+from kvhal.cache import KVCache
 from kvhal.copyplan import CopyPlan
 from kvhal.descriptor import Capability
 from kvhal.device import Device
@@ -44,17 +45,28 @@ NewStream = Callable[[], Any]
 
 
 def early_record_clause(device: Device, busy: Busy) -> str:
-    """An event recorded after a copy completed before it: whose fault? If an event recorded
-    after a wait for fresh busy work completes before that work too, the records are wrong
-    (``record.after_work``); else the copy was not on the stream it was given
-    (``copy.on_stream``)."""
-    pending, _ = busy.occupy(device.create_stream(), CONTROL_BUSY_S)
+    """An event recorded after a copy completed before it: whose fault? A control event is
+    recorded on a stream behind two waits: one for busy work running now, and one, still
+    queued behind it, for busy work that follows. If the control completes while the
+    second busy work is incomplete, the records are wrong (``record.after_work``: say, they
+    follow only the work running when recorded, not work still queued); else the copy was
+    not on the stream it was given (``copy.on_stream``)."""
+    first, _ = busy.occupy(device.create_stream(), CONTROL_BUSY_S)
+    follows = device.create_stream()
+    device.stream_wait_event(follows, first)
+    second, _ = busy.occupy(follows, 5 * CONTROL_BUSY_S)  # a wide window to see the control in
     stream = device.create_stream()
-    device.stream_wait_event(stream, pending)
+    device.stream_wait_event(stream, first)
+    device.stream_wait_event(stream, second)
     control = device.create_event()
     device.record_event(control, stream)
-    early = device.query_event(control) and not device.query_event(pending)
-    wait(device, pending, "busy work")
+    early = False
+
+    def watch() -> None:
+        nonlocal early  # the control first, the work second: it was incomplete when seen
+        early = early or (device.query_event(control) and not device.query_event(second))
+
+    poll(device, second, "busy work", while_pending=watch)
     return "record.after_work" if early else "copy.on_stream"
 
 
@@ -175,17 +187,44 @@ class InjectedCopyFailure(RuntimeError):
     """What a plan handed to kvhal_copy_blocks by the failure check raises when read."""
 
 
+def _injected() -> InjectedCopyFailure:
+    return InjectedCopyFailure(
+        "this copy's memory cannot be located (a failure injected by the conformance suite)"
+    )
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class FailingCache(KVCache):
+    """A cache whose memory cannot be located: its views and buffers raise when read. Its
+    geometry, layout, device and block count read as usual."""
+
+    def __getattribute__(self, name: str) -> Any:
+        if name in ("layers", "storage"):
+            raise _injected()
+        if name == "device":
+            return object.__getattribute__(self, "_device")
+        return object.__getattribute__(self, name)
+
+
+def failing_cache(cache: KVCache) -> FailingCache:
+    failing = object.__new__(FailingCache)  # no __post_init__: it would read the views
+    for f in dataclasses.fields(KVCache):
+        object.__setattr__(failing, f.name, object.__getattribute__(cache, f.name))
+    object.__setattr__(failing, "_device", cache.device)
+    return failing
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class FailingPlan(CopyPlan):
-    """A plan whose runs, segment families and descriptors (what a copy is built from) cannot
-    be read: any copy of it fails before a byte moves, wherever the plugin reads them (on the
-    caller's thread or later). Its other facts (caches, pairs, sizes) read as usual."""
+    """A plan whose bytes cannot be located, whatever a plugin builds its copy from: its runs,
+    segment families and descriptors raise when read, and so do its caches' views and buffers.
+    Any copy of it fails before a byte moves, wherever the plugin reads them (on the caller's
+    thread or later). Its other facts (caches' geometry, layout and device, pairs, sizes,
+    direction) read as usual."""
 
     def __getattribute__(self, name: str) -> Any:
         if name in ("descriptors", "runs", "families"):
-            raise InjectedCopyFailure(
-                "this copy plan cannot be read (a failure injected by the conformance suite)"
-            )
+            raise _injected()
         if name == "num_bytes":
             return object.__getattribute__(self, "_num_bytes")
         return object.__getattribute__(self, name)
@@ -193,6 +232,7 @@ class FailingPlan(CopyPlan):
 
 def failing_plan(plan: CopyPlan) -> FailingPlan:
     fields = {f.name: object.__getattribute__(plan, f.name) for f in dataclasses.fields(CopyPlan)}
+    fields["src"], fields["dst"] = failing_cache(plan.src), failing_cache(plan.dst)
     failing = FailingPlan(**fields)
     object.__setattr__(failing, "_num_bytes", plan.num_bytes)
     return failing
@@ -612,7 +652,12 @@ class StreamsEventsContract(ContractFixtures):
                     f"kvhal_copy_blocks raised {type(exc).__name__}: {exc} for a copy that failed: a failure "
                     "must surface through the event it returns, as TransferError",
                 )
-            expect(event is not None, "copy.error", "kvhal_copy_blocks returned None for a copy that failed")
+            expect(
+                event is not None,
+                "copy.error",
+                "kvhal_copy_blocks returned None for a copy that failed: it must return an event anyway, "
+                "whose query and synchronize raise TransferError",
+            )
             queried = synchronized = None
             if attempt == 0:  # the first failure is queried until it reports, then synchronized
                 try:

@@ -88,7 +88,7 @@ class ThroughputContract(ContractFixtures):
                 "host.pinned",
                 f"plugin {kvhal_target.name!r} declares {Capability.PINNED_HOST.value}, but the "
                 f"{on_host.storage[0].numel() >> 20} MiB host buffer of the throughput check never reported "
-                f"pinned (waited {timing.PIN_TIMEOUT_S:.0f} s): copies to pageable memory are not measured",
+                f"pinned ({timing.pin_wait_note(device)}): copies to pageable memory are not measured",
             )
         scattered, packed = kvhal_rng.permutation(g.num_blocks), np.arange(g.num_blocks)
         if direction == "d2h":
