@@ -9,23 +9,17 @@ the index alone once it has done what the manager cannot: forget, recover).
 
 from __future__ import annotations
 
-from collections import Counter
-
 import hypothesis.strategies as st
 import numpy as np
 import pytest
 from hypothesis import given, settings
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import invariant, precondition, rule
 
 from kvhal.errors import BlockStateError, PolicyError, ValidationError
 from kvhal.eviction import ClockPolicy, LRUPolicy
-from kvhal.manager import BlockState, OffloadingManager
-from kvhal.registry import PluginRegistry
+from kvhal.manager import BlockState, OffloadingManager, StorePlan
 from kvhal.tier_index import TierIndex
-
-REGISTRY = PluginRegistry(autoload=False, allow=None, block=())
-UNIVERSE = [bytes([h]) * 4 + g.to_bytes(4, "big") for h in range(6) for g in (0, 1)]
-key_lists = st.lists(st.sampled_from(UNIVERSE), max_size=5)
+from tests.slot_state_model import REGISTRY, UNIVERSE, SlotStateModel, as_test_case, key_lists
 
 
 def keys_of(n: int, tag: bytes = b"k") -> list[bytes]:
@@ -55,19 +49,16 @@ def check_table(index: TierIndex) -> None:
 # -- the state machine ---------------------------------------------------------
 
 
-class IndexMachine(RuleBasedStateMachine):
+class IndexMachine(SlotStateModel):
     policy = "lru"
+    subject: TierIndex
 
-    @initialize(num_slots=st.integers(1, 6))
-    def start(self, num_slots: int) -> None:
-        self.n = num_slots
-        self.t = TierIndex(num_slots, self.policy, registry=REGISTRY)
+    def make(self, num_slots: int) -> TierIndex:
         self.m: OffloadingManager | None = OffloadingManager(num_slots, self.policy, registry=REGISTRY)
-        self.state: dict[bytes, str] = {}  # key -> "storing" | "ready"
-        self.loads: Counter[bytes] = Counter()
-        self.order: list[bytes] = []  # LRU: least recent first
+        self.t = TierIndex(num_slots, self.policy, registry=REGISTRY)
+        return self.t
 
-    def both(self, name: str, *args):
+    def call(self, name: str, *args):
         """Call ``name`` on both; the same answer or the same error type."""
         try:
             got = getattr(self.t, name)(*args)
@@ -80,111 +71,19 @@ class IndexMachine(RuleBasedStateMachine):
             assert getattr(self.m, name)(*args) == got
         return got
 
-    def snapshot(self) -> tuple:
-        t = self.t
-        per_key = tuple((t.state(k), t.slot(k), t.loads_in_flight(k)) for k in UNIVERSE)
-        return per_key, t.num_free, t.num_evictable, t.num_storing, len(t)
-
-    def refused(self, name: str, *args) -> None:
-        before = self.snapshot()
-        with pytest.raises(BlockStateError):
-            self.both(name, *args)
-        assert self.snapshot() == before
-
-    def evictable(self, protected: set[bytes]) -> list[bytes]:
-        return [
-            k for k in self.order if self.state[k] == "ready" and not self.loads[k] and k not in protected
-        ]
-
-    @rule(keys=key_lists)
-    def prepare_store(self, keys: list[bytes]) -> None:
-        unique = list(dict.fromkeys(keys))
-        new = [k for k in unique if k not in self.state]
-        need = len(new) - (self.n - len(self.state))
-        candidates = self.evictable(set(unique))
-        slot_of = {k: self.t.slot(k) for k in self.state}
+    def store(self, keys: list[bytes]) -> tuple[StorePlan | None, list[bytes]]:
+        key_of = {self.t.slot(k): k for k in self.state}
         plan = self.t.prepare_store(keys)
         theirs = self.m.prepare_store(keys) if self.m is not None else plan
-        if need > len(candidates):
-            assert plan is None and theirs is None
-            return
-        assert plan is not None and theirs is not None
-        assert plan.keys == new == theirs.keys
-        assert plan.slots == theirs.slots
-        victims = {slot: k for k, slot in slot_of.items()}
-        evicted = [victims[slot] for slot in plan.evicted]  # the index returns slots
+        if plan is None:
+            assert theirs is None
+            return None, []
+        assert theirs is not None
+        assert plan.keys == theirs.keys and plan.slots == theirs.slots
+        evicted = [key_of[slot] for slot in plan.evicted]  # the index returns slots
         if self.m is not None:
             assert evicted == theirs.evicted
-        assert len(evicted) == max(need, 0)
-        assert set(evicted) <= set(candidates)  # never a block in use, never one of this call's
-        if self.policy == "lru":
-            assert evicted == candidates[: max(need, 0)]
-        for k in evicted:
-            del self.state[k]
-            self.order.remove(k)
-        for k, slot in zip(plan.keys, plan.slots, strict=True):
-            self.state[k] = "storing"
-            self.order.append(k)
-            assert self.t.slot(k) == slot
-
-    @rule(data=st.data(), success=st.booleans())
-    def complete_store(self, data, success: bool) -> None:
-        storing = [k for k, s in self.state.items() if s == "storing"]
-        keys = data.draw(st.lists(st.sampled_from(storing), unique=True)) if storing else []
-        self.both("complete_store", keys, success)
-        for k in keys:
-            if success:
-                self.state[k] = "ready"
-            else:
-                del self.state[k]
-                self.order.remove(k)
-
-    @rule(key=st.sampled_from(UNIVERSE))
-    def complete_store_refused(self, key: bytes) -> None:
-        if self.state.get(key) != "storing":
-            self.refused("complete_store", [key])
-
-    @rule(keys=key_lists)
-    def prepare_load(self, keys: list[bytes]) -> None:
-        if all(self.state.get(k) == "ready" for k in keys):
-            slots = self.both("prepare_load", keys)
-            assert slots == [self.t.slot(k) for k in keys]
-            self.loads.update(keys)
-        else:
-            self.refused("prepare_load", keys)
-
-    @precondition(lambda self: +self.loads)
-    @rule(data=st.data())
-    def complete_load(self, data) -> None:
-        loaded = sorted(+self.loads)
-        keys = data.draw(st.lists(st.sampled_from(loaded), min_size=1, max_size=3))
-        if any(self.loads[k] < n for k, n in Counter(keys).items()):
-            self.refused("complete_load", keys)
-            return
-        self.both("complete_load", keys)
-        self.loads.subtract(keys)
-
-    @rule(key=st.sampled_from(UNIVERSE))
-    def complete_load_refused(self, key: bytes) -> None:
-        if not self.loads[key]:
-            self.refused("complete_load", [key])
-
-    @rule(keys=key_lists)
-    def touch(self, keys: list[bytes]) -> None:
-        self.both("touch", keys)
-        for k in reversed(keys):
-            if k in self.state:
-                self.order.remove(k)
-                self.order.append(k)
-
-    @rule(keys=key_lists)
-    def lookup(self, keys: list[bytes]) -> None:
-        expected = 0
-        for k in keys:
-            if self.state.get(k) != "ready":
-                break
-            expected += 1
-        assert self.both("lookup", keys) == expected
+        return plan, evicted
 
     @rule(keys=key_lists)
     def forget(self, keys: list[bytes]) -> None:
@@ -214,34 +113,20 @@ class IndexMachine(RuleBasedStateMachine):
         self.order = list(keys)
 
     @invariant()
-    def matches_model(self) -> None:
-        t = self.t
-        assert len(t) == len(self.state) <= self.n
-        assert t.num_free == self.n - len(self.state)
-        for k in UNIVERSE:
-            want = {"storing": BlockState.STORING, "ready": BlockState.READY}.get(
-                self.state.get(k), BlockState.ABSENT
-            )
-            assert t.state(k) is want
-            assert t.loads_in_flight(k) == self.loads[k]
-        assert t.num_evictable == len(self.evictable(set()))
-        assert t.num_storing == sum(s == "storing" for s in self.state.values())
+    def matches_manager_and_table(self) -> None:
         if self.m is not None:
             assert self.snapshot()[0] == tuple(
                 (self.m.state(k), self.m.slot(k), self.m.loads_in_flight(k)) for k in UNIVERSE
             )
-        check_table(t)
+        check_table(self.t)
 
 
 class ClockIndexMachine(IndexMachine):
     policy = "clock"
 
 
-STEPS = settings(max_examples=150, stateful_step_count=40, deadline=None)
-TestLRUIndex = IndexMachine.TestCase
-TestLRUIndex.settings = STEPS
-TestClockIndex = ClockIndexMachine.TestCase
-TestClockIndex.settings = STEPS
+TestLRUIndex = as_test_case(IndexMachine)
+TestClockIndex = as_test_case(ClockIndexMachine)
 
 
 # -- unit tests ----------------------------------------------------------------

@@ -30,26 +30,24 @@ Not thread-safe: one thread (the scheduler's) calls it.
 from __future__ import annotations
 
 import math
-from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 import xxhash
 
-from kvhal.errors import BlockStateError, PolicyError, ValidationError
+from kvhal.errors import BlockStateError, ValidationError
 from kvhal.eviction import EvictionPolicy, create_policy
-from kvhal.manager import STORING, BlockState, StorePlan, _as_list, _refuse_one_key
 from kvhal.registry import PluginRegistry
+from kvhal.slot_states import STORING, SlotStates, StorePlan, _as_list, _refuse_one_key
 
 __all__ = ["LOAD_FACTOR", "TierIndex"]
 
 #: The most the slot table is filled (when every slot holds a block).
 LOAD_FACTOR = 0.7
 _EMPTY = -1  # a free place in the table
-_MAX_LOADS = int(np.iinfo(np.int16).max)
 
 
-class TierIndex:
+class TierIndex(SlotStates):
     """Which keys a tier of ``num_slots`` equal slots holds, at about 20 bytes a block.
 
     :param num_slots: the tier's slot count.
@@ -64,6 +62,7 @@ class TierIndex:
 
     #: ``key -> 64-bit unsigned hash``; tests replace it to provoke collisions.
     key_hash: Callable[[bytes], int] = staticmethod(xxhash.xxh3_64_intdigest)
+    _max_loads = int(np.iinfo(np.int16).max)  # what an int16 state counts
 
     def __init__(
         self,
@@ -112,36 +111,13 @@ class TierIndex:
         """Slots holding nothing."""
         return self._num_free
 
-    @property
-    def num_storing(self) -> int:
-        """Blocks between ``prepare_store`` and ``complete_store``."""
-        return self._num_storing
-
-    @property
-    def num_evictable(self) -> int:
-        """Ready blocks with no load in flight: what eviction may take."""
-        return self._num_evictable
-
     def __len__(self) -> int:
         """Blocks tracked: storing or ready."""
         return self._num_slots - self._num_free
 
-    def state(self, key: bytes) -> BlockState:
-        """Whether ``key`` is absent, being stored, or ready to load."""
-        slot = self._find(self._hash(key))
-        if slot < 0:
-            return BlockState.ABSENT
-        return BlockState.STORING if self._ref_at[slot] == STORING else BlockState.READY
-
-    def loads_in_flight(self, key: bytes) -> int:
-        """Loads of ``key`` prepared and not yet completed (0 for an unknown key)."""
-        slot = self._find(self._hash(key))
-        return 0 if slot < 0 else max(self._ref_at[slot], 0)
-
     def slot(self, key: bytes) -> int | None:
         """The slot holding ``key``, or ``None``."""
-        slot = self._find(self._hash(key))
-        return None if slot < 0 else slot
+        return self._find(self._hash(key))
 
     # -- the hash table ------------------------------------------------------
 
@@ -169,12 +145,12 @@ class TierIndex:
     # cost about as much as hits, and the newest keys are found as fast as old
     # ones. Sorted by hash, recover() builds the table in bulk.
 
-    def _find(self, h: int) -> int:
-        """The slot whose hash is ``h``, or -1."""
+    def _find(self, h: int) -> int | None:
+        """The slot whose hash is ``h``, or None."""
         return self._finds([h])[0]
 
-    def _finds(self, hashes: list[int]) -> list[int]:
-        """The slot of each hash, or -1 (the loop of every call, inlined)."""
+    def _finds(self, hashes: list[int]) -> list[int | None]:
+        """The slot of each hash, or None (the loop of every call, inlined)."""
         table, at, capacity, divisor = self._slot_at, self._hash_at, self._capacity, self._divisor
         slots = []
         for h in hashes:
@@ -187,12 +163,14 @@ class TierIndex:
                 # Past a smaller hash, go on (a run wrapping past the table's end holds
                 # larger hashes before smaller ones: going on is always safe, just slower).
                 if other > h and (i - other // divisor) % capacity <= (i - home) % capacity:
-                    slot = -1  # ``other`` lies after where ``h`` would
+                    slot = None  # ``other`` lies after where ``h`` would
                     break
                 i += 1
                 if i == capacity:
                     i = 0
                 slot = table[i]
+            else:  # an empty place: absent
+                slot = None
             slots.append(slot)
         return slots
 
@@ -244,34 +222,41 @@ class TierIndex:
         self._free[top : top + n] = sorted(slots, reverse=True)
         self._num_free = top + n
 
-    # -- loads ---------------------------------------------------------------
+    # -- the table as SlotStates asks of a tier -------------------------------
 
-    def lookup(self, keys: Iterable[bytes]) -> int:
-        """How many of ``keys``, from the first, are ready: the loadable prefix.
+    def _slots(self, keys: Iterable[bytes]) -> list[int | None]:
+        return self._finds(self._hashes_of(keys))
 
-        A key that is unknown or still being stored ends the prefix.
-        """
-        refs, hits = self._ref_at, 0
-        for slot in self._finds(self._hashes_of(keys)):
-            if slot < 0 or refs[slot] < 0:
-                break
-            hits += 1
-        return hits
+    def _new_keys(self, keys: list[bytes]) -> tuple[list[int | None], list[bytes], list[int]]:
+        hashes = self._hashes_of(keys)
+        present = self._finds(hashes)
+        new: dict[int, bytes] = {}  # hash -> key: a repeated key (or hash) is stored once
+        for key, h, slot in zip(keys, hashes, present, strict=True):
+            if slot is None and h not in new:
+                new[h] = key
+        return present, list(new.values()), list(new)
 
-    def _slots_of(self, keys: list[bytes], lowest: int, highest: int, needs: str) -> list[int]:
-        """The slots of ``keys``, each of whose state lies in ``[lowest, highest]``."""
-        slots = self._finds(self._hashes_of(keys))
-        refs = self._ref_at
-        for key, slot in zip(keys, slots, strict=True):
-            if slot < 0 or not lowest <= refs[slot] <= highest:
-                if slot < 0:
-                    state = "not offloaded"
-                elif refs[slot] == STORING:
-                    state = "still being stored"
-                else:
-                    state = f"ready with {refs[slot]} loads in flight"
-                raise BlockStateError("keys", f"{key!r:.60} is {state}; {needs}")
+    def _allocate(self, n: int) -> list[int]:
+        top = self._num_free - n
+        slots = self._free[top : top + n][::-1].tolist()
+        self._num_free = top
         return slots
+
+    def _index_add(self, entries: list[int], slots: list[int]) -> None:
+        for slot, h in zip(slots, entries, strict=True):
+            self._add(slot, h)
+
+    def _index_remove(self, slots: list[int]) -> None:
+        for slot in slots:
+            self._delete(slot)
+
+    def _are_taken(self, slots: list[int]) -> bool:
+        return all(map(self._hash_at.__getitem__, slots))
+
+    def _plan(self, keys: list[bytes], slots: list[int], evicted: None, victims: list[int]) -> StorePlan:
+        return StorePlan(keys, slots, victims)  # type: ignore[arg-type]
+
+    # -- loads and stores (the state machine is SlotStates') ----------------------
 
     def prepare_load(self, keys: Iterable[bytes]) -> list[int]:
         """Protect ready ``keys`` from eviction until :meth:`complete_load`; their slots.
@@ -281,72 +266,7 @@ class TierIndex:
         :raises BlockStateError: a key is absent, still being stored, or has
             32767 loads in flight (nothing changed).
         """
-        keys = _as_list(keys)
-        slots = self._slots_of(keys, 0, _MAX_LOADS - len(keys), "only ready blocks can be loaded")
-        refs, pinned = self._ref_at, 0
-        for slot in slots:
-            state = refs[slot]
-            refs[slot] = state + 1
-            if not state:
-                pinned += 1
-        self._num_evictable -= pinned
-        return slots
-
-    def complete_load(self, keys: Iterable[bytes]) -> None:
-        """End one load of each of ``keys`` (successful or not): they may be evicted again.
-
-        :raises BlockStateError: a key has no load in flight (nothing changed).
-        """
-        keys = _as_list(keys)
-        slots = self._slots_of(keys, 1, _MAX_LOADS, "complete_load needs a load in flight")
-        refs = self._ref_at
-        if len(set(slots)) != len(slots):
-            key_of = dict(zip(slots, keys, strict=True))
-            for slot, count in Counter(slots).items():
-                if refs[slot] < count:
-                    key = key_of[slot]
-                    raise BlockStateError(
-                        "keys", f"{key!r:.60} listed {count} times, {refs[slot]} loads in flight"
-                    )
-        freed = 0
-        for slot in slots:
-            state = refs[slot] - 1
-            refs[slot] = state
-            if not state:
-                freed += 1
-        self._num_evictable += freed
-
-    def touch(self, keys: Iterable[bytes]) -> None:
-        """Mark ``keys`` used, the first most recently. Unknown keys are ignored."""
-        slots = [slot for slot in self._finds(self._hashes_of(keys)) if slot >= 0]
-        if slots:
-            self.policy.touch(slots)
-
-    def forget(self, keys: Iterable[bytes]) -> None:
-        """Drop ready ``keys``: a read found their blocks missing or corrupt.
-
-        Unknown keys are ignored. Their slots are free again.
-
-        :raises BlockStateError: a key is being stored or has a load in flight
-            (complete the load first; nothing changed).
-        """
-        keys = _as_list(keys)
-        slots = self._finds(self._hashes_of(keys))
-        refs = self._ref_at
-        for key, slot in zip(keys, slots, strict=True):
-            if slot >= 0 and refs[slot]:
-                state = "still being stored" if refs[slot] == STORING else f"{refs[slot]} loads in flight"
-                raise BlockStateError("keys", f"{key!r:.60} has {state}; only idle blocks are forgotten")
-        slots = list(dict.fromkeys(slot for slot in slots if slot >= 0))
-        if not slots:
-            return
-        for slot in slots:
-            self._delete(slot)
-        self.policy.remove(slots)
-        self._release(slots)
-        self._num_evictable -= len(slots)
-
-    # -- stores --------------------------------------------------------------
+        return super().prepare_load(keys)
 
     def prepare_store(self, keys: Iterable[bytes]) -> StorePlan | None:
         """Choose slots for the ``keys`` not yet tracked, evicting if needed.
@@ -359,88 +279,30 @@ class TierIndex:
             ``None`` (nothing changed) if not enough blocks can be evicted.
         :raises ValidationError: a key is not ``bytes`` (nothing changed).
         """
-        keys = _as_list(keys)
-        hashes = self._hashes_of(keys)
-        present = self._finds(hashes)
-        new: dict[int, bytes] = {}  # hash -> key: a repeated key (or hash) is stored once
-        for key, h, slot in zip(keys, hashes, present, strict=True):
-            if slot < 0 and h not in new:
-                new[h] = key
-        if not new:
-            return StorePlan([], [], [])
-        evicted = self._make_room(len(new) - self._num_free, present)
-        if evicted is None:
-            return None
-        n = len(new)
-        top = self._num_free - n
-        slots = self._free[top : top + n][::-1].tolist()
-        self._num_free = top
-        refs = self._ref_at
-        for slot, h in zip(slots, new, strict=True):
-            self._add(slot, h)
-            refs[slot] = STORING
-        new_keys = list(new.values())
-        self.policy.insert(slots, new_keys)
-        self._num_storing += n
-        return StorePlan(new_keys, slots, evicted)  # type: ignore[arg-type]
+        return super().prepare_store(keys)
 
-    def _make_room(self, need: int, present: list[int]) -> list[int] | None:
-        """Evict ``need`` blocks, none of the call's own ``present`` ones; None if impossible."""
-        if need <= 0:
-            return []
-        refs = self._ref_at
-        own = {slot for slot in present if slot >= 0 and refs[slot] == 0}
-        if need > self._num_evictable - len(own):
-            return None
-        for slot in own:  # the call's own blocks stay: pinned for the policy
-            refs[slot] = 1
-        try:
-            victims = self.policy.evict(need, self._refs)
-        finally:
-            for slot in own:
-                refs[slot] = 0
-        victims = list(map(int, victims))  # numpy ints from a policy given numpy slots
-        self._check_victims(victims, need)
-        for slot in victims:
-            self._delete(slot)
-        self._release(victims)
-        self._num_evictable -= need
-        return victims
+    def forget(self, keys: Iterable[bytes]) -> None:
+        """Drop ready ``keys``: a read found their blocks missing or corrupt.
 
-    def _check_victims(self, victims: list[int], need: int) -> None:
-        """A policy that evicts a block in use would let a write overwrite it: refuse."""
-        if len(victims) != need or len(set(victims)) != need:
-            raise PolicyError(f"evict({need}) returned {len(victims)} slots, {len(set(victims))} distinct")
-        if (
-            min(victims) < 0
-            or max(victims) >= self._num_slots
-            or any(map(self._ref_at.__getitem__, victims))
-            or not all(map(self._hash_at.__getitem__, victims))
-        ):
-            raise PolicyError(f"evict() chose a slot that is free, pinned or out of range: {victims[:8]}")
+        Unknown keys are ignored. Their slots are free again.
 
-    def complete_store(self, keys: Iterable[bytes], success: bool = True) -> None:
-        """Finish the stores of ``keys``: ready to load, or (``success=False``) dropped
-        and their slots freed -- a failed store never becomes loadable.
-
-        :raises BlockStateError: a key is not being stored (unknown, or completed
-            already) or is listed twice (nothing changed).
+        :raises BlockStateError: a key is being stored or has a load in flight
+            (complete the load first; nothing changed).
         """
         keys = _as_list(keys)
-        slots = self._slots_of(keys, STORING, STORING, "complete_store needs a store in flight")
-        if len(set(slots)) != len(slots):
-            raise BlockStateError("keys", "a key is listed twice; each store completes once")
+        slots = self._slots(keys)
         refs = self._ref_at
-        for slot in slots:
-            refs[slot] = 0
-        self._num_storing -= len(slots)
-        if success:
-            self._num_evictable += len(slots)
-        elif slots:
-            for slot in slots:
-                self._delete(slot)
-            self.policy.remove(slots)
-            self._release(slots)
+        for key, slot in zip(keys, slots, strict=True):
+            if slot is not None and refs[slot]:
+                state = "still being stored" if refs[slot] == STORING else f"{refs[slot]} loads in flight"
+                raise BlockStateError("keys", f"{key!r:.60} has {state}; only idle blocks are forgotten")
+        forgotten = list(dict.fromkeys(slot for slot in slots if slot is not None))
+        if not forgotten:
+            return
+        self._index_remove(forgotten)
+        self.policy.remove(forgotten)
+        self._release(forgotten)
+        self._num_evictable -= len(forgotten)
 
     # -- recovery ------------------------------------------------------------
 
