@@ -738,9 +738,9 @@ class WritesOnePastEnd(CPUPlugin):
     @hookimpl
     def kvhal_copy_blocks(self, plan: CopyPlan, stream: Stream) -> CPUEvent:
         engine = self.engine
-        src_end, dst_end = _storage_end(plan.src), _storage_end(plan.dst)
 
         def copy() -> None:
+            src_end, dst_end = _storage_end(plan.src), _storage_end(plan.dst)
             src, dst, sizes = plan.descriptors
             inside = (src + sizes < src_end) & (dst + sizes < dst_end)
             engine.run(src, dst, sizes + inside.astype(np.int64))
