@@ -140,5 +140,9 @@ def test_bad_input():
     c = chain()
     with pytest.raises(BlockStateError, match="neither tier"):
         c.prepare_load(keys(7))
+    store(c, keys(0, 1, 2, 3))
+    store(c, keys(4, 5))  # 0 and 1 now live below only
+    with pytest.raises(BlockStateError, match="listed twice"):
+        c.prepare_load(keys(0, 0))
     with pytest.raises(BlockStateError, match="not ready in the host tier"):
         TierChain(OffloadingManager(2)).prepare_load(keys(7))

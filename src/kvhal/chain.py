@@ -159,7 +159,9 @@ class TierChain:
             for key, state in zip(keys, states, strict=True):
                 if state is BlockState.STORING:
                     raise BlockStateError("keys", f"{key!r:.60} is still being stored to the host tier")
-            if self.lower.lookup(promoted) < len(promoted) or len(set(promoted)) < len(promoted):
+            if len(set(promoted)) < len(promoted):
+                raise BlockStateError("keys", "a key promoted from the lower tier is listed twice")
+            if self.lower.lookup(promoted) < len(promoted):
                 bad = next(k for k in promoted if self.lower.state(k) is not BlockState.READY)
                 raise BlockStateError("keys", f"{bad!r:.60} is ready in neither tier")
         hit_slots = self.host.prepare_load(hits)
