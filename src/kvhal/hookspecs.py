@@ -7,8 +7,8 @@ device plugin it selected, plus any non-device plugin that wraps the hook (a
 ``hookwrapper``/``wrapper`` impl, say to trace or to inject faults).
 
 Any plugin, device or not, may also offer eviction policies
-(``kvhal_eviction_policies``) and tier backends (``kvhal_tier_backends``, the
-last hook); they are no device hooks.
+(``kvhal_eviction_policies``), tier backends (``kvhal_tier_backends``) and
+remote stores (``kvhal_remote_stores``, the last hook); they are no device hooks.
 
 Every device hook is required: a device plugin that lacks one is refused at
 selection with :class:`~kvhal.errors.MissingHookError` naming the plugin and
@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from kvhal.eviction_policy import EvictionPolicy
     from kvhal.geometry import KVGeometry
     from kvhal.layouts import KVLayout
+    from kvhal.remote_store import RemoteStore
     from kvhal.tier_backend import TierBackend, TierSpec
 
 PROJECT = "kvhal"
@@ -506,4 +507,35 @@ def kvhal_tier_backends() -> Mapping[str, Callable[[TierSpec], TierBackend]]:
         factory that returns something else, is a
         :class:`~kvhal.errors.MalformedResultError` naming the plugin. Every
         plugin's result is used (not first-result).
+    """
+
+
+# --------------------------------------------------------------------------
+# Remote stores (not a device hook: any plugin may offer stores)
+# --------------------------------------------------------------------------
+
+
+@hookspec
+def kvhal_remote_stores() -> Mapping[str, Callable[[str], RemoteStore]]:
+    """Shared key-value stores this plugin offers as a remote tier, by URL scheme.
+
+    Not a device hook: kvhal calls it on every registered plugin and merges
+    the answers; the built-in ``mooncake``, ``redis``, ``rediss``,
+    ``redis+cluster`` and ``rediss+cluster`` come from a built-in plugin
+    through this same hook. The connector's ``remote_url`` picks a store by
+    its scheme (:func:`kvhal.stores.open_store`); an unknown scheme is an
+    error listing the known ones.
+
+    A store moves bytes only; its contract is
+    :class:`~kvhal.remote_store.RemoteStore` (blocking batch ``exist``,
+    ``put`` and ``get``). kvhal names, frames, checksums, authenticates and
+    verifies every value, and runs the calls on its own threads with
+    timeouts, for every store alike.
+
+    :return: a mapping from URL scheme to a factory: ``factory(url)``
+        connects to the store the URL names. It raises
+        :class:`~kvhal.errors.ValidationError` naming the part of the URL at
+        fault before connecting, and
+        :class:`~kvhal.remote_store.StoreUnavailable` when the store cannot
+        be reached. A scheme offered by two plugins is an error naming both.
     """

@@ -41,6 +41,7 @@ from kvhal.errors import (
     TierError,
     ValidationError,
 )
+from kvhal.remote_store import StoreUnavailable
 
 T = TypeVar("T")
 
@@ -52,6 +53,7 @@ ENV_NO_AUTOLOAD = "KVHAL_DISABLE_PLUGIN_AUTOLOAD"
 BUILTIN_DISTRIBUTION = "kvhal (built-in)"
 BUILTIN_POLICIES = "kvhal-policies"
 BUILTIN_TIERS = "kvhal-tiers"
+BUILTIN_STORES = "kvhal-stores"
 
 
 @dataclass
@@ -181,6 +183,7 @@ class PluginRegistry:
         self.plugins: list[PluginInfo] = []
         from kvhal.cpu import CPUPlugin
         from kvhal.eviction import BuiltinPolicies
+        from kvhal.stores import BuiltinStores
         from kvhal.tiers import BuiltinTiers
 
         self.register(CPUPlugin(), "cpu", BUILTIN_DISTRIBUTION)
@@ -188,6 +191,7 @@ class PluginRegistry:
         # default policy), and not listed in self.plugins, the plugins found.
         self.pm.register(BuiltinPolicies(), name=BUILTIN_POLICIES)
         self.pm.register(BuiltinTiers(), name=BUILTIN_TIERS)
+        self.pm.register(BuiltinStores(), name=BUILTIN_STORES)
         if autoload:
             self._load_entry_points()
 
@@ -305,7 +309,8 @@ class PluginRegistry:
         for info in self.plugins:
             if info.plugin is plugin:
                 return info
-        distribution = BUILTIN_DISTRIBUTION if name in (BUILTIN_POLICIES, BUILTIN_TIERS) else None
+        builtin = name in (BUILTIN_POLICIES, BUILTIN_TIERS, BUILTIN_STORES)
+        distribution = BUILTIN_DISTRIBUTION if builtin else None
         return PluginInfo(name, distribution, plugin)
 
     # -- named factories -----------------------------------------------------
@@ -378,8 +383,8 @@ class PluginRegistry:
         offer = offers[name]
         try:
             made = offer.factory(*args)
-        except (ValidationError, TierError):
-            raise  # it names the argument or the medium at fault already
+        except (ValidationError, TierError, StoreUnavailable):
+            raise  # it names the argument or the medium at fault already, or the store is down
         except Exception as exc:
             message = f"factory of {name!r} raised {type(exc).__name__}: {exc}"
             raise PluginError(offer.plugin, offer.distribution, hook, message) from exc
