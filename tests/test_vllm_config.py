@@ -201,3 +201,35 @@ def test_opening_the_lower_tier_names_the_users_keys(tmp_path, monkeypatch) -> N
     tier = open_lower_tier(fine, "index", 0)
     assert tier.num_slots > 0
     tier.close()
+
+
+# -- the remote tier ----------------------------------------------------------------------------
+
+
+def test_remote_keys_configure_the_remote_tier() -> None:
+    config = disk_config(
+        {"remote_url": "redis://h:1/0", "remote_strict": True, "remote_lookup_timeout_ms": 50}
+    )
+    remote = config.remote_tier
+    assert (remote.url, remote.strict, remote.lookup_timeout_ms) == ("redis://h:1/0", True, 50)
+    assert (remote.load_timeout_ms, remote.max_inflight_blocks) == (5000, 512)  # the documented defaults
+    assert config.lower_tier is None and config.fingerprint["model"] == "/m"
+    assert disk_config({}).remote_tier is None
+
+
+@pytest.mark.parametrize(
+    ("extra", "argument"),
+    [
+        ({"remote_url": "localhost:6379"}, "remote_url"),
+        ({"remote_url": 6379}, "remote_url"),
+        ({"remote_url": "redis://h:1", "remote_strict": "yes"}, "remote_strict"),
+        ({"remote_url": "redis://h:1", "remote_lookup_timeout_ms": 0}, "remote_lookup_timeout_ms"),
+        ({"remote_url": "redis://h:1", "remote_load_timeout_ms": 1.5}, "remote_load_timeout_ms"),
+        ({"remote_url": "redis://h:1", "remote_max_inflight_blocks": True}, "remote_max_inflight_blocks"),
+        ({"remote_strict": True}, "remote_strict"),
+    ],
+)
+def test_bad_remote_keys_are_refused_by_name(extra: dict, argument: str) -> None:
+    with pytest.raises(ValidationError) as raised:
+        disk_config(extra)
+    assert raised.value.argument == f"kv_connector_extra_config.{argument}"

@@ -33,8 +33,8 @@ leaves nothing loadable.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
 from typing import Literal
 
 from kvhal.errors import BlockStateError, ValidationError
@@ -54,6 +54,9 @@ class LoadPlan:
     :param promoted: the keys read from the lower tier first (a sub-list of ``keys``).
     :param lower_slots: their lower-tier slots.
     :param promoted_host_slots: the host slots they are read into.
+    :param fetched: the keys read from the remote tier first (neither the host
+        tier nor the lower tier holds them).
+    :param fetched_host_slots: the host slots they are read into.
     """
 
     keys: list[bytes]
@@ -61,11 +64,13 @@ class LoadPlan:
     promoted: list[bytes]
     lower_slots: list[int]
     promoted_host_slots: list[int]
+    fetched: list[bytes] = field(default_factory=list)
+    fetched_host_slots: list[int] = field(default_factory=list)
 
     @property
     def host_hits(self) -> list[bytes]:
-        promoted = set(self.promoted)
-        return [key for key in self.keys if key not in promoted]
+        below = set(self.promoted) | set(self.fetched)
+        return [key for key in self.keys if key not in below]
 
 
 @dataclass(slots=True)
@@ -84,6 +89,7 @@ class WritePlan:
     lower_slots: list[int]
     snapshot: bool
     pinned: bool = False  # the chain pinned the host slots for it
+    remote: bool = False  # a write to the remote tier (no lower-tier slots)
 
 
 class TierChain:
@@ -141,50 +147,81 @@ class TierChain:
             hits += 1
         return hits, promoted
 
-    def prepare_load(self, keys: Sequence[bytes]) -> LoadPlan | None:
+    def room(self, keys: Sequence[bytes]) -> int:
+        """How many more blocks the host tier could take by promotion, after a load of
+        ``keys`` (a hit :meth:`lookup` found): what a remote tier may add to the hit."""
+        capacity = self.host.num_free + self.host.num_evictable
+        for key in keys:
+            if self.host.state(key) is not BlockState.READY:
+                capacity -= 1  # promoted into a fresh slot
+            elif not self.host.loads_in_flight(key):
+                capacity -= 1  # pinned by the load: evictable no more
+        return max(capacity, 0)
+
+    def prepare_load(self, keys: Sequence[bytes], fetch: Collection[bytes] = ()) -> LoadPlan | None:
         """Protect ``keys`` until :meth:`complete_load`: host-ready ones as loads, the
-        others (ready below, absent from the host tier) as promotions into fresh host slots.
+        others as reads into fresh host slots: from the lower tier where it holds
+        them (promotions), else from the remote tier if listed in ``fetch``.
 
         :return: the plan, or ``None`` (nothing changed) if the host tier cannot
-            take the promoted blocks -- every other block is being stored or loaded.
-        :raises BlockStateError: a key is ready in neither tier (nothing changed).
+            take the blocks read from below -- every other block is being stored or loaded.
+        :raises BlockStateError: a key is ready in no tier (nothing changed).
         """
         keys = list(keys)
         states = [self.host.state(key) for key in keys]
         hits = [key for key, state in zip(keys, states, strict=True) if state is BlockState.READY]
-        promoted = [key for key, state in zip(keys, states, strict=True) if state is not BlockState.READY]
-        if promoted:
-            if self.lower is None:
-                raise BlockStateError("keys", f"{promoted[0]!r:.60} is not ready in the host tier")
+        below = [key for key, state in zip(keys, states, strict=True) if state is not BlockState.READY]
+        promoted: list[bytes] = []
+        fetched: list[bytes] = []
+        if below:
             for key, state in zip(keys, states, strict=True):
                 if state is BlockState.STORING:
                     raise BlockStateError("keys", f"{key!r:.60} is still being stored to the host tier")
-            if len(set(promoted)) < len(promoted):
-                raise BlockStateError("keys", "a key promoted from the lower tier is listed twice")
-            if self.lower.lookup(promoted) < len(promoted):
-                bad = next(k for k in promoted if self.lower.state(k) is not BlockState.READY)
-                raise BlockStateError("keys", f"{bad!r:.60} is ready in neither tier")
+            if len(set(below)) < len(below):
+                raise BlockStateError("keys", "a key read from a tier below is listed twice")
+            for key in below:
+                if self.lower is not None and self.lower.state(key) is BlockState.READY:
+                    promoted.append(key)
+                elif key in fetch:
+                    fetched.append(key)
+                elif self.lower is None:
+                    raise BlockStateError("keys", f"{key!r:.60} is not ready in the host tier, nor fetched")
+                else:
+                    raise BlockStateError("keys", f"{key!r:.60} is ready in neither tier, nor fetched")
         hit_slots = self.host.prepare_load(hits)
         lower_slots: list[int] = []
         store: StorePlan | None = StorePlan([], [], [])
-        if promoted:
-            assert self.lower is not None
-            lower_slots = self.lower.prepare_load(promoted)
-            store = self.host.prepare_store(promoted)
+        if below:
+            if promoted:
+                assert self.lower is not None
+                lower_slots = self.lower.prepare_load(promoted)
+            store = self.host.prepare_store(promoted + fetched)
             if store is None:
-                self.lower.complete_load(promoted)
+                if promoted:
+                    assert self.lower is not None
+                    self.lower.complete_load(promoted)
                 self.host.complete_load(hits)
                 return None
             self._after_host_store(store)
         where = dict(zip(hits, hit_slots, strict=True))
         where.update(zip(store.keys, store.slots, strict=True))
-        return LoadPlan(keys, [where[key] for key in keys], promoted, lower_slots, list(store.slots))
+        return LoadPlan(
+            keys,
+            [where[key] for key in keys],
+            promoted,
+            lower_slots,
+            [where[key] for key in promoted],
+            fetched,
+            [where[key] for key in fetched],
+        )
 
     def complete_load(self, plan: LoadPlan, success: bool = True) -> None:
         """End ``plan``'s load. Promoted blocks become host-ready on success; on
         failure they leave the host tier and the lower tier both (a read that
         failed may have found them corrupt)."""
         self.host.complete_load(plan.host_hits)
+        if plan.fetched:
+            self.host.complete_store(plan.fetched, success=success)
         if plan.promoted:
             assert self.lower is not None
             self.host.complete_store(plan.promoted, success=success)
@@ -226,14 +263,28 @@ class TierChain:
             self._writes.append(WritePlan(keys, [by_key[k] for k in keys], lower_slots, snapshot=True))
 
     def complete_store(
-        self, keys: Sequence[bytes], success: bool = True, write: WritePlan | None = None
+        self,
+        keys: Sequence[bytes],
+        success: bool = True,
+        write: WritePlan | None = None,
+        remote: WritePlan | None = None,
     ) -> None:
-        """:meth:`OffloadingManager.complete_store`; the host slots of ``write`` (the
-        store's own write-through) stay pinned until :meth:`complete_write`."""
+        """:meth:`OffloadingManager.complete_store`; the host slots of ``write`` and
+        ``remote`` (the store's own write-through to the lower and the remote tier)
+        stay pinned until :meth:`complete_write`."""
         self.host.complete_store(keys, success=success)
-        if write is not None and success and write.keys:
-            self.host.prepare_load(write.keys)
-            write.pinned = True
+        for plan in (write, remote):
+            if plan is not None and success and plan.keys:
+                self.host.prepare_load(plan.keys)
+                plan.pinned = True
+
+    def remote_write(self, plan: StorePlan, keys: Collection[bytes] = ()) -> WritePlan | None:
+        """The write of ``plan``'s stored blocks to the remote tier (limited to ``keys``
+        if given), to run once the store's copy is done; ``None`` if there is none."""
+        where = [(k, s) for k, s in zip(plan.keys, plan.slots, strict=True) if not keys or k in keys]
+        if not where:
+            return None
+        return WritePlan([k for k, _ in where], [s for _, s in where], [], snapshot=False, remote=True)
 
     def _plan_write(self, keys: list[bytes]) -> tuple[list[bytes], list[int]] | None:
         assert self.lower is not None
@@ -253,8 +304,9 @@ class TierChain:
         """End ``plan``'s write: its blocks are ready below (or forgotten), and the
         host slots a write-through pinned are released. A write-through whose
         store failed ends here too, as failed: the worker never ran it."""
-        assert self.lower is not None
-        self.lower.complete_store(plan.keys, success=success and (plan.snapshot or plan.pinned))
+        if not plan.remote:
+            assert self.lower is not None
+            self.lower.complete_store(plan.keys, success=success and (plan.snapshot or plan.pinned))
         if plan.pinned:
             self.host.complete_load(plan.keys)
             plan.pinned = False

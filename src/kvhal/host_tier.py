@@ -195,6 +195,10 @@ class HostTier:
         start = offset + slot * stride
         return memoryview(self._bytes()[start : start + length])
 
+    def memory(self) -> memoryview:
+        """The whole buffer's bytes in place (every slot lies in it)."""
+        return memoryview(self._bytes())
+
     def _bytes(self) -> np.ndarray:
         return self._buffer().numpy()
 

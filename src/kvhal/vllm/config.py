@@ -30,7 +30,19 @@ KNOWN_KEYS = {
     "disk_eviction_policy",
     "tier_backend",
     "tier_options",
+    "remote_url",
+    "remote_strict",
+    "remote_lookup_timeout_ms",
+    "remote_load_timeout_ms",
+    "remote_max_inflight_blocks",
 }
+#: The keys that configure the remote tier besides ``remote_url``.
+REMOTE_KEYS = (
+    "remote_strict",
+    "remote_lookup_timeout_ms",
+    "remote_load_timeout_ms",
+    "remote_max_inflight_blocks",
+)
 #: The tier backend option each disk key fills.
 DISK_OPTIONS = {"disk_path": "path", "disk_bytes_to_use": "bytes_to_use"}
 
@@ -51,6 +63,29 @@ class LowerTierConfig:
     write: str
     eviction_policy: str
     config_keys: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RemoteTierConfig:
+    """The shared tier below the others, from ``kv_connector_extra_config``.
+
+    :param url: ``remote_url``: the store (``mooncake://...``, ``redis://...``).
+    :param strict: an unreachable store fails engine start (default: a warning,
+        and the tier starts down and keeps trying to connect).
+    :param lookup_timeout_ms: how long a request waits for the store to say
+        whether it holds its blocks (it is asked again meanwhile); a miss after.
+    :param load_timeout_ms: how long a parked request waits for its blocks from
+        the store before it is recomputed.
+    :param max_inflight_blocks: blocks being written to the store at once;
+        stores beyond it are dropped and counted (a lagging store never queues
+        without bound).
+    """
+
+    url: str
+    strict: bool = False
+    lookup_timeout_ms: int = 200
+    load_timeout_ms: int = 5000
+    max_inflight_blocks: int = 512
 
 
 @dataclass(frozen=True)
@@ -92,6 +127,7 @@ class ConnectorConfig:
     world_size: int
     layout: str
     lower_tier: LowerTierConfig | None = None
+    remote_tier: RemoteTierConfig | None = None
     #: what the KV is, for the tiers below (see :func:`kv_fingerprint`)
     fingerprint: dict[str, Any] = field(default_factory=dict)
 
@@ -174,6 +210,7 @@ class ConnectorConfig:
             )
         layout = kv_cache_config.kv_cache_layout or "LBHNC"
         lower_tier = _lower_tier(extra)
+        remote_tier = _remote_tier(extra)
         block_size = vllm_config.cache_config.block_size
         config = cls(
             cpu_bytes_to_use=cpu_bytes,
@@ -185,7 +222,10 @@ class ConnectorConfig:
             world_size=parallel.world_size,
             layout=layout,
             lower_tier=lower_tier,
-            fingerprint=kv_fingerprint(vllm_config, tuple(groups), layout, block_size) if lower_tier else {},
+            remote_tier=remote_tier,
+            fingerprint=kv_fingerprint(vllm_config, tuple(groups), layout, block_size)
+            if lower_tier or remote_tier
+            else {},
         )
         if config.num_slots < 1:
             raise ValidationError(
@@ -239,6 +279,34 @@ def _lower_tier(extra: dict[str, Any]) -> LowerTierConfig | None:
             prefix + "disk_eviction_policy", f"must be an eviction policy's name (a str), got {policy!r}"
         )
     return LowerTierConfig(backend, options, write, policy, config_keys)
+
+
+def _remote_tier(extra: dict[str, Any]) -> RemoteTierConfig | None:
+    """The shared tier the user asked for, checked; ``None`` if none."""
+    prefix = "kv_connector_extra_config."
+    url = extra.get("remote_url")
+    if url is None:
+        for key in REMOTE_KEYS:
+            if key in extra:
+                raise ValidationError(prefix + key, "configures a remote tier, but none is set (remote_url)")
+        return None
+    if not isinstance(url, str) or "://" not in url:
+        raise ValidationError(
+            prefix + "remote_url",
+            "must be a store's URL (mooncake://HOST:PORT?metadata=..., redis://HOST:PORT/DB), "
+            f"got {url!r:.80}",
+        )
+    strict = extra.get("remote_strict", False)
+    if not isinstance(strict, bool):
+        raise ValidationError(prefix + "remote_strict", f"must be a JSON boolean, got {strict!r}")
+    numbers = {}
+    defaults = RemoteTierConfig(url)
+    for key in ("remote_lookup_timeout_ms", "remote_load_timeout_ms", "remote_max_inflight_blocks"):
+        value = extra.get(key, getattr(defaults, key.removeprefix("remote_")))
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValidationError(prefix + key, f"must be a positive integer, got {value!r}")
+        numbers[key.removeprefix("remote_")] = value
+    return RemoteTierConfig(url, strict, **numbers)
 
 
 #: ``PYTHONHASHSEED``: what makes vLLM's block hashes the same in every process.

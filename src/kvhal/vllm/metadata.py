@@ -43,6 +43,10 @@ class TransferJob:
     write: TierWrite | None = None
     #: the scheduler could not plan it (no host room for a promotion): it fails unrun
     doomed: bool = False
+    #: for a load, the blocks to read from the remote tier first
+    remote_reads: TierReads | None = None
+    #: for a store, its write-through to the remote tier, run once the store's copy is done
+    remote_write: TierWrite | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -84,6 +88,7 @@ class TierWrite:
     host_slots: list[int]
     lower_slots: list[int]
     snapshot: bool
+    remote: bool = False  # to the remote tier (``lower_slots`` is empty)
 
 
 @dataclass

@@ -22,10 +22,20 @@ With a tier below host memory (``disk_path``, or a plugin's backend), a
 below is promoted into host slots by the load job itself (the request stays
 parked meanwhile, so no scheduler step waits), and stores cascade into the
 lower tier as write jobs the workers run off the engine's thread.
+
+With a remote tier shared by a fleet (``remote_url``), a lookup that the
+local tiers end short asks the store whether it holds the following blocks;
+the request is asked again (``None``) until the answer comes or
+``remote_lookup_timeout_ms`` passes (a miss). Blocks the store holds are read
+into host slots by the load job, like promotions. Every block stored to the
+host tier is written to the store too, unless ``remote_max_inflight_blocks``
+are being written already or the store is down: then it is dropped, counted.
 """
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +49,7 @@ from vllm.v1.request import Request
 from kvhal.chain import LoadPlan, TierChain, WritePlan
 from kvhal.errors import ValidationError
 from kvhal.manager import OffloadingManager
+from kvhal.remote_tier import RemoteTier
 from kvhal.tier_backend import TierBackend
 from kvhal.tier_index import TierIndex
 from kvhal.vllm.config import ConnectorConfig
@@ -52,6 +63,7 @@ from kvhal.vllm.metadata import (
     TierWrite,
     TransferJob,
 )
+from kvhal.vllm.remote import open_remote_tier
 from kvhal.vllm.stats import KVHALStats
 
 logger = init_logger(__name__)
@@ -69,6 +81,17 @@ def _log_recovery(done: int, total: int) -> None:
 
 
 @dataclass
+class _Probe:
+    """A remote lookup of a request's blocks ``[first, first + len(hashes))``."""
+
+    first: int
+    hashes: list[bytes]
+    future: Future[list[bool]]
+    deadline: float
+    blocks: int | None = None  # the answer: how many of them the store holds, from the first
+
+
+@dataclass
 class _RequestState:
     request: Request
     stored_upto: int = 0  # blocks [0, stored_upto) were considered for storing
@@ -79,6 +102,8 @@ class _RequestState:
     loading: int | None = None  # the load job in flight, if any
     # store jobs in flight that read the blocks the request holds now
     store_jobs: set[int] = field(default_factory=set)
+    probe: _Probe | None = None  # the last remote lookup
+    fetch: set[bytes] = field(default_factory=set)  # keys the remote tier holds, per the probe
 
 
 @dataclass
@@ -90,6 +115,7 @@ class _Job:
     reports: int = 0
     ok: bool = True
     plan: LoadPlan | WritePlan | None = None  # a load's or a write's plan in the tier chain
+    remote: WritePlan | None = None  # a store's write-through to the remote tier
 
 
 @dataclass
@@ -102,6 +128,10 @@ class SchedulerSide:
 
     def __post_init__(self) -> None:
         self.lower_backend: TierBackend | None = None
+        self.remote: RemoteTier | None = None
+        if self.config.remote_tier is not None:
+            self.remote = open_remote_tier(self.config, role="index", rank=0, stats=self.stats)
+        self._remote_writing = 0  # blocks being written to the remote tier
         self.manager, self.chain = self._new_chain()
         self._requests: dict[str, _RequestState] = {}
         self._jobs: dict[int, _Job] = {}
@@ -166,8 +196,46 @@ class SchedulerSide:
             if found < hit and keys[found] in self._storing:
                 return None, False
             hit = found
+        if self.remote is not None and hit < len(hashes):
+            more = self._remote_lookup(state, start, hashes, hit)
+            if more is None:
+                return None, False
+            hit += more
         state.hit_start, state.hit_blocks = start, hit
         return hit * bs, hit > 0
+
+    def _remote_lookup(self, state: _RequestState, start: int, hashes: list[bytes], hit: int) -> int | None:
+        """How many blocks after the local hit the remote tier holds (for every group),
+        within the host tier's room; ``None`` while the store has not answered."""
+        assert self.remote is not None and self.config.remote_tier is not None
+        groups = [g.group_id for g in self.config.groups]
+        first, wanted = start + hit, hashes[hit:]
+        probe = state.probe
+        if probe is None or probe.first != first or probe.hashes[: len(wanted)] != wanted:
+            keys = [offload_key(h, g) for h in wanted for g in groups]
+            timeout = self.config.remote_tier.lookup_timeout_ms / 1000
+            probe = state.probe = _Probe(first, wanted, self.remote.exist(keys), time.monotonic() + timeout)
+            self.stats.add("remote_lookups", 1)
+        if probe.blocks is None:
+            if not probe.future.done():
+                if time.monotonic() < probe.deadline:
+                    return None
+                probe.blocks = 0
+                self.stats.add("remote_lookup_timeouts", 1)
+            elif probe.future.exception() is not None:
+                probe.blocks = 0
+                self.stats.add("remote_lookup_errors", 1)
+            else:
+                found = probe.future.result()
+                n = len(groups)
+                held = [all(found[i * n : (i + 1) * n]) for i in range(len(probe.hashes))]
+                probe.blocks = held.index(False) if False in held else len(held)
+        blocks = min(probe.blocks, len(wanted))
+        if blocks:
+            local = [offload_key(h, g) for h in hashes[:hit] for g in groups]
+            blocks = min(blocks, self.chain.room(local) // len(groups))
+        state.fetch = {offload_key(h, g) for h in wanted[:blocks] for g in groups}
+        return blocks
 
     def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """Plan the load of a hit into the blocks vLLM just allocated."""
@@ -196,9 +264,9 @@ class SchedulerSide:
                 keys.append(key)
                 block_of[key] = index
             self._load_blocks.update(ids)
-        plan = self.chain.prepare_load(keys)
+        plan = self.chain.prepare_load(keys, fetch=state.fetch)
         groups: dict[int, tuple[list[int], list[int]]] = {}
-        reads = None
+        reads = remote_reads = None
         if plan is None:
             # the host tier had no room left for the promotion since the lookup:
             # the job fails on the workers without copying, and vLLM recomputes
@@ -210,8 +278,12 @@ class SchedulerSide:
             if plan.promoted:
                 reads = TierReads(plan.promoted, plan.lower_slots, plan.promoted_host_slots)
                 self.stats.add("tier_hit_tokens", len({block_of[k] for k in plan.promoted}) * bs)
+            if plan.fetched:
+                remote_reads = TierReads(plan.fetched, [], plan.fetched_host_slots)
+                self.stats.add("remote_hit_tokens", len({block_of[k] for k in plan.fetched}) * bs)
         job = self._new_job(JobKind.LOAD, request.request_id, keys, groups, plan=plan)
         job.reads = reads
+        job.remote_reads = remote_reads
         job.doomed = plan is None
         self._pending_loads.append(job)
         state.loading = job.job_id
@@ -282,6 +354,12 @@ class SchedulerSide:
             job = self._new_job(JobKind.STORE, req_id, plan.keys, groups, plan=write)
             if write is not None:
                 job.write = self._write_job(write)
+            if self.remote is not None:
+                # a block loaded from the remote tier is there already
+                remote = self.chain.remote_write(plan, [k for k in plan.keys if k not in state.fetch])
+                if remote is not None and self._admit_remote_write(len(remote.keys)):
+                    self._jobs[job.job_id].remote = remote
+                    job.remote_write = self._write_job(remote)
             state.store_jobs.add(job.job_id)
             stores.append(job)
         return stores
@@ -334,9 +412,18 @@ class SchedulerSide:
         self._load_blocks = set()
         return meta
 
+    def _admit_remote_write(self, blocks: int) -> bool:
+        """Whether ``blocks`` more may be written to the remote tier now (else dropped, counted)."""
+        assert self.remote is not None and self.config.remote_tier is not None
+        if not self.remote.up or self._remote_writing + blocks > self.config.remote_tier.max_inflight_blocks:
+            self.stats.add("remote_dropped_blocks", blocks)
+            return False
+        self._remote_writing += blocks
+        return True
+
     def _write_job(self, plan: WritePlan) -> TierWrite:
         job = self._new_job(JobKind.WRITE, "", plan.keys, {}, plan=plan)
-        return TierWrite(job.job_id, plan.keys, plan.host_slots, plan.lower_slots, plan.snapshot)
+        return TierWrite(job.job_id, plan.keys, plan.host_slots, plan.lower_slots, plan.snapshot, plan.remote)
 
     def _plan_writes(self) -> list[TierWrite]:
         """Write-back snapshots of the blocks this step's stores and promotions evicted."""
@@ -374,10 +461,13 @@ class SchedulerSide:
         if job.kind is JobKind.WRITE:
             assert isinstance(job.plan, WritePlan)
             self.chain.complete_write(job.plan, success=job.ok)
+            tier = "remote" if job.plan.remote else "tier"
+            if job.plan.remote:
+                self._remote_writing -= len(job.keys)
             if job.ok:
-                self.stats.add("tier_written_blocks", len(job.keys))
+                self.stats.add(f"{tier}_written_blocks", len(job.keys))
             else:
-                self.stats.add("tier_failed_writes", 1)
+                self.stats.add(f"{tier}_failed_writes", 1)
             return
         if job.kind is JobKind.STORE:
             for block in job.blocks:
@@ -389,7 +479,7 @@ class SchedulerSide:
                 state.store_jobs.discard(job_id)
             self._storing.difference_update(job.keys)
             write = job.plan if isinstance(job.plan, WritePlan) else None
-            self.chain.complete_store(job.keys, success=job.ok, write=write)
+            self.chain.complete_store(job.keys, success=job.ok, write=write, remote=job.remote)
             if not job.ok:
                 self.stats.add("failed_stores", 1)
             elif job.keys:  # once per block, however many workers copied a share of it
@@ -404,6 +494,11 @@ class SchedulerSide:
                         self.stats.add("tier_loaded_blocks", len(job.plan.promoted))
                     else:
                         self.stats.add("tier_failed_loads", 1)
+                if job.plan.fetched:
+                    if job.ok:
+                        self.stats.add("remote_loaded_blocks", len(job.plan.fetched))
+                    else:
+                        self.stats.add("remote_failed_loads", 1)
             if not job.ok:
                 self.stats.add("failed_loads", 1)
             elif job.keys:
@@ -471,7 +566,10 @@ class SchedulerSide:
         return True
 
     def close(self) -> None:
-        """Release the lower tier's medium (another engine may open it then)."""
+        """Release the lower tier's medium (another engine may open it then), and the store."""
         if self.lower_backend is not None:
             self.lower_backend.close()
             self.lower_backend = None
+        if self.remote is not None:
+            self.remote.close()
+            self.remote = None

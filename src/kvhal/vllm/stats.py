@@ -43,6 +43,25 @@ COUNTERS = {
     "tier_foreign_blocks": "Blocks the lower tier refused: stored for other KV (fingerprint mismatch).",
     "tier_missing_blocks": "Blocks the lower tier did not hold where its index said (another key, or none).",
     "tier_io_errors": "Blocks the lower tier could not read because its medium failed.",
+    # the remote tier shared by a fleet (remote_url)
+    "remote_lookups": "Requests whose blocks beyond the local tiers were looked up in the remote tier.",
+    "remote_lookup_timeouts": "Remote lookups that did not answer in remote_lookup_timeout_ms (a miss).",
+    "remote_lookup_errors": "Remote lookups that failed because the store was unreachable (a miss).",
+    "remote_hit_tokens": "Prompt tokens kvhal offered to load that were read from the remote tier first.",
+    "remote_loaded_blocks": "Blocks read from the remote tier into the host tier for a load.",
+    "remote_failed_loads": "Load jobs whose reads from the remote tier failed or timed out (recomputed).",
+    "remote_load_timeouts": "Load jobs that gave up waiting for the remote tier (remote_load_timeout_ms).",
+    "remote_written_blocks": "Blocks written from the host tier to the remote tier.",
+    "remote_failed_writes": "Write jobs to the remote tier that failed (store full, unreachable).",
+    "remote_dropped_blocks": "Blocks not written to the remote tier: too many in flight, or the store down.",
+    "remote_read_bytes": "Bytes read from the remote tier (headers excluded).",
+    "remote_written_bytes": "Bytes written to the remote tier (headers excluded).",
+    "remote_corrupt_blocks": "Blocks the remote tier refused: checksum mismatch or a malformed value.",
+    "remote_foreign_blocks": "Blocks the remote tier refused: stored for other KV or under another name.",
+    "remote_missing_blocks": "Blocks the remote tier no longer held when read (evicted since the lookup).",
+    "remote_unauthenticated_blocks": "Blocks the remote tier refused: no valid HMAC of KVHAL_REMOTE_SECRET.",
+    "remote_io_errors": "Blocks the remote tier could not read because the store was unreachable.",
+    "remote_unreachable": "Times the remote tier's store became unreachable.",
 }
 
 #: A read outcome of a tier backend -> the counter that counts it.
@@ -51,6 +70,14 @@ TIER_READ_COUNTERS = {
     "foreign": "tier_foreign_blocks",
     "missing": "tier_missing_blocks",
     "io_error": "tier_io_errors",
+}
+#: A read outcome of the remote tier -> the counter that counts it.
+REMOTE_READ_COUNTERS = {
+    "corrupt": "remote_corrupt_blocks",
+    "foreign": "remote_foreign_blocks",
+    "missing": "remote_missing_blocks",
+    "unauthenticated": "remote_unauthenticated_blocks",
+    "io_error": "remote_io_errors",
 }
 
 

@@ -20,6 +20,12 @@ each block there (:class:`~kvhal.tier_io.TierIO`, on the backend's threads): a
 load that promotes blocks first reads them into host slots, polled like any
 copy, then loads them as host hits; a failed read fails the load (vLLM
 recomputes). Write jobs are submitted before the step's other copies.
+
+With a remote tier, loads read their remote blocks the same way (on the
+remote tier's threads); one that waits longer than ``remote_load_timeout_ms``
+is reported failed to vLLM at once (the request is recomputed), while its
+host slots stay reserved until the read really ends, so a late reply never
+lands in a reused slot.
 """
 
 from __future__ import annotations
@@ -40,13 +46,22 @@ from kvhal.errors import ValidationError
 from kvhal.host_tier import HostTier
 from kvhal.layouts import layout_by_name
 from kvhal.registry import select_device
+from kvhal.remote_tier import RemoteTier
 from kvhal.tier_backend import OK, TierBackend
 from kvhal.tier_io import TierIO
 from kvhal.transfer import TransferEngine, TransferResult
 from kvhal.vllm.config import ConnectorConfig
 from kvhal.vllm.lower_tier import open_lower_tier
-from kvhal.vllm.metadata import JobKind, KVHALMetadata, KVHALWorkerMetadata, TierWrite, TransferJob
-from kvhal.vllm.stats import TIER_READ_COUNTERS, KVHALStats
+from kvhal.vllm.metadata import (
+    JobKind,
+    KVHALMetadata,
+    KVHALWorkerMetadata,
+    TierReads,
+    TierWrite,
+    TransferJob,
+)
+from kvhal.vllm.remote import open_remote_tier
+from kvhal.vllm.stats import REMOTE_READ_COUNTERS, TIER_READ_COUNTERS, KVHALStats
 
 logger = init_logger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
@@ -66,6 +81,16 @@ def _on_engine_thread(method: F) -> F:
             self.stats.add("worker_busy_us", int(elapsed * 1e6))
 
     return timed  # type: ignore[return-value]
+
+
+@dataclass
+class _Reading:
+    """A load's reads from the tiers below into host slots, before its copy to the device."""
+
+    job: TransferJob
+    reads: list[tuple[TierReads, bool, Future[list[str | None]]]]  # (reads, remote?, future)
+    deadline: float | None = None  # remote reads: when the load is given up
+    gave_up: bool = False  # reported failed to vLLM; the job ends once the reads end
 
 
 @dataclass
@@ -100,7 +125,8 @@ class WorkerSide:
         self.busy_seconds = 0.0
         self.lower_backend: TierBackend | None = None
         self.tier_io: TierIO | None = None
-        self._reads: dict[int, tuple[TransferJob, Future[list[str | None]]]] = {}
+        self.remote: RemoteTier | None = None
+        self._reads: dict[int, _Reading] = {}
         self._writes: dict[int, tuple[TierWrite, Future[list[bool]]]] = {}
 
     # -- set-up ------------------------------------------------------------------
@@ -147,6 +173,9 @@ class WorkerSide:
         if self.config.lower_tier is not None:
             self.lower_backend = open_lower_tier(self.config, role="io", rank=_tensor_parallel_rank())
             self.tier_io = TierIO(self.host_tier, self.lower_backend)
+        if self.config.remote_tier is not None:
+            rank = _tensor_parallel_rank()
+            self.remote = open_remote_tier(self.config, "io", rank, self.stats, host=self.host_tier)
         logger.info(
             "kvhal: device plugin %r (%s), %d host slots of %d bytes, pinned=%s",
             self.device.plugin_name,
@@ -182,19 +211,33 @@ class WorkerSide:
             if job.doomed:
                 self._running[job.job_id] = _Running(job, set(), ok=False)
                 self._finish(job.job_id)
-            elif job.reads is not None:
-                assert self.tier_io is not None
-                reads = job.reads
-                try:
-                    future = self.tier_io.read(reads.keys, reads.lower_slots, reads.host_slots)
-                except Exception:  # a refused read fails the load; vLLM recomputes
-                    logger.exception("kvhal: load job %d: reading the lower tier was refused", job.job_id)
-                    self._running[job.job_id] = _Running(job, set(), ok=False)
-                    self._finish(job.job_id)
-                    continue
-                self._reads[job.job_id] = (job, future)
+            elif job.reads is not None or job.remote_reads is not None:
+                self._start_reads(job)
             else:
                 self._submit(job)
+
+    def _start_reads(self, job: TransferJob) -> None:
+        reading = _Reading(job, [])
+        try:
+            if job.reads is not None:
+                assert self.tier_io is not None
+                reads = job.reads
+                future = self.tier_io.read(reads.keys, reads.lower_slots, reads.host_slots)
+                reading.reads.append((reads, False, future))
+            if job.remote_reads is not None:
+                assert self.remote is not None and self.config.remote_tier is not None
+                reads = job.remote_reads
+                reading.reads.append((reads, True, self.remote.read(reads.keys, reads.host_slots)))
+                reading.deadline = time.monotonic() + self.config.remote_tier.load_timeout_ms / 1000
+        except Exception:  # a refused read fails the load; vLLM recomputes
+            logger.exception("kvhal: load job %d: reading a tier below was refused", job.job_id)
+            if not reading.reads:
+                self._running[job.job_id] = _Running(job, set(), ok=False)
+                self._finish(job.job_id)
+                return
+            reading.gave_up = True  # the read started must end before its slots are released
+            self._give_up(job)
+        self._reads[job.job_id] = reading
 
     @_on_engine_thread
     def start_stores(self, meta: KVHALMetadata) -> None:
@@ -259,6 +302,8 @@ class WorkerSide:
                 self.stats.add("stored_bytes", nbytes)
             if job.write is not None:
                 self._start_write(job.write, stored=running.ok)
+            if job.remote_write is not None:
+                self._start_write(job.remote_write, stored=running.ok)
             stores = self._stores_of[job.req_id]
             stores.discard(job_id)
             if not stores:
@@ -285,9 +330,13 @@ class WorkerSide:
         if not stored:
             self._failed[write.job_id] = 1
             return
-        assert self.tier_io is not None
         try:
-            future = self.tier_io.write(write.keys, write.host_slots, write.lower_slots, write.snapshot)
+            if write.remote:
+                assert self.remote is not None
+                future = self.remote.write(write.keys, write.host_slots)
+            else:
+                assert self.tier_io is not None
+                future = self.tier_io.write(write.keys, write.host_slots, write.lower_slots, write.snapshot)
         except Exception:  # a refused write leaves nothing loadable below
             logger.exception("kvhal: write job %d to the lower tier was refused", write.job_id)
             self._failed[write.job_id] = 1
@@ -303,28 +352,55 @@ class WorkerSide:
                 ok = all(written)
                 (self._succeeded if ok else self._failed)[job_id] = 1
                 self.stats.add("tier_written_bytes", sum(written) * self.config.slot_bytes)
-        for job_id, (job, future) in list(self._reads.items()):
-            if wait or future.done():
-                del self._reads[job_id]
-                assert job.reads is not None
-                outcomes = _result(future, len(job.reads.keys), "io_error")
+        now = time.monotonic()
+        for job_id, reading in list(self._reads.items()):
+            job = reading.job
+            if not (wait or all(future.done() for _, _, future in reading.reads)):
+                if reading.deadline is not None and now > reading.deadline and not reading.gave_up:
+                    reading.gave_up = True
+                    self.stats.add("remote_load_timeouts", 1)
+                    logger.warning(
+                        "kvhal: load job %d: the remote tier did not answer in %d ms; recomputing",
+                        job_id,
+                        self.config.remote_tier.load_timeout_ms if self.config.remote_tier else 0,
+                    )
+                    self._give_up(job)
+                continue
+            del self._reads[job_id]
+            failures: list[str] = []
+            for reads, remote, future in reading.reads:
+                outcomes = _result(future, len(reads.keys), "io_error")
+                counters = REMOTE_READ_COUNTERS if remote else TIER_READ_COUNTERS
                 for outcome in outcomes:
                     if outcome is not OK:
-                        self.stats.add(TIER_READ_COUNTERS.get(outcome, "tier_io_errors"), 1)
+                        self.stats.add(counters.get(outcome, counters["io_error"]), 1)
+                        failures.append(f"{'remote' if remote else 'lower'} {outcome}")
                 good = outcomes.count(OK)
-                self.stats.add("tier_read_bytes", good * self.config.slot_bytes)
-                if good == len(outcomes) and not wait:
-                    self._submit(job)  # now a load of host slots, as any hit
-                else:
-                    logger.warning(
-                        "kvhal: load job %d: %d of %d blocks from the lower tier failed (%s); recomputing",
-                        job_id,
-                        len(outcomes) - good,
-                        len(outcomes),
-                        ", ".join(sorted({o for o in outcomes if o is not OK})),
-                    )
-                    self._running[job_id] = _Running(job, set(), ok=False)
-                    self._finish(job_id)
+                self.stats.add(
+                    "remote_read_bytes" if remote else "tier_read_bytes", good * self.config.slot_bytes
+                )
+            if not failures and not wait and not reading.gave_up:
+                self._submit(job)  # now a load of host slots, as any hit
+                continue
+            if reading.gave_up:  # vLLM was told; now the job ends and its host slots are released
+                self._failed[job_id] = self._failed.get(job_id, 0) + 1
+                continue
+            total = sum(len(reads.keys) for reads, _, _ in reading.reads)
+            logger.warning(
+                "kvhal: load job %d: %d of %d blocks from the tiers below failed (%s); recomputing",
+                job_id,
+                len(failures),
+                total,
+                ", ".join(sorted(set(failures))) or "shutting down",
+            )
+            self._running[job_id] = _Running(job, set(), ok=False)
+            self._finish(job_id)
+
+    def _give_up(self, job: TransferJob) -> None:
+        """Report ``job``'s load failed to vLLM now (its request is recomputed); the job
+        itself ends later, in :meth:`_poll_tier`, once its reads into host slots end."""
+        self._finished_loads.add(job.req_id)
+        self._failed_loads.add(job.req_id)
 
     @property
     def jobs_in_flight(self) -> int:
@@ -348,6 +424,9 @@ class WorkerSide:
         if self.lower_backend is not None:
             self.lower_backend.close()
             self.lower_backend = self.tier_io = None
+        if self.remote is not None:
+            self.remote.close()
+            self.remote = None
         if self.host_tier is not None:
             self.host_views.clear()
             self.host_tier.close()

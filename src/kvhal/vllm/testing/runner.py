@@ -225,6 +225,19 @@ class EventListener:
         return {"events": counts}
 
 
+def _handshake(step: dict) -> dict:
+    """Create ``step["signal"]``, then wait until ``step["wait"]`` exists (the test's answer)."""
+    from pathlib import Path
+
+    Path(step["signal"]).touch()
+    deadline = time.monotonic() + step.get("timeout", 120)
+    while not Path(step["wait"]).exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"handshake: no {step['wait']} after {step.get('timeout', 120)} s")
+        time.sleep(0.05)
+    return {}
+
+
 def run(spec: dict) -> dict:
     from vllm import LLM
 
@@ -259,6 +272,8 @@ def run(spec: dict) -> dict:
         elif op == "sleep":  # lets copies and tier writes in flight go on
             time.sleep(step["seconds"])
             record = {}
+        elif op == "handshake":  # the test acts outside (stops a server, say) while the engine lives
+            record = _handshake(step)
         elif op == "kill":  # a crash: SIGKILL, nothing flushed or shut down
             os.kill(os.getpid(), signal.SIGKILL)
         elif op == "kv_events":
