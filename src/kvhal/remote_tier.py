@@ -106,8 +106,10 @@ class RemoteTier:
         except StoreUnavailable as exc:
             if strict:
                 raise TierError(
-                    f"remote tier {redact(url)}: the store cannot be reached ({exc}); "
-                    "remote_strict is set, so the engine does not start without it"
+                    "remote",
+                    redact(url),
+                    f"the store cannot be reached ({exc}); remote_strict is set, so the engine "
+                    "does not start without it",
                 ) from exc
             self._set_health(False, str(exc))
         concurrency = self._store.concurrency if self._store else MAX_THREADS

