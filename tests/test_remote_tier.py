@@ -18,8 +18,8 @@ from kvhal.host_tier import HostTier
 from kvhal.remote_format import HEADER_BYTES, UNAUTHENTICATED
 from kvhal.remote_store import StoreUnavailable
 from kvhal.remote_tier import RemoteTier, redact
+from kvhal.testing.redis_servers import RedisServer
 from kvhal.tier_backend import CORRUPT, FOREIGN, IO_ERROR, MISSING, OK, TierSpec
-from tests.redis_servers import RedisServer
 
 SLOT = 4096
 SLOTS = 16

@@ -19,7 +19,7 @@ from kvhal.registry import PluginRegistry
 from kvhal.remote_store import ABSENT, FAILED, StoreUnavailable
 from kvhal.stores import open_store
 from kvhal.stores.mooncake import MooncakeStore, parse_url
-from tests.mooncake_servers import MooncakeCluster, free_port
+from kvhal.testing.mooncake_servers import MooncakeCluster, free_port
 
 pytest.importorskip("mooncake.store", reason="Mooncake's client is not installed")
 if not MooncakeCluster.available():

@@ -1,6 +1,6 @@
 """The built-in Redis remote store (kvhal.stores.redis) against real redis-server processes.
 
-No mocks: every test talks to a server (or a 3-master cluster) that tests/redis_servers.py
+No mocks: every test talks to a server (or a 3-master cluster) that src/kvhal/testing/redis_servers.py
 starts on a free loopback port.
 """
 
@@ -22,7 +22,13 @@ from kvhal.registry import PluginRegistry
 from kvhal.remote_store import ABSENT, FAILED, RemoteStore, StoreUnavailable
 from kvhal.stores import open_store
 from kvhal.stores.redis import RedisStore
-from tests.redis_servers import RedisCluster, RedisServer, free_port, make_tls_certs, redis_server_binary
+from kvhal.testing.redis_servers import (
+    RedisCluster,
+    RedisServer,
+    free_port,
+    make_tls_certs,
+    redis_server_binary,
+)
 
 pytestmark = pytest.mark.skipif(redis_server_binary() is None, reason="redis-server is not installed")
 

@@ -153,7 +153,15 @@ class RemoteTier:
 
     def _run(self, call: Callable[[RemoteStore], T]) -> T:
         try:
-            result = call(self._client())
+            store = self._client()
+            try:
+                result = call(store)
+            except StoreUnavailable:
+                if not self.up:
+                    raise
+                # A client idle while its store restarted fails its first call on a stale
+                # connection (Mooncake's does): one more try tells that from an outage.
+                result = call(store)
         except StoreUnavailable as exc:
             self._set_health(False, str(exc))
             raise

@@ -16,7 +16,7 @@ import pytest
 
 from kvhal.testing.scenario import run_scenario
 from tests.e2e.common import prompts
-from tests.e2e.test_vllm_connector import BLOCK, LENGTH, SERVED, baseline, loaded, tokens
+from tests.e2e.test_vllm_connector import BLOCK, BLOCK_BYTES, LENGTH, SERVED, baseline, loaded, tokens
 
 BLOCKS_PER_PROMPT = SERVED // BLOCK
 #: Room for every promotion of a batch (a block read from the store needs a host slot).
@@ -26,7 +26,7 @@ ENGINE = {"disable_log_stats": False}
 
 @pytest.fixture(scope="module")
 def redis_server() -> Iterator:
-    from tests.redis_servers import RedisServer
+    from kvhal.testing.redis_servers import RedisServer
 
     with RedisServer() as server:
         yield server
@@ -34,7 +34,7 @@ def redis_server() -> Iterator:
 
 @pytest.fixture(scope="module")
 def redis_cluster() -> Iterator:
-    from tests.redis_servers import RedisCluster
+    from kvhal.testing.redis_servers import RedisCluster
 
     with RedisCluster() as cluster:
         yield cluster
@@ -42,7 +42,7 @@ def redis_cluster() -> Iterator:
 
 @pytest.fixture(scope="module")
 def mooncake() -> Iterator:
-    from tests.mooncake_servers import MooncakeCluster
+    from kvhal.testing.mooncake_servers import MooncakeCluster
 
     with MooncakeCluster() as cluster:
         yield cluster
@@ -122,9 +122,12 @@ def run_with_outage(model: str, kvhal: dict, steps: list[dict], tmp_path: Path, 
                 threading.Event().wait(0.05)
             try:
                 action()
+            except BaseException as exc:  # raised again in the test, once the engine ends
+                failed.append(exc)
             finally:
                 go.touch()
 
+    failed: list[BaseException] = []
     helper = threading.Thread(target=serve, daemon=True)
     helper.start()
     try:
@@ -132,6 +135,8 @@ def run_with_outage(model: str, kvhal: dict, steps: list[dict], tmp_path: Path, 
     finally:
         done.append(RuntimeError("engine ended"))
         helper.join(timeout=60)
+        if failed:
+            raise failed[0]
 
 
 def handshake(tmp_path: Path, i: int) -> dict:
@@ -154,6 +159,7 @@ def test_store_down_mid_run_recomputes_then_hits_resume(model, backend, tmp_path
         {"op": "generate", "prompts": during},
         {"op": "metrics"},
         handshake(tmp_path, 1),  # the store comes back, empty
+        {"op": "sleep", "seconds": 3},  # the engine's clients reconnect (Mooncake's: about 2 s)
         {"op": "generate", "prompts": after},  # stored to the store again
         {"op": "sleep", "seconds": 2},
         RESET,
@@ -171,14 +177,18 @@ def test_store_down_mid_run_recomputes_then_hits_resume(model, backend, tmp_path
     assert found["remote_unreachable"] >= 1, found
     assert found.get("remote_lookup_errors", 0) + found.get("remote_lookup_timeouts", 0) >= 1, found
     assert tokens(back) == tokens(again) == baseline(model, after)
-    assert loaded(again) == [SERVED] * 2, "hits did not resume once the store came back"
-    assert metrics(back_metrics)["remote_loaded_blocks"] >= 2 * BLOCKS_PER_PROMPT
+    assert loaded(again) == [SERVED] * 2, (
+        f"hits did not resume once the store came back: {metrics(back_metrics)}"
+    )
+    found = metrics(back_metrics)
+    assert found["remote_loaded_blocks"] >= 2 * BLOCKS_PER_PROMPT, found
+    assert found["remote_written_bytes"] >= found["remote_written_blocks"] * BLOCK_BYTES, found
 
 
 @pytest.fixture
 def own_redis() -> Iterator:
     """A Redis server of this test's own: what it holds is this test's blocks only."""
-    from tests.redis_servers import RedisServer
+    from kvhal.testing.redis_servers import RedisServer
 
     with RedisServer() as server:
         yield server

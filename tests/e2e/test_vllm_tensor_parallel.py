@@ -151,3 +151,37 @@ def test_tp_disk_tier_restart_serves_each_ranks_share(model, tmp_path):
     assert found["vllm:kvhal_tier_recovered_blocks"] == 3 * SERVED // BLOCK
     assert found["vllm:kvhal_tier_loaded_blocks"] == 3 * SERVED // BLOCK, "blocks counted once, not per rank"
     assert found["vllm:kvhal_tier_read_bytes"] == 3 * SERVED // BLOCK * BLOCK_BYTES, "each rank read its half"
+
+
+def test_tp_engines_share_each_ranks_half_through_the_remote_tier(model):
+    """A TP=2 engine writes each rank's half of every block to a Redis server; a fresh TP=2
+    engine finds a block only once both halves are there, and each rank loads its own."""
+    from kvhal.testing.redis_servers import RedisServer
+
+    with RedisServer() as server:
+        kvhal = {**KVHAL, "remote_url": server.url}
+
+        def run(steps: list[dict]) -> list[dict]:
+            spec = {"model": model, "kvhal": kvhal, "steps": steps, "engine": TP_ENGINE, "env": TP_ENV}
+            return run_scenario(spec, timeout=600)["steps"]
+
+        run(
+            [
+                {"op": "generate", "prompts": BATCH},
+                {"op": "sleep", "seconds": 2},
+                {"op": "generate", "prompts": []},
+            ]
+        )
+        names = list(server.client().scan_iter(match="kvhal/*"))
+        assert len(names) == 2 * 3 * SERVED // BLOCK, "one value per rank per block"
+        assert len({name.split(b"/")[1] for name in names}) == 2, "each rank has its own namespace"
+        second = run([{"op": "generate", "prompts": BATCH}, {"op": "metrics"}])
+    assert tokens(second[0]) == baseline(model)
+    assert loaded(second[0]) == [SERVED] * 3, "a fresh TP engine got no hit from the store"
+    found = second[1]["metrics"]
+    assert found["vllm:kvhal_remote_loaded_blocks"] == 3 * SERVED // BLOCK, (
+        "blocks counted once, not per rank"
+    )
+    assert found["vllm:kvhal_remote_read_bytes"] == 3 * SERVED // BLOCK * BLOCK_BYTES, (
+        "each rank read its half"
+    )

@@ -12,7 +12,7 @@ from kvhal.tier_backend import TierBackend, TierSpec
 from kvhal.tiers import open_tier
 from kvhal.vllm.config import HASH_SEED_VARIABLE, ConnectorConfig
 
-logger = init_logger(__name__)
+logger = init_logger("vllm." + __name__)  # under "vllm": its handlers and level
 
 
 def open_lower_tier(config: ConnectorConfig, role: Literal["index", "io"], rank: int) -> TierBackend:

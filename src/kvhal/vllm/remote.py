@@ -14,7 +14,7 @@ from kvhal.tier_backend import TierSpec
 from kvhal.vllm.config import HASH_SEED_VARIABLE, ConnectorConfig
 from kvhal.vllm.stats import KVHALStats
 
-logger = init_logger(__name__)
+logger = init_logger("vllm." + __name__)  # under "vllm": its handlers and level
 SECRET_VARIABLE = "KVHAL_REMOTE_SECRET"
 URL_KEY = "kv_connector_extra_config.remote_url"
 

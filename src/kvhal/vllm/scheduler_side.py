@@ -66,7 +66,7 @@ from kvhal.vllm.metadata import (
 from kvhal.vllm.remote import open_remote_tier
 from kvhal.vllm.stats import KVHALStats
 
-logger = init_logger(__name__)
+logger = init_logger("vllm." + __name__)  # under "vllm": its handlers and level
 
 #: The medium kvhal's host tier appears as in vLLM's KV events.
 MEDIUM = "CPU"

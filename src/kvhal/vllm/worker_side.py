@@ -63,7 +63,7 @@ from kvhal.vllm.metadata import (
 from kvhal.vllm.remote import open_remote_tier
 from kvhal.vllm.stats import REMOTE_READ_COUNTERS, TIER_READ_COUNTERS, KVHALStats
 
-logger = init_logger(__name__)
+logger = init_logger("vllm." + __name__)  # under "vllm": its handlers and level
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -351,7 +351,8 @@ class WorkerSide:
                 written = _result(future, len(write.keys), False)
                 ok = all(written)
                 (self._succeeded if ok else self._failed)[job_id] = 1
-                self.stats.add("tier_written_bytes", sum(written) * self.config.slot_bytes)
+                counter = "remote_written_bytes" if write.remote else "tier_written_bytes"
+                self.stats.add(counter, sum(written) * self.config.slot_bytes)
         now = time.monotonic()
         for job_id, reading in list(self._reads.items()):
             job = reading.job

@@ -2,7 +2,7 @@
 
 ::
 
-    from tests.mooncake_servers import MooncakeCluster
+    from kvhal.testing.mooncake_servers import MooncakeCluster
 
     if not MooncakeCluster.available():
         pytest.skip(MooncakeCluster.missing())

@@ -7,7 +7,7 @@ stop it (``SIGKILL``, as a crash) and start it again on the same port. Every pro
 killed and every directory removed when the object is closed, leaves its ``with`` block, is
 garbage-collected, or at interpreter exit, whichever comes first::
 
-    from tests.redis_servers import RedisCluster, RedisServer
+    from kvhal.testing.redis_servers import RedisCluster, RedisServer
 
     with RedisServer() as server:              # started, PING answered
         url = server.url                       # redis://127.0.0.1:PORT/0

@@ -1,0 +1,133 @@
+"""The scheduler side's use of the remote tier, against a real Redis server.
+
+Lookups are asked again while the store has not answered, and are a miss
+after the timeout; blocks the store holds are planned as reads into host
+slots; writes beyond the in-flight cap, or to a store that is down, are
+dropped and counted.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+pytest.importorskip("vllm")
+
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+from kvhal.remote_tier import RemoteTier
+from kvhal.testing.redis_servers import RedisServer
+from kvhal.tier_backend import TierSpec
+from kvhal.vllm.config import ConnectorConfig, GroupInfo, RemoteTierConfig
+from kvhal.vllm.keys import offload_key
+from kvhal.vllm.scheduler_side import SchedulerSide
+from tests.test_scheduler_side import BS, PAGE, PROMPT, output, prefill, reported, request
+
+
+@pytest.fixture
+def server() -> Iterator[RedisServer]:
+    with RedisServer() as running:
+        yield running
+
+
+def side(url: str, **remote) -> SchedulerSide:
+    config = ConnectorConfig(
+        cpu_bytes_to_use=64 * PAGE,
+        device=None,
+        eviction_policy="lru",
+        offload_prompt_only=True,
+        block_size=BS,
+        groups=(GroupInfo(0, ("l0",), PAGE, 8),),
+        world_size=1,
+        layout="LBHNC",
+        remote_tier=RemoteTierConfig(url, **remote),
+        fingerprint={"model": "scheduler-remote-test"},
+    )
+    return SchedulerSide(config)
+
+
+def hit(scheduler: SchedulerSide, req, timeout: float = 5.0) -> tuple[int, int]:
+    """Ask until the lookup answers: ``(tokens, times asked)``."""
+    deadline, asked = time.monotonic() + timeout, 0
+    while True:
+        asked += 1
+        tokens, _ = scheduler.lookup(req, 0)
+        if tokens is not None:
+            return tokens, asked
+        assert time.monotonic() < deadline, "the lookup never answered"
+        time.sleep(0.005)
+
+
+def put_blocks(scheduler: SchedulerSide, url: str, hashes: list[bytes]) -> None:
+    """What another engine of the same KV wrote: values under this engine's names."""
+    config = scheduler.config
+    spec = TierSpec({}, config.slot_bytes, fingerprint=config.fingerprint, role="index")
+    tier = RemoteTier(url, spec)
+    raw = redis.Redis.from_url(url)
+    for name in tier.names([offload_key(h, 0) for h in hashes]):
+        raw.set(name, b"x")  # existence is all a lookup asks; reads verify the bytes later
+    raw.close()
+    tier.close()
+
+
+def test_a_hit_the_store_holds_is_planned_as_a_read_into_host_slots(server):
+    scheduler = side(server.url)
+    req = request("a")
+    put_blocks(scheduler, server.url, list(req.block_hashes[:2]))
+    tokens, _ = hit(scheduler, req)
+    assert tokens == 2 * BS, "the two blocks the store holds are a hit (the third is not there)"
+    assert scheduler.stats.data["remote_lookups"] == 1, "asked again, but the store was asked once"
+    blocks = KVCacheBlocks(([KVCacheBlock(i) for i in (5, 6, 7)],))
+    scheduler.after_alloc(req, blocks, 2 * BS)
+    [load] = scheduler.build_meta(output()).loads
+    assert load.remote_reads is not None and load.reads is None
+    assert load.remote_reads.keys == [offload_key(h, 0) for h in req.block_hashes[:2]]
+    assert len(set(load.remote_reads.host_slots)) == 2
+    reported(scheduler, [load.job_id], ok=False)  # the read failed on the worker: recompute
+    assert scheduler.stats.data["remote_failed_loads"] == 1
+    assert scheduler.manager.lookup([offload_key(req.block_hashes[0], 0)]) == 0, "a failed read left a block"
+    scheduler.close()
+
+
+def test_a_store_that_does_not_answer_in_time_is_a_miss(server):
+    scheduler = side(server.url, lookup_timeout_ms=100)
+    client = server.client()
+    client.execute_command("CLIENT", "PAUSE", 1500)  # the store hangs
+    try:
+        start = time.monotonic()
+        tokens, asked = hit(scheduler, request("a"))
+        waited = time.monotonic() - start
+    finally:
+        client.execute_command("CLIENT", "UNPAUSE")
+    assert tokens == 0 and asked > 1, "the engine was not asked to come back while the store hung"
+    assert 0.1 <= waited < 1.0, f"the lookup waited {waited:.2f} s for a 100 ms timeout"
+    assert scheduler.stats.data["remote_lookup_timeouts"] == 1
+    scheduler.close()
+
+
+def test_writes_beyond_the_in_flight_cap_or_to_a_down_store_are_dropped(server):
+    scheduler = side(server.url, max_inflight_blocks=4)
+    a, b = request("a"), request("b", [t + 100 for t in PROMPT])
+    assert hit(scheduler, a)[0] == 0 and hit(scheduler, b)[0] == 0  # the store answered: it is up
+    [store_a] = prefill(scheduler, a, [1, 2, 3]).stores
+    assert store_a.remote_write is not None and store_a.remote_write.remote
+    assert len(store_a.remote_write.keys) == 3
+    [store_b] = prefill(scheduler, b, [4, 5, 6]).stores
+    assert store_b.remote_write is None, "3 + 3 blocks in flight exceed the cap of 4"
+    assert scheduler.stats.data["remote_dropped_blocks"] == 3
+    # the store's copy and then its write end: room again
+    reported(scheduler, [store_a.job_id])
+    reported(scheduler, [store_a.remote_write.job_id])
+    assert scheduler.stats.data["remote_written_blocks"] == 3
+    server.stop()
+    c = request("c", [t + 200 for t in PROMPT])
+    assert hit(scheduler, c)[0] == 0
+    assert scheduler.stats.data["remote_lookup_errors"] == 1 and not scheduler.remote.up
+    [store_c] = prefill(scheduler, c, [7, 8, 9]).stores
+    assert store_c.remote_write is None, "a write was planned to a store that is down"
+    assert scheduler.stats.data["remote_dropped_blocks"] == 6
+    scheduler.close()
