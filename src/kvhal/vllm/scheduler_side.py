@@ -48,7 +48,7 @@ from vllm.v1.request import Request
 
 from kvhal.chain import LoadPlan, TierChain, WritePlan
 from kvhal.errors import ValidationError
-from kvhal.manager import OffloadingManager
+from kvhal.manager import BlockState, OffloadingManager
 from kvhal.remote_tier import RemoteTier
 from kvhal.tier_backend import TierBackend
 from kvhal.tier_index import TierIndex
@@ -231,6 +231,11 @@ class SchedulerSide:
                 held = [all(found[i * n : (i + 1) * n]) for i in range(len(probe.hashes))]
                 probe.blocks = held.index(False) if False in held else len(held)
         blocks = min(probe.blocks, len(wanted))
+        for i, block_hash in enumerate(wanted[:blocks]):
+            # a block still being stored to the host tier is neither loadable nor fetchable yet
+            if any(self.manager.state(offload_key(block_hash, g)) is BlockState.STORING for g in groups):
+                blocks = i
+                break
         if blocks:
             local = [offload_key(h, g) for h in hashes[:hit] for g in groups]
             blocks = min(blocks, self.chain.room(local) // len(groups))
