@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kvhal.testing.scenario import run_scenario
+from kvhal.testing.scenario import ScenarioError, run_scenario
 from tests.e2e.common import prompts
 from tests.e2e.test_vllm_connector import BLOCK, BLOCK_BYTES, LENGTH, SERVED, baseline, loaded, tokens
 
@@ -231,3 +231,18 @@ def test_with_a_secret_values_written_without_it_are_refused(model, own_redis):
     assert loaded(result[4]) == [SERVED, SERVED], "the engine's own signed values were not served"
     found = metrics(result[5])
     assert found["remote_unauthenticated_blocks"] >= 2, found
+
+
+def test_a_store_unreachable_at_start_is_a_warning_or_with_strict_an_error(model):
+    from kvhal.testing.redis_servers import free_port
+
+    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    batch = prompts(2, LENGTH, seed=81)
+    spec = {"model": model, "kvhal": remote(url), "engine": ENGINE, "env": {}}
+    result = run_scenario({**spec, "steps": [{"op": "generate", "prompts": batch}, {"op": "metrics"}]})
+    assert tokens(result["steps"][0]) == baseline(model, batch), "an engine without its store serves as usual"
+    assert "is unreachable" in result["stderr"], "the operator is not told the store is down"
+    assert metrics(result["steps"][1])["remote_lookup_errors"] >= 1
+    strict = {**spec, "kvhal": remote(url, remote_strict=True), "steps": []}
+    with pytest.raises(ScenarioError, match="remote_strict is set"):
+        run_scenario(strict)
