@@ -43,16 +43,18 @@ def worker(url: str, seed: int, **remote) -> tuple[WorkerSide, dict]:
     return side, caches
 
 
-def write_through(job_id: int, slots: list[int]) -> TierWrite:
-    return TierWrite(job_id, KEYS, slots, [], snapshot=False, remote=True)
+def stored_through(url: str) -> tuple[WorkerSide, dict]:
+    """Worker A stores device blocks 3 and 5 into host slots 0 and 1, written through to the store."""
+    a, caches = worker(url, seed=1)
+    job = store(0, "r", [3, 5], [0, 1])
+    job.remote_write = TierWrite(1, KEYS, [0, 1], [], snapshot=False, remote=True)
+    step(a, stores=[job])
+    settle(a)
+    return a, caches
 
 
 def test_what_one_worker_stores_another_loads_byte_for_byte(server):
-    a, caches_a = worker(server.url, seed=1)
-    job = store(0, "r", [3, 5], [0, 1])
-    job.remote_write = write_through(1, [0, 1])
-    step(a, stores=[job])
-    settle(a)
+    a, caches_a = stored_through(server.url)
     assert a.worker_meta().succeeded == {0: 1, 1: 1}
     assert a.stats.data["remote_written_bytes"] == 2 * a.config.slot_bytes
     b, caches_b = worker(server.url, seed=2)
@@ -72,11 +74,7 @@ def test_what_one_worker_stores_another_loads_byte_for_byte(server):
 
 
 def test_a_read_that_hangs_fails_the_load_at_its_deadline_and_ends_later(server):
-    a, _ = worker(server.url, seed=1)
-    job = store(0, "r", [3, 5], [0, 1])
-    job.remote_write = write_through(1, [0, 1])
-    step(a, stores=[job])
-    settle(a)
+    a, _ = stored_through(server.url)
     a.shutdown()
     b, caches_b = worker(server.url, seed=2, load_timeout_ms=200)
     before = [block(caches_b, i) for i in (7, 9)]

@@ -11,12 +11,13 @@ from __future__ import annotations
 import hashlib
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from vllm.config import VllmConfig
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
 from kvhal.errors import ValidationError
+from kvhal.tier_backend import TierSpec
 
 #: The keys a user may put in ``kv_connector_extra_config``.
 KNOWN_KEYS = {
@@ -134,6 +135,19 @@ class ConnectorConfig:
     @property
     def slot_bytes(self) -> int:
         return self.groups[0].slot_bytes
+
+    def tier_spec(
+        self, role: Literal["index", "io"], rank: int, options: dict[str, Any] | None = None
+    ) -> TierSpec:
+        """What a tier below the host tier is opened for, by the scheduler or worker ``rank``."""
+        return TierSpec(
+            options=dict(options or {}),
+            slot_bytes=self.slot_bytes,
+            fingerprint=self.fingerprint,
+            role=role,
+            rank=rank,
+            world_size=self.world_size,
+        )
 
     @property
     def num_slots(self) -> int:

@@ -8,7 +8,7 @@ from vllm.logger import init_logger
 
 from kvhal.errors import ValidationError
 from kvhal.registry import PluginRegistry
-from kvhal.tier_backend import TierBackend, TierSpec
+from kvhal.tier_backend import TierBackend
 from kvhal.tiers import open_tier
 from kvhal.vllm.config import HASH_SEED_VARIABLE, ConnectorConfig
 
@@ -24,14 +24,7 @@ def open_lower_tier(config: ConnectorConfig, role: Literal["index", "io"], rank:
     """
     lower = config.lower_tier
     assert lower is not None
-    spec = TierSpec(
-        options=dict(lower.options),
-        slot_bytes=config.slot_bytes,
-        fingerprint=config.fingerprint,
-        role=role,
-        rank=rank,
-        world_size=config.world_size,
-    )
+    spec = config.tier_spec(role, rank, lower.options)
     if role == "index" and config.fingerprint.get("hash_seed") == "random-per-process":
         logger.warning(
             "kvhal: the %s tier cannot serve a restarted engine: vLLM's %s block hashes take a random "

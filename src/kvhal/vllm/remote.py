@@ -10,7 +10,6 @@ from kvhal import env
 from kvhal.errors import ValidationError
 from kvhal.host_tier import HostTier
 from kvhal.remote_tier import RemoteTier, redact
-from kvhal.tier_backend import TierSpec
 from kvhal.vllm.config import HASH_SEED_VARIABLE, ConnectorConfig
 from kvhal.vllm.stats import KVHALStats
 
@@ -36,14 +35,7 @@ def open_remote_tier(
     remote = config.remote_tier
     assert remote is not None
     url = redact(remote.url)
-    spec = TierSpec(
-        options={},
-        slot_bytes=config.slot_bytes,
-        fingerprint=config.fingerprint,
-        role=role,
-        rank=rank,
-        world_size=config.world_size,
-    )
+    spec = config.tier_spec(role, rank)
     if role == "index" and config.fingerprint.get("hash_seed") == "random-per-process":
         logger.warning(
             "kvhal: the remote tier %s cannot share blocks between engines: vLLM's %s block hashes take "
