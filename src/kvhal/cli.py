@@ -21,6 +21,7 @@ BENCHMARKS = {
     "disk": "kvhal.bench.disk",
     "e2e": "kvhal.bench.e2e",
     "manager": "kvhal.bench.manager",
+    "shared": "kvhal.bench.shared",
 }
 
 
