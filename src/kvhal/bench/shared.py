@@ -66,6 +66,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from kvhal import env
 from kvhal.bench.common import console as make_console
 from kvhal.bench.common import result_header, write_outputs
 from kvhal.bench.disk import parse_size, size_name
@@ -182,8 +183,8 @@ class RedisLimit:
         options: dict[str, Any] = {
             "host": parts.hostname,
             "port": parts.port or 6379,
-            "username": unquote(parts.username) if parts.username else os.environ.get("KVHAL_REDIS_USERNAME"),
-            "password": unquote(parts.password) if parts.password else os.environ.get("KVHAL_REDIS_PASSWORD"),
+            "username": unquote(parts.username) if parts.username else env.read("KVHAL_REDIS_USERNAME"),
+            "password": unquote(parts.password) if parts.password else env.read("KVHAL_REDIS_PASSWORD"),
             "socket_timeout": 60.0,
         }
         if parts.scheme.startswith("rediss"):
