@@ -308,7 +308,12 @@ class RedisStore(RemoteStore):
                 client = RedisCluster(host=t.host, port=t.port, **options)
             else:
                 client = redis.Redis(host=t.host, port=t.port, db=t.db, **options)
-            client.ping()
+            if t.cluster:
+                # a connection to every primary now: opened lazily, they would fall on the
+                # first lookups, which have a budget of a few hundred milliseconds
+                client.ping(target_nodes=RedisCluster.PRIMARIES)
+            else:
+                client.ping()
         except Exception as exc:
             if client is not None:
                 client.close()
