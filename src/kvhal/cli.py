@@ -17,6 +17,7 @@ from kvhal.registry import PluginRegistry, Selection
 
 #: ``kvhal bench NAME`` -> module with ``add_arguments(parser)`` and ``run(args) -> int``.
 BENCHMARKS = {
+    "chat": "kvhal.bench.chat",
     "copy": "kvhal.bench.copy",
     "disk": "kvhal.bench.disk",
     "e2e": "kvhal.bench.e2e",
