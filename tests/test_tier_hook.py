@@ -94,8 +94,9 @@ def test_a_third_party_backend_serves_the_chain_end_to_end():
             plan, write = chain.prepare_store([key])
             host.scatter_slots(plan.slots, row[None])  # what the device copy would write
             chain.complete_store(plan.keys, write=write)
-            chain.complete_write(write, success=all(io.write(write.keys, write.host_slots,
-                                                             write.lower_slots, False).result()))
+            chain.complete_write(
+                write, success=all(io.write(write.keys, write.host_slots, write.lower_slots, False).result())
+            )
         # the host tier holds k2..k5 in its 4 slots: promoting k0, k1 leaves room for 2 hits
         assert chain.lookup(keys) == (4, 2), "the two oldest blocks come from the third party's tier"
         load = chain.prepare_load(keys[:4])

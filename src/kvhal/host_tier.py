@@ -30,8 +30,6 @@ if TYPE_CHECKING:
     from kvhal.device import Device
 
 
-
-
 class SlotPool:
     """A free list over ``num_slots`` equal slots: O(1) per slot; a double free is an error.
 

@@ -112,4 +112,3 @@ def map_zeroed(nbytes: int) -> torch.Tensor:
     """
     region = mmap.mmap(-1, round_to_pages(nbytes), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     return torch.frombuffer(region, dtype=torch.int8, count=nbytes)
-
