@@ -6,5 +6,6 @@ bash scripts/setup.sh
 VENV=${KVHAL_VENV:-.venv}
 echo "[test] ruff"
 "$VENV/bin/ruff" check .
+"$VENV/bin/ruff" format --check src tests conformance plugins
 echo "[test] pytest"
 exec "$VENV/bin/python" -m pytest -q "$@"

@@ -122,9 +122,7 @@ def store_block(plugin: NPUPlugin) -> None:
 
 
 def plugin_after_an_early_probe(**kw) -> NPUPlugin:
-    return NPUPlugin(
-        facts=EARLY, stream_module=FakeStreamModule(), host=PinnedHostBuffers(pin=False), **kw
-    )
+    return NPUPlugin(facts=EARLY, stream_module=FakeStreamModule(), host=PinnedHostBuffers(pin=False), **kw)
 
 
 def test_an_op_loaded_after_the_probe_is_used_from_the_first_copy(vllm_ascend):
