@@ -1,0 +1,157 @@
+"""``kvhal bench chat``'s judgement, on made-up runs: the outputs check (numerics against wrong
+KV), the workload, the sizing and the targets. The bench itself runs in tests/e2e."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvhal.bench import chat
+
+
+def request(user: int, tokens: list[int], logprobs: list[float], top: list[list[list]]) -> dict:
+    return {"user": user, "tokens": tokens, "logprobs": logprobs, "top_logprobs": top, "ttft_s": 0.1}
+
+
+def answer(user: int, tokens: list[int], second: int = 99, margin: float = 3.0, shift: float = 0.0) -> dict:
+    """An output whose every token beat ``second`` by ``margin`` nats (``shift``: all logprobs moved)."""
+    best = [-0.1 + shift] * len(tokens)
+    top = [[[t, -0.1 + shift], [second, -0.1 - margin + shift]] for t in tokens]
+    return request(user, tokens, best, top)
+
+
+def run(config: str, rounds: list[list[dict]], repeat: int = 0) -> dict:
+    return {"config": config, "repeat": repeat, "rounds": [{"requests": r} for r in rounds]}
+
+
+FLOOR = run("floor", [[answer(0, [1, 2, 3]), answer(1, [4, 5, 6])], [answer(0, [7, 8]), answer(1, [9, 9])]])
+
+
+def test_equal_outputs_pass_and_count_as_equal():
+    same = run("host", [[answer(0, [1, 2, 3]), answer(1, [4, 5, 6])], [answer(0, [7, 8]), answer(1, [9, 9])]])
+    found = chat.check_outputs([FLOOR, same])
+    assert found["passed"] and found["all_equal"]
+    (host,) = found["comparisons"]
+    assert (host["compared"], host["equal"], host["unexplained"]) == (4, 4, 0)
+
+
+def near_tie(user: int, tokens: list[int], flipped_at: int, other: int, gap: float) -> dict:
+    """``tokens`` with the token at ``flipped_at`` nearly tied with ``other`` (``gap`` nats)."""
+    out = answer(user, tokens)
+    out["top_logprobs"][flipped_at] = [[tokens[flipped_at], -0.6], [other, -0.6 - gap]]
+    out["logprobs"][flipped_at] = -0.6
+    return out
+
+
+def test_a_flip_at_a_near_tie_is_numerics_and_the_users_later_turns_are_not_compared():
+    floor = run("floor", [[near_tie(0, [1, 2, 3], 1, 5, 0.05)], [answer(0, [7, 8])]])
+    # the other run ranks the two the other way round, each logprob within the tolerance
+    flipped = request(0, [1, 5, 4], [-0.1, -0.62, -0.1], [[[1, -0.1]], [[5, -0.62], [2, -0.64]], [[4, -0.1]]])
+    later = answer(0, [3, 3])  # another prompt from here on: not comparable
+    found = chat.check_outputs([floor, run("host", [[flipped], [later]])])
+    (host,) = found["comparisons"]
+    assert found["passed"] and not found["all_equal"]
+    assert (host["numerics"], host["unexplained"], host["not_comparable"]) == (1, 0, 1)
+    (m,) = host["mismatches"]
+    assert (m["position"], m["reference_token"], m["token"], m["numerics"]) == (1, 2, 5, True)
+
+
+def test_a_flip_of_a_clear_choice_is_unexplained_and_fails_the_check():
+    """The negative control: the KV was wrong, so a token with a 3-nat margin changed."""
+    wrong = answer(0, [1, 7, 3], second=2, margin=3.0)
+    found = chat.check_outputs(
+        [
+            FLOOR,
+            run(
+                "host",
+                [[wrong, answer(1, [4, 5, 6])], [FLOOR["rounds"][1]["requests"][0], answer(1, [9, 9])]],
+            ),
+        ]
+    )
+    (host,) = found["comparisons"]
+    assert not found["passed"]
+    assert host["unexplained"] == 1
+    assert host["mismatches"][0]["numerics"] is False
+
+
+def test_a_flip_whose_earlier_logprobs_moved_far_is_unexplained():
+    """Tokens equal up to the flip, but the logprobs before it moved by more than the tolerance:
+    the model saw another context, which a near tie does not explain."""
+    floor = run("floor", [[near_tie(0, [1, 2, 3], 2, 5, 0.05)]])
+    got = near_tie(0, [1, 2, 5], 2, 3, 0.05)
+    got["top_logprobs"][2] = [[5, -0.6], [3, -0.62]]
+    got["logprobs"][0] = -0.1 - 2 * chat.LOGPROB_TOLERANCE
+    found = chat.check_outputs([floor, run("disk", [[got]])])
+    assert not found["passed"], found["comparisons"]
+    assert found["comparisons"][0]["mismatches"][0]["logprob_drift_before"] > chat.LOGPROB_TOLERANCE
+
+
+def test_a_token_outside_the_other_runs_top_two_is_unexplained():
+    floor = run("floor", [[answer(0, [1, 2, 3])]])
+    got = request(0, [1, 8, 3], [-0.1, -0.1, -0.1], [[[1, -0.1]], [[8, -0.1], [6, -0.2]], [[3, -0.1]]])
+    found = chat.check_outputs([floor, run("host", [[got]])])
+    assert not found["passed"]
+    assert found["comparisons"][0]["mismatches"][0]["logprob_moved"] is None
+
+
+def test_equal_tokens_with_drifted_logprobs_are_listed_not_failed():
+    drifted = run(
+        "shared",
+        [
+            [answer(0, [1, 2, 3], shift=-1.0), answer(1, [4, 5, 6])],
+            [answer(0, [7, 8]), answer(1, [9, 9])],
+        ],
+    )
+    found = chat.check_outputs([FLOOR, drifted])
+    (shared,) = found["comparisons"]
+    assert found["passed"] and found["all_equal"]
+    assert [(d["user"], d["round"]) for d in shared["equal_but_drifted"]] == [(0, 1)]
+    assert found["max_logprob_difference_equal_outputs"] == pytest.approx(1.0)
+
+
+def test_the_reference_is_the_floor_wherever_it_ran():
+    host = run("host", [[answer(0, [1, 2, 3]), answer(1, [4, 5, 6])], [answer(0, [7, 8]), answer(1, [9, 9])]])
+    found = chat.check_outputs([host, FLOOR])
+    assert found["reference"] == {"config": "floor", "repeat": 0}
+    assert [c["config"] for c in found["comparisons"]] == ["host"]
+
+
+def test_the_workload_is_distinct_per_user_and_repeatable():
+    one = chat.workload(6, 3, (100, 200), 50, 32000, seed=3)
+    assert one == chat.workload(6, 3, (100, 200), 50, 32000, seed=3)
+    assert one != chat.workload(6, 3, (100, 200), 50, 32000, seed=4)
+    assert all(100 <= len(c) <= 200 for c in one["contexts"])
+    assert len({tuple(c[:32]) for c in one["contexts"]}) == 6, "two users share a first block"
+    assert len(one["turns"]) == 3 and all(len(r) == 6 for r in one["turns"])
+    assert all(40 <= len(t) <= 60 for r in one["turns"] for t in r)
+
+
+def test_the_small_device_cache_holds_a_fraction_and_the_host_tier_everyone():
+    work = chat.workload(16, 4, (1024, 2048), 100, chat.CHAT_MODEL.vocab_size, seed=0)
+    size = chat.sizing(chat.CHAT_MODEL, work, max_tokens=32, inflight=3)
+    total = size["conversation_tokens"]
+    assert size["small_device_tokens"] < total / 2, "the device cache holds most users: no offloading needed"
+    assert size["small_device_tokens"] >= 3 * size["longest_conversation"], "requests in flight would preempt"
+    assert size["big_device_tokens"] > total and size["host_tokens"] >= total
+    assert size["small_host_tokens"] < total / 2 and size["disk_tokens"] >= total
+    assert size["max_model_len"] > size["longest_conversation"]
+
+
+def summary(later: dict[str, float], rate: dict[str, float]) -> dict:
+    return {
+        name: {"ttft_later": {"mean": later[name]}, "output_tokens_per_s": rate.get(name, 1.0)}
+        for name in later
+    }
+
+
+def test_targets_compare_the_right_pairs():
+    checks = chat.check_targets(
+        summary(
+            {"floor": 0.10, "vllm": 1.0, "host": 0.105, "disk": 0.2, "shared": 0.25},
+            {"vllm": 100.0, "host": 99.0},
+        )
+    )
+    by = {c["target"].split(":")[0] + (" tok/s" if "tokens/s" in c["target"] else ""): c for c in checks}
+    assert by["host"]["value"] == pytest.approx(1.05) and by["host"]["met"]
+    assert by["disk"]["value"] == pytest.approx(0.2 / 0.105) and not by["disk"]["met"]
+    assert by["shared"]["value"] == pytest.approx(0.25 / 0.105) and not by["shared"]["met"]
+    assert by["host tok/s"]["value"] == pytest.approx(0.99) and not by["host tok/s"]["met"]
