@@ -169,7 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--repeats", type=int, default=2)
     demo.add_argument("--models", type=Path, default=Path.home() / ".cache" / "kvhal-bench-models")
     demo.add_argument("--out", type=Path, default=Path("bench-results"))
-    demo.set_defaults(func=cmd_demo, no_throughput=True, rounds=0, malloc_default=False, print_targets=False)
+    demo.set_defaults(
+        func=cmd_demo, no_throughput=True, rounds=0, malloc_default=False, env=[], print_targets=False
+    )
 
     new_plugin = sub.add_parser("new-plugin", help="write the package of a new device plugin, hooks stubbed")
     new_plugin.add_argument("name", help="the plugin's name (its entry point; KVHAL_DEVICE=NAME selects it)")

@@ -126,13 +126,17 @@ def throughput(
     steps = [
         {"op": "generate", "name": "warm-up", "prompts": [_prompt(rng, 64, recipe.vocab_size)]},
         {"op": "kvhal_state", "name": "before"},
+        {"op": "threads", "name": "threads before"},
         {"op": "generate", "name": "batch", "prompts": batch, "max_tokens": 32},
+        {"op": "threads", "name": "threads after"},
         {"op": "kvhal_state", "name": "after"},
     ]
     tokens = len(batch) * (prompt_len + 32)
     kinds = (("without kvhal", None), ("with kvhal", {"cpu_bytes_to_use": host_bytes}))
     rates: dict[str, list[float]] = {name: [] for name, _ in kinds}
     faults: dict[str, list[int]] = {name: [] for name, _ in kinds}  # minor page faults per engine process
+    # per thread group, the batch's page faults and CPU seconds (where the time goes)
+    threads: dict[str, list[dict]] = {name: [] for name, _ in kinds}
     busy: list[float] = []  # share of the batch's wall time spent in kvhal on the engine's thread
     task = progress.add_task("throughput", total=2 * rounds)
     for round_index in range(rounds):
@@ -152,6 +156,7 @@ def throughput(
             seconds = by_name["batch"]["seconds"]
             rates[name].append(tokens / seconds)
             faults[name].append(result["minor_faults"])
+            threads[name].append(thread_groups(by_name["threads before"], by_name["threads after"]))
             if kvhal:
                 spent = by_name["after"]["worker_busy_seconds"] - by_name["before"]["worker_busy_seconds"]
                 busy.append(spent / seconds)
@@ -167,7 +172,27 @@ def throughput(
         "overhead_per_round": [1 - r for r in ratios],
         "kvhal_busy_share": statistics.median(busy),
         "minor_faults_all": faults,
+        "batch_threads_all": threads,
     }
+
+
+def thread_group(name: str) -> str:
+    """The engine's main thread (it runs the model), kvhal's threads, or the rest."""
+    if name.startswith("main:"):
+        return "main"
+    return "kvhal" if name.startswith("kvhal") else "other"
+
+
+def thread_groups(before: dict, after: dict) -> dict[str, dict[str, float]]:
+    """What each thread group did between two ``threads`` snapshots (threads that started
+    meanwhile count from zero)."""
+    groups: dict[str, dict[str, float]] = {}
+    for name, now in after["threads"].items():
+        then = before["threads"].get(name, {})
+        mine = groups.setdefault(thread_group(name), {"minflt": 0, "cpu_s": 0.0})
+        mine["minflt"] += now["minflt"] - then.get("minflt", 0)
+        mine["cpu_s"] += now["utime_s"] + now["stime_s"] - then.get("utime_s", 0) - then.get("stime_s", 0)
+    return groups
 
 
 def check_targets(rows: list[dict], overhead: float | None) -> list[dict]:
@@ -212,6 +237,25 @@ def print_ttft(console: Console, title: str, rows: list[dict]) -> None:
     console.print(table)
 
 
+def print_threads(console: Console, runs: dict[str, list[dict]]) -> None:
+    """The batch's page faults and CPU seconds per thread group, medians over runs."""
+    table = Table(title="during the throughput batch, per thread group (medians over runs)")
+    for column in ("engine", "thread group", "minor faults", "CPU s"):
+        table.add_column(column, justify="right")
+    for kind, groups in runs.items():
+        for group in ("main", "kvhal", "other"):
+            found = [g[group] for g in groups if group in g]
+            if not found:
+                continue
+            table.add_row(
+                kind,
+                group,
+                f"{statistics.median(f['minflt'] for f in found):,.0f}",
+                f"{statistics.median(f['cpu_s'] for f in found):.2f}",
+            )
+    console.print(table)
+
+
 def plot(rows: list[dict], path: Path, title: str) -> None:
     import matplotlib
 
@@ -240,9 +284,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="run engines with glibc malloc's defaults, not MALLOC_ENV (to see the page-fault noise)",
     )
+    parser.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="an environment variable for every engine (both kinds), e.g. MALLOC_ARENA_MAX=1; repeatable",
+    )
     parser.add_argument("--models", type=Path, default=Path.home() / ".cache" / "kvhal-bench-models")
     parser.add_argument("--out", type=Path, default=Path("bench-results"), help="folder for JSON and PNG")
     parser.set_defaults(print_targets=True)
+
+
+def engine_env(args: argparse.Namespace) -> dict[str, str]:
+    env = {} if args.malloc_default else dict(MALLOC_ENV)
+    for item in args.env:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise SystemExit(f"--env takes NAME=VALUE, not {item!r}")
+        env[name] = value
+    return env
 
 
 def run_bench(args: argparse.Namespace, recipe: TinyLlama, name: str) -> dict[str, Any]:
@@ -250,7 +311,7 @@ def run_bench(args: argparse.Namespace, recipe: TinyLlama, name: str) -> dict[st
     with console.status("building the model"):
         model = str(recipe.build(args.models))
     host_bytes = 2 << 30
-    env = {} if args.malloc_default else MALLOC_ENV
+    env = engine_env(args)
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("TTFT: one engine, four categories", total=1)
         timing = ttft(model, recipe, args.prompt_len, args.repeats, host_bytes, env)
@@ -277,10 +338,13 @@ def run_bench(args: argparse.Namespace, recipe: TinyLlama, name: str) -> dict[st
             f"kvhal's own time on the engine's thread: {rate['kvhal_busy_share']:.2%} of the run"
         )
         faults = {k: statistics.median(v) / 1e6 for k, v in rate["minor_faults_all"].items()}
+        malloc = "MALLOC_ENV" if not args.malloc_default else "glibc defaults"
+        extra = " ".join(args.env)
         console.print(
             f"minor page faults per engine process (median): {faults['without kvhal']:.2f}M without kvhal, "
-            f"{faults['with kvhal']:.2f}M with; malloc: {'glibc defaults' if not env else 'MALLOC_ENV'}"
+            f"{faults['with kvhal']:.2f}M with; malloc: {malloc}{' + ' + extra if extra else ''}"
         )
+        print_threads(console, rate["batch_threads_all"])
     # The targets are set for BENCH_MODEL (recompute over a second); the demo's model is too small.
     for check in checks if args.print_targets else ():
         console.print(

@@ -13,7 +13,8 @@ control), ``kvhal_state`` (what kvhal holds and has in flight; both
 single-process engines only), ``metrics`` (``LLM.get_metrics()``),
 ``kv_events`` (KV events received from vLLM's ZMQ publisher, by type and
 medium; needs ``kv_events_port`` in the spec), ``sleep`` (``seconds``) and
-``kill`` (SIGKILL of the engine's own process: a crash), ``chat`` (a multi-turn workload:
+``kill`` (SIGKILL of the engine's own process: a crash), ``threads`` (page faults and CPU
+time per thread of the engine's process, so far), ``chat`` (a multi-turn workload:
 each round's prompt is the conversation so far plus a new turn, served round-robin with a
 few requests in flight; per-request TTFT and logprobs, metrics after each round) and
 ``chat_jobs`` (serve ``chat`` jobs handed over in files until told to stop, so that two
@@ -304,9 +305,12 @@ def _chat(llm: Any, step: dict) -> dict:
                 )
             outputs = engine.step()
             now = time.perf_counter()
-            steps_taken += 1
             if scheduler is not None:
                 scheduled = getattr(scheduler, "_kvhal_chat_last", None)
+            # a step that scheduled nothing (every request parked, loading) returns at once:
+            # count the steps that computed, where the scheduler says so
+            if scheduled is None or scheduled > 0:
+                steps_taken += 1
             if trace is not None:
                 round_steps.append(
                     {
@@ -440,6 +444,40 @@ def _chat_jobs(llm: Any, step: dict) -> dict:
     return {"jobs": count}
 
 
+def _threads() -> dict:
+    """Per thread of this process (by its Python name, else the kernel's; the main thread as
+    ``main:NAME``): minor and major page faults, user and system CPU seconds, from
+    ``/proc/self/task/*/stat`` (Linux). Threads of one name are summed."""
+    import threading
+
+    tick = os.sysconf("SC_CLK_TCK")
+    # Python does not name its threads for the kernel: take their names from threading
+    python_names = {t.native_id: t.name for t in threading.enumerate()}
+    threads: dict[str, dict[str, float]] = {}
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/stat") as f:
+                text = f.read()
+        except OSError:  # the thread ended meanwhile
+            continue
+        name = python_names.get(int(task)) or text[text.index("(") + 1 : text.rindex(")")]
+        if int(task) == os.getpid():  # the engine's (and the model's) thread
+            name = f"main:{name}"
+        fields = text[text.rindex(")") + 2 :].split()
+        # after the name: state ppid pgrp session tty tpgid flags minflt cminflt majflt cmajflt utime stime
+        counts = {
+            "minflt": int(fields[7]),
+            "majflt": int(fields[9]),
+            "utime_s": int(fields[11]) / tick,
+            "stime_s": int(fields[12]) / tick,
+            "count": 1,
+        }
+        mine = threads.setdefault(name, dict.fromkeys(counts, 0))
+        for key, value in counts.items():
+            mine[key] += value
+    return {"threads": threads}
+
+
 def run(spec: dict) -> dict:
     from vllm import LLM
 
@@ -471,6 +509,8 @@ def run(spec: dict) -> dict:
             record = _metrics(llm, step)
         elif op == "kvhal_state":
             record = _kvhal_state(llm)
+        elif op == "threads":  # page faults and CPU time per thread, so far
+            record = _threads()
         elif op == "sleep":  # lets copies and tier writes in flight go on
             time.sleep(step["seconds"])
             record = {}
