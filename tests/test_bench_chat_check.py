@@ -8,6 +8,12 @@ import pytest
 from kvhal.bench import chat
 
 
+@pytest.fixture(autouse=True)
+def bf16_tolerance(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The made-up logprobs below are on bf16's scale."""
+    monkeypatch.setattr(chat, "LOGPROB_TOLERANCE", 0.5)
+
+
 def request(user: int, tokens: list[int], logprobs: list[float], top: list[list[list]]) -> dict:
     return {"user": user, "tokens": tokens, "logprobs": logprobs, "top_logprobs": top, "ttft_s": 0.1}
 
@@ -93,7 +99,20 @@ def test_a_token_outside_the_other_runs_top_two_is_unexplained():
     assert found["comparisons"][0]["mismatches"][0]["logprob_moved"] is None
 
 
-def test_equal_tokens_with_drifted_logprobs_are_listed_not_failed():
+def test_a_scripted_run_is_compared_in_every_round_after_a_difference():
+    """Fed the reference's answers, a run sees the reference's prompts in every round: a
+    difference in round 1 leaves round 2 comparable (and a wrong round 2 fails)."""
+    floor = run("floor", [[near_tie(0, [1, 2, 3], 1, 5, 0.05)], [answer(0, [7, 8])]])
+    flipped = request(0, [1, 5, 4], [-0.1, -0.62, -0.1], [[[1, -0.1]], [[5, -0.62], [2, -0.64]], [[4, -0.1]]])
+    for later, passed in ((answer(0, [7, 8]), True), (answer(0, [3, 3], second=7), False)):
+        got = {**run("host", [[flipped], [later]]), "scripted": True}
+        found = chat.check_outputs([floor, got])
+        (host,) = found["comparisons"]
+        assert (host["compared"], host["not_comparable"]) == (2, 0)
+        assert found["passed"] is passed
+
+
+def test_equal_tokens_with_drifted_logprobs_fail():
     drifted = run(
         "shared",
         [
@@ -103,7 +122,8 @@ def test_equal_tokens_with_drifted_logprobs_are_listed_not_failed():
     )
     found = chat.check_outputs([FLOOR, drifted])
     (shared,) = found["comparisons"]
-    assert found["passed"] and found["all_equal"]
+    assert not found["passed"] and found["all_equal"], "equal tokens from other KV pass"
+    assert shared["unexplained"] == 1
     assert [(d["user"], d["round"]) for d in shared["equal_but_drifted"]] == [(0, 1)]
     assert found["max_logprob_difference_equal_outputs"] == pytest.approx(1.0)
 

@@ -170,7 +170,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--models", type=Path, default=Path.home() / ".cache" / "kvhal-bench-models")
     demo.add_argument("--out", type=Path, default=Path("bench-results"))
     demo.set_defaults(
-        func=cmd_demo, no_throughput=True, rounds=0, malloc_default=False, env=[], print_targets=False
+        func=cmd_demo,
+        no_throughput=True,
+        rounds=0,
+        malloc_default=False,
+        env=[],
+        dtype="bfloat16",
+        print_targets=False,
     )
 
     new_plugin = sub.add_parser("new-plugin", help="write the package of a new device plugin, hooks stubbed")

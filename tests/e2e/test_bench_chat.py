@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from kvhal.cli import main
 
 
@@ -42,3 +44,28 @@ def test_chat_bench_floor_and_host(tmp_path, vllm_installed):
     assert round2["host"] > 0 and round2["kvhal"] > 0, f"kvhal served nothing in round 2: {round2}"
     assert summary["host"]["rounds"][0]["tiers"]["kvhal"] == 0, "round 1 is every user's first sight"
     assert {t["target"].split(":")[0] for t in result["targets"]} == {"host"}
+
+
+def test_chat_bench_disk_and_shared(tmp_path, vllm_installed):
+    """Round 2 of the disk configuration comes from the disk tier (its host tier is too small),
+    and the shared configuration's from the other engine, through a Redis server."""
+    pytest.importorskip("redis")
+    out = tmp_path / "out"
+    argv = ["bench", "chat", "--users", "4", "--rounds", "2", "--context", "96", "160"]
+    argv += ["--turn", "32", "--max-tokens", "8", "--inflight", "1", "--repeats", "1"]
+    argv += ["--configs", "floor", "disk", "shared", "--store", "redis"]
+    argv += ["--models", str(tmp_path / "models"), "--out", str(out)]
+    assert main(argv) == 0, "the outputs check failed"
+    result = json.loads((out / "chat.json").read_text())
+    summary = result["summary"]
+    assert list(summary) == ["floor", "disk", "shared"]
+    disk, shared = summary["disk"]["rounds"][1]["tiers"], summary["shared"]["rounds"][1]["tiers"]
+    assert disk["disk"] > 0, f"the disk tier served nothing in round 2: {disk}"
+    assert shared["remote"] > 0, f"the other engine's turns were not served from the store: {shared}"
+    engines = {q["engine"] for rnd in result["runs"][2]["rounds"] for q in rnd["requests"]}
+    assert engines == {"A", "B"}
+    by_user = {q["user"]: q["engine"] for rnd in result["runs"][2]["rounds"][:1] for q in rnd["requests"]}
+    again = {q["user"]: q["engine"] for q in result["runs"][2]["rounds"][1]["requests"]}
+    assert all(by_user[u] != again[u] for u in by_user), "a returning turn stayed on its engine"
+    assert result["outputs"]["passed"]
+    assert {t["target"].split(":")[0] for t in result["targets"]} == set(), "no host run, no ratio"

@@ -56,9 +56,10 @@ def _prompt(rng: random.Random, length: int, vocab: int) -> list[int]:
     return [rng.randrange(1, vocab) for _ in range(length)]
 
 
-def engine_args(prompt_len: int) -> dict[str, Any]:
+def engine_args(prompt_len: int, dtype: str = "bfloat16") -> dict[str, Any]:
     tokens = max(2048, 1 << (prompt_len + 64).bit_length())
     return {
+        "dtype": dtype,
         "max_model_len": tokens,
         "max_num_batched_tokens": tokens,
         "max_num_seqs": 8,
@@ -67,7 +68,13 @@ def engine_args(prompt_len: int) -> dict[str, Any]:
 
 
 def ttft(
-    model: str, recipe: TinyLlama, prompt_len: int, repeats: int, host_bytes: int, env: dict[str, str]
+    model: str,
+    recipe: TinyLlama,
+    prompt_len: int,
+    repeats: int,
+    host_bytes: int,
+    env: dict[str, str],
+    dtype: str = "bfloat16",
 ) -> dict[str, Any]:
     """One engine with kvhal: the four TTFT categories, ``repeats`` distinct prompts each."""
     rng = random.Random(0)
@@ -90,7 +97,7 @@ def ttft(
             "model": model,
             "kvhal": {"cpu_bytes_to_use": host_bytes},
             "steps": steps,
-            "engine": engine_args(prompt_len),
+            "engine": engine_args(prompt_len, dtype),
             "env": env,
         }
     )
@@ -119,6 +126,7 @@ def throughput(
     host_bytes: int,
     env: dict[str, str],
     progress: Progress,
+    dtype: str = "bfloat16",
 ) -> dict[str, Any]:
     """Distinct prompts (no hits), with and without kvhal, engines alternating."""
     rng = random.Random(1)
@@ -148,7 +156,7 @@ def throughput(
                     "model": model,
                     "kvhal": kvhal,
                     "steps": own_steps,
-                    "engine": engine_args(prompt_len),
+                    "engine": engine_args(prompt_len, dtype),
                     "env": env,
                 }
             )
@@ -285,6 +293,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="run engines with glibc malloc's defaults, not MALLOC_ENV (to see the page-fault noise)",
     )
     parser.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float32"),
+        default="bfloat16",
+        help="the engines' dtype (default bfloat16; on CPUs without AVX512-BF16 or AMX, float32 is faster)",
+    )
+    parser.add_argument(
         "--env",
         action="append",
         default=[],
@@ -314,12 +328,14 @@ def run_bench(args: argparse.Namespace, recipe: TinyLlama, name: str) -> dict[st
     env = engine_env(args)
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("TTFT: one engine, four categories", total=1)
-        timing = ttft(model, recipe, args.prompt_len, args.repeats, host_bytes, env)
+        timing = ttft(model, recipe, args.prompt_len, args.repeats, host_bytes, env, args.dtype)
         progress.advance(task)
         rate = (
             None
             if args.no_throughput
-            else throughput(model, recipe, args.prompt_len, args.rounds, host_bytes, env, progress)
+            else throughput(
+                model, recipe, args.prompt_len, args.rounds, host_bytes, env, progress, args.dtype
+            )
         )
     device = timing["kvhal_device"] or {}
     title = (
@@ -357,6 +373,7 @@ def run_bench(args: argparse.Namespace, recipe: TinyLlama, name: str) -> dict[st
         "ttft": timing["rows"],
         "throughput": rate,
         "malloc_env": env,
+        "dtype": args.dtype,
         "targets": checks,
     }
     json_path, png_path = write_outputs(args.out, name, result)

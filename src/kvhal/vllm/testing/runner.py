@@ -248,12 +248,13 @@ def _chat(llm: Any, step: dict) -> dict:
 
     ``histories``: each user's conversation so far (token ids); ``turns``: per round, each
     user's new turn. Round ``r``'s prompt is the history plus the turn; the history then
-    becomes that prompt plus the output. Users are served round-robin (list order), at most
-    ``inflight`` requests at once; a round ends when all of its requests have. TTFT is the
-    wall time from ``add_request`` to the end of the engine step whose output first holds a
-    token (steps are synchronous in a single-process engine), beside vLLM's own
-    ``first_token_latency`` (``disable_log_stats=False``). ``trace`` also records every
-    step's wall time and scheduled tokens (single-process engines only).
+    becomes that prompt plus the output (or plus ``answers[r][i]``, when given). Users are
+    served round-robin (list order), at most ``inflight`` requests at once; a round ends
+    when all of its requests have. TTFT is the wall time from ``add_request`` to the end of
+    the engine step whose output first holds a token (steps are synchronous in a
+    single-process engine), beside vLLM's own ``first_token_latency``
+    (``disable_log_stats=False``). ``trace`` also records every step's wall time and
+    scheduled tokens (single-process engines only).
     """
     from collections import deque
 
@@ -270,6 +271,7 @@ def _chat(llm: Any, step: dict) -> dict:
         logprobs=top or None,
     )
     histories = [list(h) for h in step["histories"]]
+    answers = step.get("answers")
     users = step.get("users", list(range(len(histories))))
     tag = step.get("tag", "chat")
     limit = max(1, step.get("inflight", 4))
@@ -353,7 +355,9 @@ def _chat(llm: Any, step: dict) -> dict:
                         else None,
                     }
                 i = state["index"]
-                histories[i] = state["prompt"] + list(completion.token_ids)
+                # with ``answers`` (a reference run's outputs), every run sees the same prompts
+                answer = answers[r][i] if answers is not None else completion.token_ids
+                histories[i] = state["prompt"] + list(answer)
                 done[i] = {
                     "user": users[i],
                     "prompt_tokens": len(state["prompt"]),
