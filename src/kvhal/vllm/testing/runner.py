@@ -313,7 +313,9 @@ def _chat(llm: Any, step: dict) -> dict:
             # count the steps that computed, where the scheduler says so
             if scheduled is None or scheduled > 0:
                 steps_taken += 1
-            if trace is not None:
+            # steps that scheduled nothing (requests parked, loading) spin by the thousand:
+            # the trace keeps the steps that computed
+            if trace is not None and (scheduled is None or scheduled > 0 or outputs):
                 round_steps.append(
                     {
                         "start_s": before - round_start,
@@ -332,7 +334,7 @@ def _chat(llm: Any, step: dict) -> dict:
                     state["first"] = now
                     state["first_step"] = steps_taken
                     state["first_step_seconds"] = now - before
-                    if trace is not None:
+                    if trace is not None and round_steps:
                         round_steps[-1]["first_tokens"].append(users[state["index"]])
                 if not out.finished:
                     continue
