@@ -62,11 +62,16 @@ def test_a_flip_at_a_near_tie_is_numerics_and_the_users_later_turns_are_not_comp
 
 
 def test_a_flip_of_a_clear_choice_is_unexplained_and_fails_the_check():
-    """The negative control: the KV was wrong, so a token with a 3-nat margin changed."""
+    """The negative control: the KV was wrong, so a token with a 3-nat margin changed. Both
+    choices are in both runs' top logprobs: only the size of the move fails it."""
+    floor = run(
+        "floor",
+        [[answer(0, [1, 2, 3], second=7), answer(1, [4, 5, 6])], [answer(0, [7, 8]), answer(1, [9, 9])]],
+    )
     wrong = answer(0, [1, 7, 3], second=2, margin=3.0)
     found = chat.check_outputs(
         [
-            FLOOR,
+            floor,
             run(
                 "host",
                 [[wrong, answer(1, [4, 5, 6])], [FLOOR["rounds"][1]["requests"][0], answer(1, [9, 9])]],
@@ -76,7 +81,8 @@ def test_a_flip_of_a_clear_choice_is_unexplained_and_fails_the_check():
     (host,) = found["comparisons"]
     assert not found["passed"]
     assert host["unexplained"] == 1
-    assert host["mismatches"][0]["numerics"] is False
+    (m,) = host["mismatches"]
+    assert m["numerics"] is False and m["logprob_moved"] == pytest.approx(3.0)
 
 
 def test_a_flip_whose_earlier_logprobs_moved_far_is_unexplained():
@@ -175,3 +181,14 @@ def test_targets_compare_the_right_pairs():
     assert by["disk"]["value"] == pytest.approx(0.2 / 0.105) and not by["disk"]["met"]
     assert by["shared"]["value"] == pytest.approx(0.25 / 0.105) and not by["shared"]["met"]
     assert by["host tok/s"]["value"] == pytest.approx(0.99) and not by["host tok/s"]["met"]
+
+
+@pytest.mark.parametrize("flag", ["--users", "--rounds", "--repeats", "--inflight", "--max-tokens"])
+def test_a_count_below_one_is_refused_before_anything_runs(flag, tmp_path):
+    from kvhal.cli import main
+
+    with pytest.raises(SystemExit, match=f"{flag} must be at least 1"):
+        main(
+            ["bench", "chat", flag, "0", "--models", str(tmp_path / "models"), "--out", str(tmp_path / "out")]
+        )
+    assert not (tmp_path / "models").exists(), "the model was built before the arguments were checked"

@@ -16,7 +16,7 @@ would see, less transport), beside vLLM's own ``first_token_latency``. Every eng
 serves a warm-up prompt of its own (not measured).
 
 Configurations, each in its own process(es), run in alternating order (reversed every
-``--repeats``), the machine's load average recorded before and after each:
+repeat), the machine's load average recorded before and after each:
 
 - ``floor``: vLLM alone with a device KV cache big enough for every user: its own prefix
   cache serves every return. The reference for the outputs and the floor for TTFT.
@@ -99,17 +99,16 @@ CONFIGS = {
 TARGET_HOST_VS_FLOOR = 1.1
 TARGET_DISK_VS_HOST = 1.5
 TARGET_SHARED_VS_HOST = 2.0
-#: Numerics, not wrong KV: at the first differing token, both runs' logprobs of the two tokens
-#: within LOGPROB_TOLERANCE of each other, and those of the tokens before it (set below per
-#: dtype: the chat model's logits reach about 30, where a bf16 step is 0.125-0.25 nats).
 #: Logprobs kept per generated token: a near tie of three tokens still shows both runs' choices.
 TOP_LOGPROBS = 5
 #: The engines' dtype. In bf16, logits near 30 are rounded to 0.125-0.25 nats, so exact ties
 #: are common and a tenth of users' greedy outputs flipped between runs of one configuration
 #: with another batch shape; float32 leaves the outputs check little to explain.
 DTYPE = "float32"
-#: In float32, reused and recomputed KV moved logprobs by at most 1e-4 nats (16 users x 4
-#: rounds, every configuration); wrong KV moves them by far more.
+#: Numerics, not wrong KV: at the first differing token, both runs' logprobs of the two tokens
+#: within this of each other, and those of the tokens before it. In float32, reused and
+#: recomputed KV moved logprobs by at most 1e-4 nats (16 users x 4 rounds, every
+#: configuration); in bf16, logits near 30 are rounded to 0.125-0.25 nats.
 LOGPROB_TOLERANCE = {"float32": 0.01, "bfloat16": 0.5}[DTYPE]
 BLOCK = 32
 
@@ -515,16 +514,15 @@ def shared_engines(
             merged["requests"].sort(key=lambda q: q["user"])
             rounds.append(merged)
     finally:
-        results = []
+        results, failures = [], []
         for engine in engines:
             try:
                 results.append(engine.stop())
-            except BaseException:  # the first failure is raised below
+            except BaseException as error:  # the first failure is raised below
                 results.append(None)
-    if any(r is None for r in results):
-        raise RuntimeError("an engine of the shared configuration failed") from next(
-            (e.error for e in engines if e.error is not None), None
-        )
+                failures.append(error)
+    if failures:
+        raise RuntimeError("an engine of the shared configuration failed") from failures[0]
     return {
         "rounds": rounds,
         "engine_start_s": [r["engine_start_seconds"] for r in results],
@@ -618,7 +616,13 @@ def summarize(runs: list[dict], rounds: int) -> dict[str, dict]:
         for r in mine:
             tokens = sum(len(q["tokens"]) for rnd in r["rounds"] for q in rnd["requests"])
             rates.append(tokens / sum(rnd["seconds"] for rnd in r["rounds"]))
-        steps = [q["steps_to_first_token"] for r in mine for rnd in r["rounds"][1:] for q in rnd["requests"]]
+        steps = [
+            q["steps_to_first_token"]
+            for r in mine
+            for rnd in r["rounds"][1:]
+            for q in rnd["requests"]
+            if q["steps_to_first_token"] is not None  # None: the engine's scheduler was not readable
+        ]
         last = [q["first_token_step_s"] for r in mine for rnd in r["rounds"][1:] for q in rnd["requests"]]
         waited = [
             q["ttft_s"] - q["first_token_step_s"]
@@ -677,6 +681,12 @@ def _drift(ref: list, got: list) -> list[float]:
     return [abs(x - y) for x, y in zip(ref, got, strict=True) if x is not None and y is not None]
 
 
+def reference_run(runs: list[dict]) -> dict:
+    """The run every other is compared with (and fed the answers of): the floor's first run,
+    else the first run. :func:`run` runs the floor first, so both are ``runs[0]``."""
+    return next((r for r in runs if r["config"] == "floor"), runs[0])
+
+
 def check_outputs(runs: list[dict]) -> dict:
     """Every run against the floor's first run (or the first run, without a floor).
 
@@ -684,7 +694,7 @@ def check_outputs(runs: list[dict]) -> dict:
     reference's prompts in every round, so every round is compared; otherwise a user's turns
     after a difference had other prompts and are not. Equal tokens whose logprobs moved by
     more than :data:`LOGPROB_TOLERANCE` fail too: the model saw other KV."""
-    reference = next((r for r in runs if r["config"] == "floor"), runs[0])
+    reference = reference_run(runs)
     ref_by = {(q["user"], k): q for k, rnd in enumerate(reference["rounds"]) for q in rnd["requests"]}
     comparisons = []
     drift_equal: list[float] = []
@@ -736,7 +746,7 @@ def check_outputs(runs: list[dict]) -> dict:
 
 def margins(runs: list[dict]) -> dict:
     """How clear the model's greedy choices are: the gap between its two best logprobs."""
-    reference = next((r for r in runs if r["config"] == "floor"), runs[0])
+    reference = reference_run(runs)
     gaps = [
         top[0][1] - top[1][1]
         for rnd in reference["rounds"]
@@ -888,9 +898,10 @@ def print_report(console: Console, result: dict) -> None:
         if s["ttft_later"]:
             counts = ", ".join(f"{n}: {c}" for n, c in s["later_steps_to_first_token_counts"].items())
             steps, before = s["later_steps_to_first_token_mean"], s["later_before_first_token_step_s_mean"]
+            counted = f"{steps:.2f} engine steps from arrival to first token ({counts}); " if steps else ""
             console.print(
-                f"load path, rounds >= 2, {name}: {steps:.2f} engine steps from arrival to first token "
-                f"({counts}); {before:.3f} s in the steps before the one that computes it, "
+                f"load path, rounds >= 2, {name}: {counted}{before:.3f} s in the steps before the one "
+                "that computes it, "
                 f"{s['later_first_token_step_s_mean']:.3f} s in that step"
             )
     if outputs["passed"]:
@@ -994,6 +1005,9 @@ def run(args: argparse.Namespace) -> int:
     context = (args.context[0], args.context[-1])
     if len(args.context) > 2 or context[0] > context[1] or context[0] < 1:
         raise SystemExit("--context takes MIN MAX (or one length), MIN <= MAX")
+    for flag in ("users", "rounds", "repeats", "inflight", "max_tokens"):
+        if getattr(args, flag) < 1:
+            raise SystemExit(f"--{flag.replace('_', '-')} must be at least 1")
     with console.status("building the model"):
         model = str(recipe.build(args.models))
     work = workload(args.users, args.rounds, context, args.turn, recipe.vocab_size, args.seed)
@@ -1017,8 +1031,10 @@ def run(args: argparse.Namespace) -> int:
                         progress.advance(task)
 
                     answers = None
-                    if runs:  # the first run's answers: every later run sees its prompts
-                        answers = [[q["tokens"] for q in rnd["requests"]] for rnd in runs[0]["rounds"]]
+                    if runs:  # the reference's answers: every later run sees its prompts
+                        answers = [
+                            [q["tokens"] for q in rnd["requests"]] for rnd in reference_run(runs)["rounds"]
+                        ]
                     runs.append(run_config(name, model, work, size, scratch, repeat, args, advance, answers))
                     last = runs[-1]
                     console.print(
@@ -1060,6 +1076,7 @@ def run(args: argparse.Namespace) -> int:
             "max_logprob_difference_equal_outputs": 0.0,
             "passed": True,
             "all_equal": True,
+            "logprob_tolerance": LOGPROB_TOLERANCE,
         }
     print_report(console, result)
     json_path, png_path = write_outputs(args.out, "chat", result)

@@ -276,12 +276,14 @@ def _chat(llm: Any, step: dict) -> dict:
     tag = step.get("tag", "chat")
     limit = max(1, step.get("inflight", 4))
     trace: list[dict] | None = [] if step.get("trace") else None
-    scheduler = None
-    if trace is not None:
-        from vllm.v1.engine.core_client import InprocClient
+    # the scheduler says which steps computed: steps are counted only where it can be read
+    # (a single-process engine); elsewhere steps_to_first_token is None
+    from vllm.v1.engine.core_client import InprocClient
 
-        if isinstance(engine.engine_core, InprocClient):
-            scheduler = engine.engine_core.engine_core.scheduler
+    scheduler = None
+    if isinstance(engine.engine_core, InprocClient):
+        _trace_schedules(llm)
+        scheduler = engine.engine_core.engine_core.scheduler
     rounds = []
     steps_taken = 0
     before_all = _metrics(llm, {})["metrics"] if step.get("metrics", True) else None
@@ -301,7 +303,7 @@ def _chat(llm: Any, step: dict) -> dict:
                 live[rid] = {"index": i, "prompt": prompt, "start": start, "added_step": steps_taken}
             before = time.perf_counter()
             scheduled = None
-            if scheduler is not None:
+            if scheduler is not None and trace is not None:
                 waiting_remote = sum(
                     1 for q in scheduler.requests.values() if q.status.name == "WAITING_FOR_REMOTE_KVS"
                 )
@@ -366,7 +368,9 @@ def _chat(llm: Any, step: dict) -> dict:
                     "tokens": list(completion.token_ids),
                     "ttft_s": state["first"] - state["start"],
                     "seconds": now - state["start"],
-                    "steps_to_first_token": state["first_step"] - state["added_step"],
+                    "steps_to_first_token": state["first_step"] - state["added_step"]
+                    if scheduler is not None
+                    else None,
                     "first_token_step_s": state["first_step_seconds"],
                     "num_cached_tokens": out.num_cached_tokens,
                     "kvhal_loaded_tokens": (out.kv_transfer_params or {}).get("kvhal_loaded_tokens"),
@@ -438,8 +442,6 @@ def _chat_jobs(llm: Any, step: dict) -> dict:
         job = json.loads(job_path.read_text())
         if job.get("stop"):
             break
-        if job["chat"].get("trace"):
-            _trace_schedules(llm)
         result = _chat(llm, job["chat"])
         _drain(llm, job)
         result["load_avg_after_drain"] = os.getloadavg()
@@ -525,8 +527,6 @@ def run(spec: dict) -> dict:
         elif op == "kill":  # a crash: SIGKILL, nothing flushed or shut down
             os.kill(os.getpid(), signal.SIGKILL)
         elif op == "chat":  # a multi-turn workload (kvhal bench chat)
-            if step.get("trace"):
-                _trace_schedules(llm)
             record = _chat(llm, step)
         elif op == "chat_jobs":  # chat jobs handed over in files (two engines taking turns)
             record = _chat_jobs(llm, step)
