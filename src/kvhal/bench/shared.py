@@ -173,6 +173,8 @@ class RedisLimit:
     """A plain redis-py client (no kvhal): one pipeline of SET or GET per batch."""
 
     name = "redis-py pipeline SET / GET"
+    #: bytes before the block in a value (RedisFramed's header)
+    offset = 0
 
     def __init__(self, url: str) -> None:
         import redis
@@ -216,8 +218,8 @@ class RedisLimit:
             pipe.get(name)
         failed = 0
         for reply, row in zip(pipe.execute(raise_on_error=False), rows, strict=True):
-            if isinstance(reply, bytes) and len(reply) == row.nbytes:
-                row[:] = np.frombuffer(reply, np.uint8)
+            if isinstance(reply, bytes) and len(reply) == self.offset + row.nbytes:
+                row[:] = np.frombuffer(reply, np.uint8, offset=self.offset)
             else:
                 failed += 1
         return failed
@@ -268,6 +270,7 @@ class RedisFramed(RedisLimit):
     value (a copy, as kvhal's RedisStore joins its two parts), ``SET NX``; no crc, no checks."""
 
     name = "redis-py, 96-byte header + block joined (kvhal's shape), SET NX / GET"
+    offset = HEADER_BYTES
     header = bytes(HEADER_BYTES)
 
     def put(self, names: list[str], rows: np.ndarray) -> int:
@@ -275,18 +278,6 @@ class RedisFramed(RedisLimit):
         for name, row in zip(names, rows, strict=True):
             pipe.set(name, b"".join((self.header, memoryview(row))), nx=True)
         return sum(1 for reply in pipe.execute(raise_on_error=False) if reply is not True)
-
-    def get(self, names: list[str], rows: np.ndarray) -> int:
-        pipe = self.client.pipeline(transaction=False)
-        for name in names:
-            pipe.get(name)
-        failed = 0
-        for reply, row in zip(pipe.execute(raise_on_error=False), rows, strict=True):
-            if isinstance(reply, bytes) and len(reply) == HEADER_BYTES + row.nbytes:
-                row[:] = np.frombuffer(reply, np.uint8, offset=HEADER_BYTES)
-            else:
-                failed += 1
-        return failed
 
 
 #: per store: its own client moving plain blocks (the limit), and moving kvhal-shaped values
