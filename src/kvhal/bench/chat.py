@@ -83,7 +83,7 @@ from rich.table import Table
 
 from kvhal.bench.common import console as make_console
 from kvhal.bench.common import result_header, write_outputs
-from kvhal.bench.e2e import DEMO_MODEL, MALLOC_ENV
+from kvhal.bench.e2e import DEMO_MODEL, MALLOC_ENV, SHARING_ENV
 from kvhal.testing.models import TinyLlama
 from kvhal.testing.scenario import run_scenario
 
@@ -362,7 +362,7 @@ def single_engine(
             "kvhal": kvhal,
             "steps": steps,
             "engine": engine_args(size, device),
-            "env": {**MALLOC_ENV, "PYTHONHASHSEED": "0"},
+            "env": SHARING_ENV,
         },
         timeout=3600,
     )
@@ -472,7 +472,7 @@ def shared_engines(
                 {"op": "metrics", "prefixes": _metric_prefixes()},
             ],
             "engine": engine_args(size, size["small_device_tokens"]),
-            "env": {**MALLOC_ENV, "PYTHONHASHSEED": "0"},
+            "env": SHARING_ENV,
         }
         engines.append(EngineProcess(spec, folder / f"engine-{e}"))
     try:

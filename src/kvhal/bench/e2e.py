@@ -38,6 +38,9 @@ MALLOC_ENV = {
     "MALLOC_TRIM_THRESHOLD_": str(16 << 30),
     "MALLOC_TOP_PAD_": str(256 << 20),
 }
+#: For benchmarks whose engines share blocks (a disk or remote tier read by another engine):
+#: MALLOC_ENV, and block hashes equal across engines, whatever the hash algorithm.
+SHARING_ENV = {**MALLOC_ENV, "PYTHONHASHSEED": "0"}
 #: Targets from the issue.
 TARGET_VS_PREFIX_HIT, TARGET_VS_RECOMPUTE, TARGET_OVERHEAD = 1.5, 0.1, 0.05
 #: A smaller model for the demo (the README's main job): a few seconds a prompt, not a minute.

@@ -670,7 +670,7 @@ def ttft(
     progress: Progress,
 ) -> dict:
     """Recompute, host hit and a shared hit per store, medians of ``repeats`` distinct prompts."""
-    from kvhal.bench.e2e import MALLOC_ENV, _prompt, engine_args
+    from kvhal.bench.e2e import SHARING_ENV, _prompt, engine_args
     from kvhal.testing.models import BENCH_MODEL
     from kvhal.testing.scenario import run_scenario
 
@@ -679,7 +679,7 @@ def ttft(
     rng = random.Random(0)
     warm, *prompts = [_prompt(rng, prompt_len, BENCH_MODEL.vocab_size) for _ in range(repeats + 1)]
     fresh = _prompt(rng, prompt_len, BENCH_MODEL.vocab_size)
-    env = {**MALLOC_ENV, "PYTHONHASHSEED": "0"}  # block hashes equal across engines, whatever the algorithm
+    env = SHARING_ENV
     engine = {**engine_args(prompt_len), "disable_log_stats": False}  # the remote_* metrics
     m = BENCH_MODEL  # one block's KV: layers x 32 tokens x KV heads x (K, V) x head size x bf16
     block_bytes = m.num_hidden_layers * 32 * m.num_key_value_heads * 2 * m.head_dim * 2
