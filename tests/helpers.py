@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import torch
+from hypothesis import settings
 
 from kvhal.cache import KVCache
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
+
+
+def examples(full: int) -> int:
+    """``full`` hypothesis examples under the ``full`` profile, proportionally fewer under
+    ``quick`` (tests/conftest.py): a property keeps its strategy, only its sample shrinks."""
+    return max(2, round(full * settings().max_examples / 100))
 
 
 def fill_random_bytes(cache: KVCache, seed: int) -> None:

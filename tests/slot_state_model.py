@@ -21,12 +21,13 @@ from kvhal.errors import BlockStateError
 from kvhal.manager import BlockState, StorePlan
 from kvhal.registry import PluginRegistry
 from kvhal.slot_states import SlotStates
+from tests.helpers import examples
 
 REGISTRY = PluginRegistry(autoload=False, allow=None, block=())
 # Keys of two KV cache groups (vLLM's OffloadKey: hash + 4-byte group index).
 UNIVERSE = [bytes([h]) * 4 + g.to_bytes(4, "big") for h in range(6) for g in (0, 1)]
 key_lists = st.lists(st.sampled_from(UNIVERSE), max_size=5)
-STEPS = settings(max_examples=150, stateful_step_count=40, deadline=None)
+STEPS = settings(max_examples=examples(150), stateful_step_count=40, deadline=None)
 
 
 def as_test_case(machine: type[RuleBasedStateMachine]) -> type:

@@ -57,6 +57,7 @@ from kvhal.tier_index import TierIndex
 from kvhal.tier_io import TierIO
 from kvhal.tiers.disk import DiskTier
 from kvhal.tiers.disk_format import RECORD_BYTES, TREE
+from tests.helpers import examples
 
 REGISTRY = PluginRegistry(autoload=False, allow=None, block=())
 CPU = REGISTRY.select("cpu")
@@ -481,7 +482,7 @@ class ChainMachine(RuleBasedStateMachine):
 
 
 SETTINGS = settings(
-    max_examples=25,
+    max_examples=examples(25),
     stateful_step_count=30,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],

@@ -14,7 +14,7 @@ import kvhal
 from kvhal.copyplan import plan_copy
 from kvhal.geometry import KVFormat, KVGeometry
 from kvhal.layouts import BLHNC, LBHNC, STANDARD_LAYOUTS
-from tests.helpers import DTYPES, block_bytes, fill_random_bytes, snapshot
+from tests.helpers import DTYPES, block_bytes, examples, fill_random_bytes, snapshot
 
 
 def geometry(dtype=torch.bfloat16, kv_format=KVFormat.STACKED, num_blocks=24) -> KVGeometry:
@@ -56,7 +56,9 @@ def block_snapshot(cache):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("layout", STANDARD_LAYOUTS, ids=str)
 @pytest.mark.parametrize("kv_format", list(KVFormat), ids=lambda f: f.value)
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=examples(8), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(data=st.data())
 def test_store_then_load_round_trip(cpu, dtype, layout, kv_format, data):
     g = geometry(dtype, kv_format)

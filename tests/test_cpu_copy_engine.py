@@ -10,9 +10,10 @@ from hypothesis import strategies as st
 
 from kvhal.cpu import copy_engine
 from kvhal.cpu.copy_engine import CopyEngine, split_shares
+from tests.helpers import examples
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(sizes=st.lists(st.integers(0, 5000), min_size=1, max_size=12), shares=st.integers(1, 5))
 def test_split_shares_partition_the_bytes(sizes, shares):
     sizes = np.array(sizes, dtype=np.int64)

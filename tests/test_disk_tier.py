@@ -23,6 +23,7 @@ from kvhal.tier_backend import CORRUPT, FOREIGN, IO_ERROR, MISSING, OK, TierSpec
 from kvhal.tiers import disk_format
 from kvhal.tiers.disk import DiskTier
 from kvhal.tiers.disk_format import RECORD_BYTES, TREE
+from tests.helpers import examples
 
 FP = {"model": "m", "revision": "r1", "dtype": "bf16"}
 SLOT = 8192  # 4 KiB-aligned: straight from the caller's buffers under O_DIRECT
@@ -524,7 +525,9 @@ def test_unaligned_buffers_go_through_bounce_buffers(tmp_path, slot_bytes, offse
 # ---------------------------------------------------------------- a model check
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=examples(25), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(
     st.lists(
         st.tuples(

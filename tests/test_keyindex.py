@@ -8,6 +8,7 @@ from hypothesis import given, settings
 
 from kvhal import keyindex
 from kvhal.keyindex import PyKeyIndex
+from tests.helpers import examples
 
 IMPLEMENTATIONS = [PyKeyIndex]
 if keyindex.NATIVE:
@@ -29,7 +30,7 @@ ops = st.lists(st.tuples(st.booleans(), st.binary(min_size=0, max_size=2), st.in
 
 
 @pytest.mark.parametrize("impl_cls", IMPLEMENTATIONS, ids=lambda cls: cls.__module__)
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(ops=ops)
 def test_matches_a_dict_under_churn(impl_cls, ops):
     ids = tuple(range(16))

