@@ -1,4 +1,4 @@
-"""The compact index of a tier below host memory (:mod:`kvhal.tier_index`).
+"""The compact index of a tier below host memory (:mod:`kvhal.tiers.index`).
 
 A hypothesis state machine drives a :class:`TierIndex` and an
 :class:`OffloadingManager` with the same policy through the same calls: with
@@ -16,9 +16,9 @@ from hypothesis import given, settings
 from hypothesis.stateful import invariant, precondition, rule
 
 from kvhal.errors import BlockStateError, PolicyError, ValidationError
-from kvhal.eviction import ClockPolicy, LRUPolicy
-from kvhal.manager import BlockState, OffloadingManager, StorePlan
-from kvhal.tier_index import TierIndex
+from kvhal.offload.eviction import ClockPolicy, LRUPolicy
+from kvhal.offload.manager import BlockState, OffloadingManager, StorePlan
+from kvhal.tiers.index import TierIndex
 from tests.slot_state_model import REGISTRY, UNIVERSE, SlotStateModel, as_test_case, key_lists
 
 

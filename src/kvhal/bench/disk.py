@@ -13,12 +13,12 @@ cache: the tier and the limit use ``O_DIRECT`` where the file system takes it;
 where not, writes are timed up to ``fdatasync`` and the files are dropped from
 the page cache (``posix_fadvise(DONTNEED)``) before every read.
 
-Index: bytes per block of the scheduler's :class:`~kvhal.tier_index.TierIndex`
+Index: bytes per block of the scheduler's :class:`~kvhal.tiers.index.TierIndex`
 (``clock``) of ``--index-slots`` slots, measured as ``kvhal bench manager``
 measures them (tracemalloc's traced memory once the index is full and
 churning, minus before it was made, over the blocks it tracks; the keys are
 the caller's); the speed of :meth:`TierIndex.recover
-<kvhal.tier_index.TierIndex.recover>` (:func:`kvhal.bench.tier_index.measure_recover`);
+<kvhal.tiers.index.TierIndex.recover>` (:func:`kvhal.bench.tier_index.measure_recover`);
 and a whole warm restart: opening the tier, reading and checking its records
 (``DiskTier.recover``, the record file out of the page cache) and rebuilding
 the index.
@@ -57,11 +57,11 @@ from rich.table import Table
 from kvhal.bench.common import console as make_console
 from kvhal.bench.common import result_header, write_outputs
 from kvhal.registry import PluginRegistry
-from kvhal.tier_backend import TierSpec
-from kvhal.tier_index import TierIndex
+from kvhal.tiers.backend import TierSpec
 from kvhal.tiers.disk import DiskTier
-from kvhal.tiers.disk_format import ALIGN, RECORD_BYTES, TREE, pack_record
-from kvhal.tiers.disk_io import aligned_buffer, preadv_all, pwritev_all
+from kvhal.tiers.disk.format import ALIGN, RECORD_BYTES, TREE, pack_record
+from kvhal.tiers.disk.io import aligned_buffer, preadv_all, pwritev_all
+from kvhal.tiers.index import TierIndex
 
 #: Targets from the issue.
 TARGET_SHARE, TARGET_SHARE_FROM_BLOCK = 0.8, 256 << 10

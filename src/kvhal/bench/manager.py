@@ -41,8 +41,8 @@ from rich.progress import Progress
 from rich.table import Table
 
 from kvhal.bench.common import result_header, write_outputs
-from kvhal.keyindex import NATIVE
-from kvhal.manager import OffloadingManager
+from kvhal.offload.keyindex import NATIVE
+from kvhal.offload.manager import OffloadingManager
 from kvhal.registry import PluginRegistry
 
 #: Targets from the issue, checked on every run.

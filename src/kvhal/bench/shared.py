@@ -2,8 +2,8 @@
 
 Throughput: for each store (Mooncake Store and Redis, each started here on
 loopback unless ``--mooncake-url`` / ``--redis-url`` names one), block size and
-batch size, kvhal's :class:`~kvhal.remote_tier.RemoteTier` (``io`` role, over a
-CPU :class:`~kvhal.host_tier.HostTier` holding the blocks: random bytes) puts
+batch size, kvhal's :class:`~kvhal.tiers.remote.tier.RemoteTier` (``io`` role, over a
+CPU :class:`~kvhal.offload.host_tier.HostTier` holding the blocks: random bytes) puts
 ``--gib`` of blocks, then gets them back into other host slots, with
 ``--inflight`` batches in flight as futures, the way the connector's workers
 drive it. Every get is verified: every outcome OK (kvhal checked header and
@@ -19,7 +19,7 @@ with as many in flight (on as many threads):
   batch; the ``GET`` replies are copied into the destination buffer, as kvhal
   copies them into its host slots.
 
-What kvhal adds: a 96-byte header per value (:mod:`kvhal.remote_format`), its
+What kvhal adds: a 96-byte header per value (:mod:`kvhal.tiers.remote.format`), its
 crc32c on put and the check of header and crc32c on get; with Mooncake the
 header is a second slice of each value (the header rows and the host slot are
 apart), with Redis header and block are joined into one value (a copy) on put.
@@ -70,10 +70,10 @@ from kvhal import env
 from kvhal.bench.common import console as make_console
 from kvhal.bench.common import result_header, write_outputs
 from kvhal.bench.disk import parse_size, size_name
-from kvhal.host_tier import HostTier
-from kvhal.remote_format import HEADER_BYTES
-from kvhal.remote_tier import RemoteTier
-from kvhal.tier_backend import TierSpec
+from kvhal.offload.host_tier import HostTier
+from kvhal.tiers.backend import TierSpec
+from kvhal.tiers.remote.format import HEADER_BYTES
+from kvhal.tiers.remote.tier import RemoteTier
 
 #: Targets from the issue.
 TARGET_SHARE = 0.8
@@ -120,7 +120,7 @@ class MooncakeLimit:
     def __init__(self, url: str) -> None:
         from mooncake.store import MooncakeDistributedStore, ReplicateConfig
 
-        from kvhal.stores.mooncake import _route_address, parse_url
+        from kvhal.tiers.stores.mooncake import _route_address, parse_url
 
         options = parse_url(url)
         local = options.local_host or _route_address(options.host, options.port)

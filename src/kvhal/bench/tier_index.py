@@ -1,4 +1,4 @@
-"""The tier index (:class:`~kvhal.tier_index.TierIndex`) in ``kvhal bench manager``, and its recovery speed.
+"""The tier index (:class:`~kvhal.tiers.index.TierIndex`) in ``kvhal bench manager``, and its recovery speed.
 
 ``kvhal bench manager --tier-index clock`` replays the manager's trace through
 a tier index as well (its rows are ``tier-index POLICY``: the same calls, bytes
@@ -16,7 +16,7 @@ import numpy as np
 
 from kvhal.bench.manager import KvhalDriver
 from kvhal.registry import PluginRegistry
-from kvhal.tier_index import TierIndex
+from kvhal.tiers.index import TierIndex
 
 
 class TierIndexDriver(KvhalDriver):

@@ -84,7 +84,7 @@ class PyKeyIndex:
 
 
 try:
-    from kvhal._keyindex import KeyIndex
+    from kvhal.offload._keyindex import KeyIndex
 
     NATIVE = True
 except ImportError:  # built without a C compiler

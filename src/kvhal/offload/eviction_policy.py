@@ -2,7 +2,7 @@
 
 It sits at the contract level beside :mod:`kvhal.hookspecs` (whose
 ``kvhal_eviction_policies`` hook offers policies by name) and depends on
-nothing else in kvhal. Implementations live in :mod:`kvhal.eviction` and in
+nothing else in kvhal. Implementations live in :mod:`kvhal.offload.eviction` and in
 plugins.
 """
 

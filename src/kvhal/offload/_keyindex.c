@@ -1,5 +1,5 @@
 /*
- * kvhal._keyindex: the offloading manager's key -> slot index, compactly.
+ * kvhal.offload._keyindex: the offloading manager's key -> slot index, compactly.
  *
  * A Python dict costs 54-105 bytes an entry under churn (its table grows to
  * a power of two >= 3x the entries) plus a 28-byte int object per slot value,
@@ -333,7 +333,7 @@ static PyType_Slot KeyIndex_slots_spec[] = {
 };
 
 static PyType_Spec KeyIndex_spec = {
-    "kvhal._keyindex.KeyIndex",
+    "kvhal.offload._keyindex.KeyIndex",
     sizeof(KeyIndex),
     0,
     Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
@@ -353,7 +353,7 @@ static int exec_module(PyObject *module) {
 static PyModuleDef_Slot module_slots[] = {{Py_mod_exec, exec_module}, {0, NULL}};
 
 static struct PyModuleDef module_def = {
-    PyModuleDef_HEAD_INIT, "kvhal._keyindex", "The offloading manager's compact key -> slot index.", 0,
+    PyModuleDef_HEAD_INIT, "kvhal.offload._keyindex", "The offloading manager's compact key -> slot index.", 0,
     NULL, module_slots, NULL, NULL, NULL,
 };
 

@@ -4,7 +4,7 @@ Bytes flow device <-> host slots <-> lower tier. The host tier stays the
 staging area: a device never reads or writes a lower tier, so one disk or
 network backend serves every device plugin. This module decides, where the
 engine schedules, which blocks move; it never touches bytes (the workers do,
-through :mod:`kvhal.tier_io`).
+through :mod:`kvhal.tiers.io`).
 
 - **Lookups** find the host tier's ready prefix of a request's keys, then
   how far the lower tier continues it (:meth:`TierChain.lookup`).
@@ -38,8 +38,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from kvhal.errors import BlockStateError, ValidationError
-from kvhal.manager import BlockState, OffloadingManager, StorePlan
-from kvhal.tier_index import TierIndex
+from kvhal.offload.manager import BlockState, OffloadingManager, StorePlan
+from kvhal.tiers.index import TierIndex
 
 WriteMode = Literal["through", "back"]
 WRITE_MODES: tuple[str, ...] = ("through", "back")
@@ -93,8 +93,8 @@ class WritePlan:
 
 
 class TierChain:
-    """A host tier's :class:`~kvhal.manager.OffloadingManager` and, optionally,
-    the :class:`~kvhal.tier_index.TierIndex` of one tier below it.
+    """A host tier's :class:`~kvhal.offload.manager.OffloadingManager` and, optionally,
+    the :class:`~kvhal.tiers.index.TierIndex` of one tier below it.
 
     :param host: the host tier's manager.
     :param lower: the lower tier's index, or ``None`` (the host tier alone).

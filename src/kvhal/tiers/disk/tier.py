@@ -31,10 +31,10 @@ become file names):
   reinitialised, so nothing stored is lost to a configuration mistake) and, for
   people, the fingerprint of the KV it holds.
 - ``rank{r}of{n}/data-{i}.bin``: the payloads, file-major (see
-  :class:`~kvhal.tiers.disk_format.Geometry`): ascending slots are contiguous,
+  :class:`~kvhal.tiers.disk.format.Geometry`): ascending slots are contiguous,
   so a run of them moves in one request.
 - ``rank{r}of{n}/index.bin``: one 64-byte record per slot (key, fingerprint
-  digest, payload crc32c, its own crc32c; :mod:`kvhal.tiers.disk_format`).
+  digest, payload crc32c, its own crc32c; :mod:`kvhal.tiers.disk.format`).
 
 Durability: a write stores the payload, then its record; nothing is synced
 per block (the data files are ``fdatasync``-ed on :meth:`DiskTier.close`). A
@@ -74,8 +74,8 @@ import crc32c
 import numpy as np
 
 from kvhal.errors import ClosedError, TierError, ValidationError, check_int
-from kvhal.tier_backend import IO_ERROR, OK, TierBackend, TierSpec
-from kvhal.tiers.disk_format import (
+from kvhal.tiers.backend import IO_ERROR, OK, TierBackend, TierSpec
+from kvhal.tiers.disk.format import (
     ALIGN,
     MAX_KEY_BYTES,
     RECORD_BYTES,
@@ -88,7 +88,7 @@ from kvhal.tiers.disk_format import (
     record_keys,
     valid_records,
 )
-from kvhal.tiers.disk_io import aligned_buffer, is_aligned, preadv_all, pwritev_all
+from kvhal.tiers.disk.io import aligned_buffer, is_aligned, preadv_all, pwritev_all
 
 __all__ = ["DiskOptions", "DiskTier"]
 

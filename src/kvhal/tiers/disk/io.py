@@ -3,7 +3,7 @@
 ``preadv``/``pwritev`` move a run of contiguous slots in one request even when
 the caller's buffers are scattered in memory; these helpers finish short
 transfers and respect ``IOV_MAX``. With ``O_DIRECT`` every buffer's address and
-length, and the offset, must be multiples of :data:`~kvhal.tiers.disk_format.ALIGN`.
+length, and the offset, must be multiples of :data:`~kvhal.tiers.disk.format.ALIGN`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvhal.tiers.disk_format import ALIGN
+from kvhal.tiers.disk.format import ALIGN
 
 IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024
 

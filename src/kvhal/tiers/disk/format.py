@@ -35,7 +35,7 @@ from typing import Any
 import crc32c
 import numpy as np
 
-from kvhal.tier_backend import CORRUPT, FOREIGN, MISSING
+from kvhal.tiers.backend import CORRUPT, FOREIGN, MISSING
 
 #: Directory under the user's path holding kvhal's tree (its name carries the format version).
 TREE = "kvhal-tier-v1"

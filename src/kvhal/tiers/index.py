@@ -3,7 +3,7 @@
 A tier below the host tier holds far more blocks than RAM (10 TB of 64 KiB
 blocks is 160M blocks), and its index lives in the scheduler process.
 :class:`TierIndex` has the API and the semantics of
-:class:`~kvhal.manager.OffloadingManager` -- ``lookup``, ``prepare_load`` /
+:class:`~kvhal.offload.manager.OffloadingManager` -- ``lookup``, ``prepare_load`` /
 ``complete_load``, ``touch``, ``prepare_store`` / ``complete_store``,
 ``state``, ``slot`` -- so that the tier chain drives both alike, plus
 :meth:`TierIndex.forget` (a read found a block missing or corrupt) and
@@ -19,10 +19,10 @@ A consequence: two live keys whose 64-bit hashes are equal look like one.
 The second is then believed present (``lookup`` finds it, ``prepare_store``
 skips it) while the tier holds the first. That costs a recompute, never wrong
 KV: the tier verifies every block's full key when it reads it
-(:meth:`kvhal.tier_backend.TierBackend.read` answers
-:data:`~kvhal.tier_backend.MISSING`), and the chain then calls
+(:meth:`kvhal.tiers.backend.TierBackend.read` answers
+:data:`~kvhal.tiers.backend.MISSING`), and the chain then calls
 :meth:`TierIndex.forget`. For the same reason :attr:`StorePlan.evicted
-<kvhal.manager.StorePlan>` holds the evicted *slots*, not keys.
+<kvhal.offload.manager.StorePlan>` holds the evicted *slots*, not keys.
 
 Not thread-safe: one thread (the scheduler's) calls it.
 """
@@ -36,9 +36,9 @@ import numpy as np
 import xxhash
 
 from kvhal.errors import BlockStateError, ValidationError
-from kvhal.eviction import EvictionPolicy, create_policy
+from kvhal.offload.eviction import EvictionPolicy, create_policy
+from kvhal.offload.slot_states import STORING, SlotStates, StorePlan, _as_list, _refuse_one_key
 from kvhal.registry import PluginRegistry
-from kvhal.slot_states import STORING, SlotStates, StorePlan, _as_list, _refuse_one_key
 
 __all__ = ["LOAD_FACTOR", "TierIndex"]
 

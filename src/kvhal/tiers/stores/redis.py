@@ -42,7 +42,7 @@ from redis.retry import Retry
 
 from kvhal import env
 from kvhal.errors import ValidationError
-from kvhal.remote_store import ABSENT, FAILED, RemoteStore, StoreUnavailable
+from kvhal.tiers.remote.store import ABSENT, FAILED, RemoteStore, StoreUnavailable
 
 __all__ = ["RedisStore"]
 

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvhal.errors import PolicyError
-from kvhal.eviction_policy import EvictionPolicy, PolicyFactory
 from kvhal.hookspecs import hookimpl
+from kvhal.offload.eviction_policy import EvictionPolicy, PolicyFactory
 
 if TYPE_CHECKING:
     from kvhal.registry import PluginRegistry

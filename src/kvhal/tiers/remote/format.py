@@ -5,7 +5,7 @@ restarted, some perhaps hostile; so a value proves what it is before a byte
 of it is loaded:
 
 - ``namespace``: 8 bytes naming the KV fingerprint and tensor-parallel rank
-  (:meth:`~kvhal.tier_backend.TierSpec.digest`). Names carry it too; the copy
+  (:meth:`~kvhal.tiers.backend.TierSpec.digest`). Names carry it too; the copy
   in the header catches a value stored under a name it does not belong to.
 - ``name hash``: 8 bytes of BLAKE2b of the value's name, for the same reason.
 - ``crc32c`` of the payload and its length: a torn or flipped value is a miss.
@@ -27,7 +27,7 @@ import struct
 
 import crc32c
 
-from kvhal.tier_backend import CORRUPT, FOREIGN, OK
+from kvhal.tiers.backend import CORRUPT, FOREIGN, OK
 
 MAGIC = b"KVHALR1\0"
 VERSION = 1

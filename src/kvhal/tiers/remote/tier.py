@@ -1,6 +1,6 @@
 """A shared store as kvhal's remote tier: names, framing, threads, health.
 
-One class for every store (:mod:`kvhal.remote_store` is what a store
+One class for every store (:mod:`kvhal.tiers.remote.store` is what a store
 implements). It is opened once by the scheduler (``role="index"``: existence
 checks, over every tensor-parallel rank's share) and once per worker
 (``role="io"``: that rank's reads and writes, between the worker's host-tier
@@ -11,7 +11,7 @@ Names are ``PREFIX/NAMESPACE/KEY``: the namespace digests the KV fingerprint
 (model and revision, dtype, layout and geometry, groups, hash algorithm and
 seed, tensor-parallel size) and the rank, so engines of another model or
 geometry sharing the store never read each other's blocks. Each value is a
-:mod:`~kvhal.remote_format` header and the block's bytes, verified on every
+:mod:`~kvhal.tiers.remote.format` header and the block's bytes, verified on every
 read (a failure is a miss, counted by its kind).
 
 A store that cannot be reached marks the tier *down*: calls fail fast (the
@@ -31,12 +31,13 @@ from typing import TypeVar
 
 import numpy as np
 
-from kvhal import remote_format
 from kvhal.errors import TierError
-from kvhal.host_tier import HostTier
+from kvhal.offload.host_tier import HostTier
 from kvhal.registry import PluginRegistry
-from kvhal.remote_store import ABSENT, RemoteStore, StoreUnavailable
-from kvhal.tier_backend import CORRUPT, IO_ERROR, MISSING, OK, TierSpec
+from kvhal.tiers.backend import CORRUPT, IO_ERROR, MISSING, OK, TierSpec
+from kvhal.tiers.media import open_store
+from kvhal.tiers.remote import format as remote_format
+from kvhal.tiers.remote.store import ABSENT, RemoteStore, StoreUnavailable
 
 T = TypeVar("T")
 HEADER_BYTES = remote_format.HEADER_BYTES
@@ -118,8 +119,6 @@ class RemoteTier:
     # -- connection and health ----------------------------------------------------
 
     def _connect(self) -> RemoteStore:
-        from kvhal.stores import open_store  # the stores' registry imports this module's peers
-
         self._last_try = time.monotonic()
         store = open_store(self.url, self.registry)
         store.register(memoryview(self._headers.reshape(-1)))

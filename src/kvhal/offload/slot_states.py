@@ -4,8 +4,8 @@
 how many loads are in flight, keeps the counts eviction relies on, and implements
 ``lookup``, ``prepare_load`` / ``complete_load``, ``touch`` and ``prepare_store`` /
 ``complete_store`` once. A subclass says how keys map to slots (its index, its free
-slots, where the states are kept): :class:`~kvhal.manager.OffloadingManager` keeps
-the keys and a list, for speed; :class:`~kvhal.tier_index.TierIndex` keeps 64-bit
+slots, where the states are kept): :class:`~kvhal.offload.manager.OffloadingManager` keeps
+the keys and a list, for speed; :class:`~kvhal.tiers.index.TierIndex` keeps 64-bit
 hashes and numpy arrays, for memory.
 """
 
@@ -17,7 +17,7 @@ from collections.abc import Iterable, MutableSequence, Sequence
 from dataclasses import dataclass, field
 
 from kvhal.errors import BlockStateError, PolicyError, ValidationError
-from kvhal.eviction import EvictionPolicy
+from kvhal.offload.eviction import EvictionPolicy
 
 __all__ = ["STORING", "BlockState", "SlotStates", "StorePlan"]
 
@@ -36,7 +36,8 @@ class BlockState(str, enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class StorePlan:
-    """What :meth:`OffloadingManager.prepare_store <kvhal.manager.OffloadingManager.prepare_store>` decided.
+    """What :meth:`OffloadingManager.prepare_store <kvhal.offload.manager.OffloadingManager.prepare_store>`
+    decided.
 
     :param keys: the keys to store, in the order given (already present ones skipped).
     :param slots: the host slot of each key in ``keys``.

@@ -41,7 +41,7 @@ Mooncake's return codes (``ErrorCode`` in ``mooncake-store/include/types.h``) ar
 ``OBJECT_NOT_FOUND`` (-704) and ``REPLICA_IS_NOT_READY`` (-703, a put still in flight) read
 as absent; ``OBJECT_ALREADY_EXISTS`` (-705, reported as 0 by the client) as stored;
 ``RPC_FAIL`` (-900), ``RPC_TIMEOUT`` (-901) and ``UNAVAILABLE_IN_CURRENT_STATUS`` (-1010)
-for every name of a call raise :class:`~kvhal.remote_store.StoreUnavailable`; any other
+for every name of a call raise :class:`~kvhal.tiers.remote.store.StoreUnavailable`; any other
 negative code fails that name alone (e.g. ``NO_AVAILABLE_HANDLE`` -200, no space; or
 ``INVALID_PARAMS`` -600, a value larger than its buffers, refused before any byte moves).
 ``exist`` raises StoreUnavailable for any negative answer. Mooncake's transfer needs the buffers
@@ -72,7 +72,7 @@ from urllib.parse import parse_qsl, urlsplit
 import numpy as np
 
 from kvhal.errors import ValidationError
-from kvhal.remote_store import ABSENT, FAILED, RemoteStore, StoreUnavailable
+from kvhal.tiers.remote.store import ABSENT, FAILED, RemoteStore, StoreUnavailable
 
 __all__ = ["MooncakeOptions", "MooncakeStore", "parse_url"]
 

@@ -1,6 +1,6 @@
 """Bytes between a host tier's slots and a tier backend, off the engine's thread.
 
-The worker-side half of :mod:`kvhal.chain`. Where a host slot is one run of
+The worker-side half of :mod:`kvhal.tiers.chain`. Where a host slot is one run of
 bytes, the backend reads and writes it in place; otherwise (a layer-major
 layout puts a slot's bytes in one run per layer) the slots go through a
 page-aligned staging buffer, gathered before a write and scattered after a
@@ -15,8 +15,8 @@ from concurrent.futures import Future
 
 import numpy as np
 
-from kvhal.host_tier import HostTier
-from kvhal.tier_backend import OK, TierBackend
+from kvhal.offload.host_tier import HostTier
+from kvhal.tiers.backend import OK, TierBackend
 
 
 def _staging(rows: int, row_bytes: int) -> np.ndarray:
