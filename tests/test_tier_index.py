@@ -349,8 +349,9 @@ def test_clock_is_offered_to_the_host_tier_manager_too():
 
 
 def test_bench_drives_the_index_like_the_manager():
-    from kvhal.bench.manager import KvhalDriver, TraceSpec, make_trace, replay
-    from kvhal.bench.tier_index import TierIndexDriver, measure_recover
+    from kvhal.bench.drivers import KvhalDriver, TierIndexDriver
+    from kvhal.bench.manager import TraceSpec, make_trace, replay
+    from kvhal.bench.tier_index import measure_recover
 
     trace = make_trace(TraceSpec(documents=5, prefix_blocks=4, tail_blocks=1, requests=200))
     ours = replay(TierIndexDriver(16, "clock", REGISTRY), trace, inflight=2, tick=lambda: None)
