@@ -1,40 +1,7 @@
 """The built-in ``disk`` tier backend: KV blocks in preallocated files on a local disk.
 
-Options (``TierSpec.options``):
-
-- ``path`` (str, required): a directory; created (mode 0700) if missing. An
-  existing one must be a real directory (not a symbolic link) that other users
-  cannot write (not world-writable).
-- ``bytes_to_use`` (int, required): disk space for the whole engine; each
-  tensor-parallel rank gets ``bytes_to_use // world_size``, as many whole slots
-  as fit (a slot takes its size rounded up to 4 KiB plus a 64-byte record).
-  Preallocated when the tier opens, so a full disk is an error at start-up
-  naming the free bytes, never a failure mid-run.
-- ``io_threads`` (int, default 8): requests in flight per worker.
-- ``direct`` (``"auto"`` default, ``True``, ``False``): read and write the data
-  files with ``O_DIRECT``, bypassing the page cache (so a read really comes from
-  the disk, and stored blocks do not push the engine's memory out of the page
-  cache). ``"auto"`` uses it where the file system accepts an aligned O_DIRECT
-  read (ext4, xfs; tmpfs since Linux 6.6); ``True`` makes a file system without
-  it an error. Buffers that are not 4 KiB-aligned go through per-thread bounce
-  buffers.
-
-What it writes, under ``<path>/kvhal-tier-v1/`` (directories 0700, files 0600,
-all opened relative to directory descriptors with ``O_NOFOLLOW``; keys never
-become file names):
-
-- ``LOCK``: held with ``flock`` by the engine's scheduler (``role="index"``)
-  while open, holding its pid; a second engine on the same path is refused.
-  Workers (``role="io"``) do not lock: they belong to the engine holding it.
-- ``rank{r}of{n}/meta.json``: the slot geometry (checked on every open: a
-  directory made for another slot size or ``bytes_to_use`` is refused, never
-  reinitialised, so nothing stored is lost to a configuration mistake) and, for
-  people, the fingerprint of the KV it holds.
-- ``rank{r}of{n}/data-{i}.bin``: the payloads, file-major (see
-  :class:`~kvhal.tiers.disk.format.Geometry`): ascending slots are contiguous,
-  so a run of them moves in one request.
-- ``rank{r}of{n}/index.bin``: one 64-byte record per slot (key, fingerprint
-  digest, payload crc32c, its own crc32c; :mod:`kvhal.tiers.disk.format`).
+Its options (``TierSpec.options``: ``path``, ``bytes_to_use``, ``io_threads``,
+``direct``) and the files it keeps are described in :mod:`kvhal.tiers.disk.directory`.
 
 Durability: a write stores the payload, then its record; nothing is synced
 per block (the data files are ``fdatasync``-ed on :meth:`DiskTier.close`). A
@@ -58,16 +25,11 @@ Tests inject faults by subclassing: every file access goes through
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
-import json
 import logging
 import os
-import stat
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import crc32c
@@ -75,6 +37,20 @@ import numpy as np
 
 from kvhal.errors import ClosedError, TierError, ValidationError, check_int
 from kvhal.tiers.backend import IO_ERROR, OK, TierBackend, TierSpec
+from kvhal.tiers.disk.directory import (
+    FILE_FLAGS,
+    DiskOptions,
+    free_bytes,
+    no_space,
+    open_dir,
+    open_file,
+    open_root,
+    preallocate,
+    read_meta,
+    read_records,
+    take_lock,
+    write_meta,
+)
 from kvhal.tiers.disk.format import (
     ALIGN,
     MAX_KEY_BYTES,
@@ -90,7 +66,7 @@ from kvhal.tiers.disk.format import (
 )
 from kvhal.tiers.disk.io import aligned_buffer, is_aligned, preadv_all, pwritev_all
 
-__all__ = ["DiskOptions", "DiskTier"]
+__all__ = ["DiskTier"]
 
 log = logging.getLogger(__name__)
 
@@ -99,43 +75,6 @@ log = logging.getLogger(__name__)
 CHUNK_BYTES = 4 << 20
 #: Records ``recover`` checks per step (and per ``progress`` call).
 RECOVER_CHUNK = 1 << 20
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-_FILE_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC
-_OPTIONS = ("path", "bytes_to_use", "io_threads", "direct")
-
-
-@dataclass(frozen=True)
-class DiskOptions:
-    """The ``disk`` tier's options, validated (see the module docstring)."""
-
-    path: str
-    bytes_to_use: int
-    io_threads: int = 8
-    direct: bool | str = "auto"
-
-    @classmethod
-    def parse(cls, options: Mapping[str, Any]) -> DiskOptions:
-        """Validate ``options``; a :class:`ValidationError` names the offending option."""
-        for name in options:
-            if name not in _OPTIONS:
-                raise ValidationError(
-                    name, f"unknown disk tier option; the options are {', '.join(_OPTIONS)}"
-                )
-        for name in ("path", "bytes_to_use"):
-            if name not in options:
-                raise ValidationError(name, "the disk tier needs it")
-        path = options["path"]
-        if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
-            raise ValidationError("path", f"must be a directory path, got {path!r}")
-        direct = options.get("direct", "auto")
-        if not (isinstance(direct, bool) or direct == "auto"):
-            raise ValidationError("direct", f'must be "auto", true or false, got {direct!r}')
-        return cls(
-            path=os.path.abspath(os.fspath(path)),
-            bytes_to_use=check_int("bytes_to_use", options["bytes_to_use"]),
-            io_threads=check_int("io_threads", options.get("io_threads", 8)),
-            direct=direct,
-        )
 
 
 class DiskTier(TierBackend):
@@ -176,10 +115,10 @@ class DiskTier(TierBackend):
         self._pool: ThreadPoolExecutor | None = None
         self._local = threading.local()
         try:
-            self._root_fd = self._open_root()
-            self._tree_fd = self._open_dir(self._root_fd, TREE, self.path)
+            self._root_fd = open_root(self.path)
+            self._tree_fd = open_dir(self._root_fd, TREE, self.path)
             if spec.role == "index":
-                self._lock_fd = self._take_lock()
+                self._lock_fd = take_lock(self._tree_fd, self.path)
             ranks = range(world_size) if spec.role == "index" else [spec.rank]
             self._ensure_ranks(ranks)
             if spec.role == "io":
@@ -200,7 +139,7 @@ class DiskTier(TierBackend):
         total = self.num_slots
         digests = [self.spec.digest(r) for r in range(self.spec.world_size)]
         fds = [
-            self._open_file(self._rank_fds[r], "index.bin", os.O_RDONLY, self._rank_dir(r))
+            open_file(self._rank_fds[r], "index.bin", os.O_RDONLY, self._rank_dir(r))
             for r in range(self.spec.world_size)
         ]
         slots: list[int] = []
@@ -208,10 +147,10 @@ class DiskTier(TierBackend):
         try:
             for start in range(0, total, RECOVER_CHUNK):
                 n = min(RECOVER_CHUNK, total - start)
-                first = self._read_index(fds[0], start, n)
+                first = read_records(fds[0], start, n)
                 mask = valid_records(first, digests[0])
                 for fd, digest in zip(fds[1:], digests[1:], strict=True):
-                    raw = self._read_index(fd, start, n)
+                    raw = read_records(fd, start, n)
                     mask = valid_records(raw, digest, within=mask)
                     rows = np.flatnonzero(mask)
                     same = (raw[rows, 6:8] == first[rows, 6:8]).all(1) & (
@@ -289,7 +228,7 @@ class DiskTier(TierBackend):
     def _probe_direct(self, dir_fd: int) -> str | None:
         """``None`` if ``data-0.bin`` in ``dir_fd`` can be read with O_DIRECT, else why not."""
         try:
-            fd = os.open("data-0.bin", os.O_RDONLY | os.O_DIRECT | _FILE_FLAGS, dir_fd=dir_fd)
+            fd = os.open("data-0.bin", os.O_RDONLY | os.O_DIRECT | FILE_FLAGS, dir_fd=dir_fd)
         except OSError as exc:
             return f"opening with O_DIRECT failed: {exc.strerror}"
         try:
@@ -534,136 +473,16 @@ class DiskTier(TierBackend):
             pad = self._local.pad = memoryview(bytearray(self.geometry.stride - self.geometry.slot_bytes))
         return pad
 
-    def _read_index(self, fd: int, start: int, n: int) -> np.ndarray:
-        """Records ``start .. start + n`` of one rank as ``(n, 64)`` uint8 (zeros past the end of file)."""
-        raw = np.zeros((n, RECORD_BYTES), np.uint8)
-        view = memoryview(raw.reshape(-1))
-        done = 0
-        while done < view.nbytes:
-            got = os.preadv(fd, [view[done:]], start * RECORD_BYTES + done)
-            if got == 0:
-                break
-            done += got
-        return raw
-
     # ------------------------------------------------------------------ opening the medium
 
     def _rank_dir(self, rank: int) -> str:
         return os.path.join(self.path, TREE, f"rank{rank}of{self.spec.world_size}")
 
-    def _open_root(self) -> int:
-        path = self.path
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:
-            try:
-                os.makedirs(path, mode=0o700, exist_ok=True)
-                st = os.lstat(path)
-            except OSError as exc:
-                raise TierError("disk", path, f"cannot create the directory: {exc.strerror}") from exc
-        if stat.S_ISLNK(st.st_mode):
-            raise TierError(
-                "disk",
-                path,
-                "is a symbolic link; give the real directory (a link could redirect kvhal's files)",
-            )
-        if not stat.S_ISDIR(st.st_mode):
-            raise TierError("disk", path, "exists and is not a directory")
-        if st.st_mode & stat.S_IWOTH:
-            raise TierError(
-                "disk",
-                path,
-                f"is world-writable (mode {stat.S_IMODE(st.st_mode):o}): any user could replace "
-                "kvhal's files; use a directory others cannot write",
-            )
-        fd = os.open(path, _DIR_FLAGS)
-        opened = os.fstat(fd)
-        if (opened.st_dev, opened.st_ino) != (st.st_dev, st.st_ino):
-            os.close(fd)
-            raise TierError("disk", path, "was replaced while being opened")
-        return fd
-
-    def _open_dir(self, parent: int, name: str, where: str) -> int:
-        """Open (creating, 0700) kvhal's own directory ``name`` in ``parent``; never through a link."""
-        path = os.path.join(where, name)
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(name, 0o700, dir_fd=parent)
-        try:
-            fd = os.open(name, _DIR_FLAGS, dir_fd=parent)
-        except OSError as exc:
-            why = "is a symbolic link" if exc.errno in (errno.ELOOP, errno.ENOTDIR) else exc.strerror
-            raise TierError("disk", path, f"cannot be used: {why}") from exc
-        st = os.fstat(fd)
-        if st.st_uid != os.geteuid():
-            os.close(fd)
-            raise TierError("disk", path, f"belongs to another user (uid {st.st_uid})")
-        if st.st_mode & 0o077:  # kvhal's own directory: keep it private whatever happened to it
-            os.fchmod(fd, 0o700)
-        return fd
-
-    def _open_file(self, dir_fd: int, name: str, flags: int, where: str) -> int:
-        """Open kvhal's file ``name`` (created 0600 with ``O_CREAT``); never through a link."""
-        path = os.path.join(where, name)
-        try:
-            fd = os.open(name, flags | _FILE_FLAGS, 0o600, dir_fd=dir_fd)
-        except FileNotFoundError as exc:
-            raise TierError("disk", path, "is missing; remove the directory it was in to start over") from exc
-        except OSError as exc:
-            why = "is a symbolic link" if exc.errno == errno.ELOOP else exc.strerror
-            raise TierError("disk", path, f"cannot be used: {why}") from exc
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
-            raise TierError("disk", path, "is not a regular file")
-        return fd
-
-    def _take_lock(self) -> int:
-        fd = self._open_file(self._tree_fd, "LOCK", os.O_RDWR | os.O_CREAT, os.path.join(self.path, TREE))
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
-            raise TierError(
-                "disk",
-                self.path,
-                f"in use by another engine (pid {holder}); stop it or give this engine another path",
-            ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        return fd
-
-    def _read_meta(self, dir_fd: int, where: str) -> dict[str, Any] | None:
-        try:
-            fd = os.open("meta.json", os.O_RDONLY | _FILE_FLAGS, dir_fd=dir_fd)
-        except FileNotFoundError:
-            return None
-        try:
-            with os.fdopen(fd, "rb") as f:
-                meta = json.loads(f.read())
-        except (OSError, ValueError) as exc:
-            raise TierError(
-                "disk",
-                os.path.join(where, "meta.json"),
-                f"is unreadable ({exc}); remove {where} to start over",
-            ) from exc
-        if not isinstance(meta, dict):
-            raise TierError("disk", os.path.join(where, "meta.json"), f"is not a JSON object; remove {where}")
-        return meta
-
     def _write_meta(self, dir_fd: int, rank: int) -> None:
-        """Replace ``meta.json`` atomically (a reader sees the old or the new one, whole)."""
-        text = meta_text(
-            self.geometry, rank, self.spec.world_size, self.spec.fingerprint, self.spec.digest(rank)
+        spec = self.spec
+        write_meta(
+            dir_fd, meta_text(self.geometry, rank, spec.world_size, spec.fingerprint, spec.digest(rank))
         )
-        temp = f"meta.json.{os.getpid()}.{threading.get_ident()}"
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _FILE_FLAGS, 0o600, dir_fd=dir_fd)
-        try:
-            os.write(fd, text)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(temp, "meta.json", src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-        os.fsync(dir_fd)
 
     def _files(self) -> list[tuple[str, int]]:
         return [(f"data-{i}.bin", self.geometry.file_bytes(i)) for i in range(self.geometry.num_files)] + [
@@ -675,10 +494,10 @@ class DiskTier(TierBackend):
         new: list[int] = []
         for rank in ranks:
             where = self._rank_dir(rank)
-            fd = self._rank_fds[rank] = self._open_dir(
+            fd = self._rank_fds[rank] = open_dir(
                 self._tree_fd, os.path.basename(where), os.path.dirname(where)
             )
-            meta = self._read_meta(fd, where)
+            meta = read_meta(fd, where)
             if meta is None:
                 new.append(rank)
                 continue
@@ -703,40 +522,17 @@ class DiskTier(TierBackend):
                     missing += max(0, size - st.st_blocks * 512)
                 except FileNotFoundError:
                     missing += size
-        vfs = os.statvfs(self.path)
-        free = vfs.f_bavail * vfs.f_frsize
+        free = free_bytes(self.path)
         if missing > free:
-            raise self._no_space(missing, free)
+            raise no_space(self.options.bytes_to_use, self.path, missing, free)
         for rank in new:
             for name, size in self._files():
-                fd = self._open_file(self._rank_fds[rank], name, os.O_RDWR | os.O_CREAT, self._rank_dir(rank))
+                fd = open_file(self._rank_fds[rank], name, os.O_RDWR | os.O_CREAT, self._rank_dir(rank))
                 try:
-                    self._preallocate(fd, size)
+                    preallocate(fd, size, self.options.bytes_to_use, self.path)
                 finally:
                     os.close(fd)
             self._write_meta(self._rank_fds[rank], rank)
-
-    def _no_space(self, needed: int, free: int) -> ValidationError:
-        return ValidationError(
-            "bytes_to_use",
-            f"{self.options.bytes_to_use} bytes do not fit at {self.path}: preallocating needs {needed} more "
-            f"bytes and the file system has {free} free; lower bytes_to_use or free space",
-        )
-
-    def _preallocate(self, fd: int, size: int) -> None:
-        if os.fstat(fd).st_size >= size:
-            return
-        try:
-            os.posix_fallocate(fd, 0, size)
-        except OSError as exc:
-            if exc.errno == errno.ENOSPC:
-                vfs = os.statvfs(self.path)
-                raise self._no_space(size, vfs.f_bavail * vfs.f_frsize) from exc
-            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
-                raise TierError(
-                    "disk", self.path, f"preallocating a data file failed: {exc.strerror}"
-                ) from exc
-            os.ftruncate(fd, size)  # no fallocate here: a sparse file, space taken as blocks arrive
 
     def _open_io(self) -> None:
         rank = self.spec.rank
@@ -752,7 +548,7 @@ class DiskTier(TierBackend):
             self.direct = reason is None
         flags = os.O_RDWR | (os.O_DIRECT if self.direct else 0)
         for name, size in self._files():
-            fd = self._open_file(dir_fd, name, flags if name != "index.bin" else os.O_RDWR, where)
+            fd = open_file(dir_fd, name, flags if name != "index.bin" else os.O_RDWR, where)
             if name == "index.bin":
                 self._index_fd = fd
             else:
