@@ -45,9 +45,6 @@ if TYPE_CHECKING:
     from kvhal.descriptor import DeviceDescriptor, Refusal
     from kvhal.geometry import KVGeometry
     from kvhal.layouts import KVLayout
-    from kvhal.offload.eviction_policy import EvictionPolicy
-    from kvhal.tiers.backend import TierBackend, TierSpec
-    from kvhal.tiers.remote.store import RemoteStore
 
 PROJECT = "kvhal"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -452,10 +449,13 @@ DEVICE_HOOKS: tuple[str, ...] = (
 # --------------------------------------------------------------------------
 # Eviction policies (not a device hook: any plugin may offer policies)
 # --------------------------------------------------------------------------
+# This hook and the two after it serve the layers above this one (the offloading
+# core, the tiers). Their contracts live there and are named in the docstrings, not
+# imported: imports point down (pyproject.toml's layers contract).
 
 
 @hookspec
-def kvhal_eviction_policies() -> Mapping[str, Callable[[int], EvictionPolicy]]:
+def kvhal_eviction_policies() -> Mapping[str, Callable[[int], Any]]:
     """Eviction policies this plugin offers to offloading managers, by name.
 
     Not a device hook: kvhal calls it on every registered plugin, device or
@@ -481,7 +481,7 @@ def kvhal_eviction_policies() -> Mapping[str, Callable[[int], EvictionPolicy]]:
 
 
 @hookspec
-def kvhal_tier_backends() -> Mapping[str, Callable[[TierSpec], TierBackend]]:
+def kvhal_tier_backends() -> Mapping[str, Callable[[Any], Any]]:
     """Tier backends this plugin offers below the host tier, by name.
 
     Not a device hook: kvhal calls it on every registered plugin, device or
@@ -516,7 +516,7 @@ def kvhal_tier_backends() -> Mapping[str, Callable[[TierSpec], TierBackend]]:
 
 
 @hookspec
-def kvhal_remote_stores() -> Mapping[str, Callable[[str], RemoteStore]]:
+def kvhal_remote_stores() -> Mapping[str, Callable[[str], Any]]:
     """Shared key-value stores this plugin offers as a remote tier, by URL scheme.
 
     Not a device hook: kvhal calls it on every registered plugin and merges
