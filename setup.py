@@ -13,8 +13,8 @@ setup(
             optional=True,
         ),
         Extension(
-            "kvhal._keyindex",
-            ["src/kvhal/_keyindex.c"],
+            "kvhal.offload._keyindex",
+            ["src/kvhal/offload/_keyindex.c"],
             extra_compile_args=["-O2"],
             # Without a compiler the manager indexes keys with a dict (more memory per block).
             optional=True,

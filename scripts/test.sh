@@ -7,5 +7,7 @@ VENV=${KVHAL_VENV:-.venv}
 echo "[test] ruff"
 "$VENV/bin/ruff" check .
 "$VENV/bin/ruff" format --check src tests conformance plugins
+echo "[test] lint-imports"
+"$VENV/bin/lint-imports"
 echo "[test] pytest"
 exec "$VENV/bin/python" -m pytest -q "$@"

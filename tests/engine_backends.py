@@ -23,6 +23,10 @@ from tests import vllm_backend_sources as sources
 registry = pytest.importorskip("vllm.v1.attention.backends.registry")
 backend_module = pytest.importorskip("vllm.v1.attention.backend")
 kv_cache_layout = pytest.importorskip("vllm.v1.kv_cache_layout")
+# What an engine loads as its connector: it hands vLLM's layouts to kvhal.layouts.
+pytest.importorskip("kvhal.vllm")
+#: Deleted from sys.modules, it puts the test outside an engine (kvhal then reads its tables).
+REGISTRY_MODULE = registry.__name__
 
 MODULE = "kvhal_test_engine_backends"
 _serial = itertools.count()

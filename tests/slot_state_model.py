@@ -2,7 +2,7 @@
 
 :class:`SlotStateModel` knows each key's state (storing / ready), its loads in
 flight and, for LRU, the recency order vLLM 0.32's LRU keeps; its rules drive the
-calls :class:`~kvhal.slot_states.SlotStates` implements and check, after every
+calls :class:`~kvhal.offload.slot_states.SlotStates` implements and check, after every
 step, that capacity is never exceeded, no block in use is evicted, only
 successfully stored blocks are loadable, and a refused call leaves the state
 unchanged. A test subclasses it and supplies :meth:`make` and :meth:`store`.
@@ -18,9 +18,9 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvhal.errors import BlockStateError
-from kvhal.manager import BlockState, StorePlan
+from kvhal.offload.manager import BlockState, StorePlan
+from kvhal.offload.slot_states import SlotStates
 from kvhal.registry import PluginRegistry
-from kvhal.slot_states import SlotStates
 from tests.helpers import examples
 
 REGISTRY = PluginRegistry(autoload=False, allow=None, block=())

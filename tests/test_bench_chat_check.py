@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from kvhal.bench import chat
+from kvhal.bench.chat import checks, workload
 
 
 @pytest.fixture(autouse=True)
 def bf16_tolerance(monkeypatch: pytest.MonkeyPatch) -> None:
     """The made-up logprobs below are on bf16's scale."""
-    monkeypatch.setattr(chat, "LOGPROB_TOLERANCE", 0.5)
+    monkeypatch.setattr(checks, "LOGPROB_TOLERANCE", 0.5)
 
 
 def request(user: int, tokens: list[int], logprobs: list[float], top: list[list[list]]) -> dict:
@@ -34,7 +34,7 @@ FLOOR = run("floor", [[answer(0, [1, 2, 3]), answer(1, [4, 5, 6])], [answer(0, [
 
 def test_equal_outputs_pass_and_count_as_equal():
     same = run("host", [[answer(0, [1, 2, 3]), answer(1, [4, 5, 6])], [answer(0, [7, 8]), answer(1, [9, 9])]])
-    found = chat.check_outputs([FLOOR, same])
+    found = checks.check_outputs([FLOOR, same])
     assert found["passed"] and found["all_equal"]
     (host,) = found["comparisons"]
     assert (host["compared"], host["equal"], host["unexplained"]) == (4, 4, 0)
@@ -53,7 +53,7 @@ def test_a_flip_at_a_near_tie_is_numerics_and_the_users_later_turns_are_not_comp
     # the other run ranks the two the other way round, each logprob within the tolerance
     flipped = request(0, [1, 5, 4], [-0.1, -0.62, -0.1], [[[1, -0.1]], [[5, -0.62], [2, -0.64]], [[4, -0.1]]])
     later = answer(0, [3, 3])  # another prompt from here on: not comparable
-    found = chat.check_outputs([floor, run("host", [[flipped], [later]])])
+    found = checks.check_outputs([floor, run("host", [[flipped], [later]])])
     (host,) = found["comparisons"]
     assert found["passed"] and not found["all_equal"]
     assert (host["numerics"], host["unexplained"], host["not_comparable"]) == (1, 0, 1)
@@ -69,7 +69,7 @@ def test_a_flip_of_a_clear_choice_is_unexplained_and_fails_the_check():
         [[answer(0, [1, 2, 3], second=7), answer(1, [4, 5, 6])], [answer(0, [7, 8]), answer(1, [9, 9])]],
     )
     wrong = answer(0, [1, 7, 3], second=2, margin=3.0)
-    found = chat.check_outputs(
+    found = checks.check_outputs(
         [
             floor,
             run(
@@ -91,16 +91,16 @@ def test_a_flip_whose_earlier_logprobs_moved_far_is_unexplained():
     floor = run("floor", [[near_tie(0, [1, 2, 3], 2, 5, 0.05)]])
     got = near_tie(0, [1, 2, 5], 2, 3, 0.05)
     got["top_logprobs"][2] = [[5, -0.6], [3, -0.62]]
-    got["logprobs"][0] = -0.1 - 2 * chat.LOGPROB_TOLERANCE
-    found = chat.check_outputs([floor, run("disk", [[got]])])
+    got["logprobs"][0] = -0.1 - 2 * checks.LOGPROB_TOLERANCE
+    found = checks.check_outputs([floor, run("disk", [[got]])])
     assert not found["passed"], found["comparisons"]
-    assert found["comparisons"][0]["mismatches"][0]["logprob_drift_before"] > chat.LOGPROB_TOLERANCE
+    assert found["comparisons"][0]["mismatches"][0]["logprob_drift_before"] > checks.LOGPROB_TOLERANCE
 
 
 def test_a_token_outside_the_other_runs_top_two_is_unexplained():
     floor = run("floor", [[answer(0, [1, 2, 3])]])
     got = request(0, [1, 8, 3], [-0.1, -0.1, -0.1], [[[1, -0.1]], [[8, -0.1], [6, -0.2]], [[3, -0.1]]])
-    found = chat.check_outputs([floor, run("host", [[got]])])
+    found = checks.check_outputs([floor, run("host", [[got]])])
     assert not found["passed"]
     assert found["comparisons"][0]["mismatches"][0]["logprob_moved"] is None
 
@@ -112,7 +112,7 @@ def test_a_scripted_run_is_compared_in_every_round_after_a_difference():
     flipped = request(0, [1, 5, 4], [-0.1, -0.62, -0.1], [[[1, -0.1]], [[5, -0.62], [2, -0.64]], [[4, -0.1]]])
     for later, passed in ((answer(0, [7, 8]), True), (answer(0, [3, 3], second=7), False)):
         got = {**run("host", [[flipped], [later]]), "scripted": True}
-        found = chat.check_outputs([floor, got])
+        found = checks.check_outputs([floor, got])
         (host,) = found["comparisons"]
         assert (host["compared"], host["not_comparable"]) == (2, 0)
         assert found["passed"] is passed
@@ -126,7 +126,7 @@ def test_equal_tokens_with_drifted_logprobs_fail():
             [answer(0, [7, 8]), answer(1, [9, 9])],
         ],
     )
-    found = chat.check_outputs([FLOOR, drifted])
+    found = checks.check_outputs([FLOOR, drifted])
     (shared,) = found["comparisons"]
     assert not found["passed"] and found["all_equal"], "equal tokens from other KV pass"
     assert shared["unexplained"] == 1
@@ -136,15 +136,15 @@ def test_equal_tokens_with_drifted_logprobs_fail():
 
 def test_the_reference_is_the_floor_wherever_it_ran():
     host = run("host", [[answer(0, [1, 2, 3]), answer(1, [4, 5, 6])], [answer(0, [7, 8]), answer(1, [9, 9])]])
-    found = chat.check_outputs([host, FLOOR])
+    found = checks.check_outputs([host, FLOOR])
     assert found["reference"] == {"config": "floor", "repeat": 0}
     assert [c["config"] for c in found["comparisons"]] == ["host"]
 
 
 def test_the_workload_is_distinct_per_user_and_repeatable():
-    one = chat.workload(6, 3, (100, 200), 50, 32000, seed=3)
-    assert one == chat.workload(6, 3, (100, 200), 50, 32000, seed=3)
-    assert one != chat.workload(6, 3, (100, 200), 50, 32000, seed=4)
+    one = workload.workload(6, 3, (100, 200), 50, 32000, seed=3)
+    assert one == workload.workload(6, 3, (100, 200), 50, 32000, seed=3)
+    assert one != workload.workload(6, 3, (100, 200), 50, 32000, seed=4)
     assert all(100 <= len(c) <= 200 for c in one["contexts"])
     assert len({tuple(c[:32]) for c in one["contexts"]}) == 6, "two users share a first block"
     assert len(one["turns"]) == 3 and all(len(r) == 6 for r in one["turns"])
@@ -152,8 +152,8 @@ def test_the_workload_is_distinct_per_user_and_repeatable():
 
 
 def test_the_small_device_cache_holds_a_fraction_and_the_host_tier_everyone():
-    work = chat.workload(16, 4, (1024, 2048), 100, chat.CHAT_MODEL.vocab_size, seed=0)
-    size = chat.sizing(chat.CHAT_MODEL, work, max_tokens=32, inflight=3)
+    work = workload.workload(16, 4, (1024, 2048), 100, workload.CHAT_MODEL.vocab_size, seed=0)
+    size = workload.sizing(workload.CHAT_MODEL, work, max_tokens=32, inflight=3)
     total = size["conversation_tokens"]
     assert size["small_device_tokens"] < total / 2, "the device cache holds most users: no offloading needed"
     assert size["small_device_tokens"] >= 3 * size["longest_conversation"], "requests in flight would preempt"
@@ -170,13 +170,13 @@ def summary(later: dict[str, float], rate: dict[str, float]) -> dict:
 
 
 def test_targets_compare_the_right_pairs():
-    checks = chat.check_targets(
+    found = checks.check_targets(
         summary(
             {"floor": 0.10, "vllm": 1.0, "host": 0.105, "disk": 0.2, "shared": 0.25},
             {"vllm": 100.0, "host": 99.0},
         )
     )
-    by = {c["target"].split(":")[0] + (" tok/s" if "tokens/s" in c["target"] else ""): c for c in checks}
+    by = {c["target"].split(":")[0] + (" tok/s" if "tokens/s" in c["target"] else ""): c for c in found}
     assert by["host"]["value"] == pytest.approx(1.05) and by["host"]["met"]
     assert by["disk"]["value"] == pytest.approx(0.2 / 0.105) and not by["disk"]["met"]
     assert by["shared"]["value"] == pytest.approx(0.25 / 0.105) and not by["shared"]["met"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from kvhal.bench.disk import parse_size
+from kvhal.bench.common import parse_size
 from kvhal.cli import main
 
 

@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from kvhal.bench.manager import KvhalDriver, TraceSpec, make_trace, replay
+from kvhal.bench.drivers import KvhalDriver
+from kvhal.bench.manager import TraceSpec, make_trace, replay
 from kvhal.cli import main
 
 

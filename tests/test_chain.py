@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvhal.chain import TierChain
 from kvhal.errors import BlockStateError, ValidationError
-from kvhal.manager import BlockState, OffloadingManager
-from kvhal.tier_index import TierIndex
+from kvhal.offload.manager import BlockState, OffloadingManager
+from kvhal.tiers.chain import TierChain
+from kvhal.tiers.index import TierIndex
 
 
 def keys(*ids: int) -> list[bytes]:

@@ -46,17 +46,17 @@ from hypothesis.stateful import (
 )
 
 from kvhal import KVGeometry, get_kv_from_block, put_kv_into_block
-from kvhal.chain import LoadPlan, TierChain, WritePlan
 from kvhal.geometry import KVFormat
-from kvhal.host_tier import HostTier
 from kvhal.layouts import BLHNC, LBHNC, KVLayout
-from kvhal.manager import BlockState, OffloadingManager
+from kvhal.offload.host_tier import HostTier
+from kvhal.offload.manager import BlockState, OffloadingManager
 from kvhal.registry import PluginRegistry
-from kvhal.tier_backend import OK, TierBackend, TierSpec
-from kvhal.tier_index import TierIndex
-from kvhal.tier_io import TierIO
+from kvhal.tiers.backend import OK, TierBackend, TierSpec
+from kvhal.tiers.chain import LoadPlan, TierChain, WritePlan
 from kvhal.tiers.disk import DiskTier
-from kvhal.tiers.disk_format import RECORD_BYTES, TREE
+from kvhal.tiers.disk.format import RECORD_BYTES, TREE
+from kvhal.tiers.index import TierIndex
+from kvhal.tiers.io import TierIO
 from tests.helpers import examples
 
 REGISTRY = PluginRegistry(autoload=False, allow=None, block=())

@@ -363,7 +363,7 @@ def test_probes_and_policy_offers_go_through_the_hook_caller(registry):
 
     registry.register(Tracer(), "tracer", "tests")
     assert registry.select().plugin_name == "cpu"
-    from kvhal.eviction import available_policies
+    from kvhal.offload.eviction import available_policies
 
     assert set(available_policies(registry)) == {"clock", "lru", "s3fifo"}
     assert ("probe", ["DeviceDescriptor"]) in seen

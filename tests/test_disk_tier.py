@@ -19,10 +19,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvhal.errors import ClosedError, TierError, ValidationError
-from kvhal.tier_backend import CORRUPT, FOREIGN, IO_ERROR, MISSING, OK, TierSpec
-from kvhal.tiers import disk_format
+from kvhal.tiers.backend import CORRUPT, FOREIGN, IO_ERROR, MISSING, OK, TierSpec
 from kvhal.tiers.disk import DiskTier
-from kvhal.tiers.disk_format import RECORD_BYTES, TREE
+from kvhal.tiers.disk import format as disk_format
+from kvhal.tiers.disk.format import RECORD_BYTES, TREE
 from tests.helpers import examples
 
 FP = {"model": "m", "revision": "r1", "dtype": "bf16"}
@@ -598,7 +598,7 @@ def test_a_write_submitted_while_the_interpreter_exits_still_lands(tmp_path):
         f"""
         import atexit
         import numpy as np
-        from kvhal.tier_backend import TierSpec
+        from kvhal.tiers.backend import TierSpec
         from kvhal.tiers.disk import DiskTier
         tier = DiskTier(TierSpec({{"path": {str(tmp_path)!r}, "bytes_to_use": 1 << 20}}, 8192, role="io"))
         def late():

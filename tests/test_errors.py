@@ -29,7 +29,7 @@ def test_a_block_state_is_not_a_bad_value():
 
 
 def test_a_closed_host_tier_says_so(cpu):
-    from kvhal.host_tier import HostTier
+    from kvhal.offload.host_tier import HostTier
 
     tier = HostTier(cpu, 8192, 4096)
     tier.close()

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from kvhal.errors import MalformedResultError, PluginError, PolicyError, ValidationError
-from kvhal.eviction import ClockPolicy, LRUPolicy, S3FIFOPolicy, available_policies, create_policy
 from kvhal.hookspecs import DEVICE_HOOKS, hookimpl
-from kvhal.manager import OffloadingManager
+from kvhal.offload.eviction import ClockPolicy, LRUPolicy, S3FIFOPolicy, available_policies, create_policy
+from kvhal.offload.manager import OffloadingManager
 
 
 def test_builtin_policies_come_through_the_hook(registry):

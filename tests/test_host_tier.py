@@ -11,8 +11,8 @@ from kvhal import KVGeometry, get_kv_from_block, put_kv_into_block
 from kvhal.errors import ClosedError, ValidationError
 from kvhal.geometry import KVFormat
 from kvhal.hookspecs import hookimpl
-from kvhal.host_tier import HostTier, SlotPool
 from kvhal.layouts import BLHNC, LBHNC
+from kvhal.offload.host_tier import HostTier, SlotPool
 
 
 def geometry(layers=2, heads=2, head_size=8, kv_format=KVFormat.STACKED, blocks=4) -> KVGeometry:

@@ -6,8 +6,8 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import given, settings
 
-from kvhal import keyindex
-from kvhal.keyindex import PyKeyIndex
+from kvhal.offload import keyindex
+from kvhal.offload.keyindex import PyKeyIndex
 from tests.helpers import examples
 
 IMPLEMENTATIONS = [PyKeyIndex]

@@ -17,7 +17,6 @@ from kvhal.layouts import (
     LBHNC,
     LHBNC,
     STANDARD_LAYOUTS,
-    VLLM_BACKEND_REGISTRY,
     layouts_from_engine,
 )
 
@@ -65,7 +64,7 @@ def test_vllms_answer_wins_and_without_vllm_the_table_answers(
     with engine_backends.registered("CUSTOM", "KVHAL_TEST_WINS", ("BLNHC", "LHBNC")):
         assert tuple(CPUPlugin().kvhal_kv_layouts("CUSTOM")) == (BLNHC, LHBNC)
         # Outside an engine (no backend registry imported) the same question gets the table's answer.
-        monkeypatch.delitem(sys.modules, VLLM_BACKEND_REGISTRY)
+        monkeypatch.delitem(sys.modules, engine_backends.REGISTRY_MODULE)
         assert layouts_from_engine("CUSTOM", STANDARD_LAYOUTS) is None
         assert tuple(CPUPlugin().kvhal_kv_layouts("CUSTOM")) == STANDARD_LAYOUTS
 

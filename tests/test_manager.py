@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from kvhal.errors import BlockStateError, PolicyError, ValidationError
-from kvhal.eviction import EvictionPolicy, LRUPolicy
-from kvhal.host_tier import SlotPool
-from kvhal.manager import BlockState, OffloadEvent, OffloadingManager
+from kvhal.offload.eviction import EvictionPolicy, LRUPolicy
+from kvhal.offload.host_tier import SlotPool
+from kvhal.offload.manager import BlockState, OffloadEvent, OffloadingManager
 
 
 def key(h: int, group: int = 0) -> bytes:

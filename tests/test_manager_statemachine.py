@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from hypothesis.stateful import rule
 
-from kvhal.manager import OffloadEvent, OffloadingManager, StorePlan
+from kvhal.offload.manager import OffloadEvent, OffloadingManager, StorePlan
 from tests.slot_state_model import REGISTRY, SlotStateModel, as_test_case
 
 

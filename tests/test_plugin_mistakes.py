@@ -28,7 +28,7 @@ from kvhal.registry import PluginRegistry
 base = pytest.importorskip("kvhal_conformance.base")
 mutants = pytest.importorskip("kvhal_conformance.mutants")
 timing = pytest.importorskip("kvhal_conformance.timing")
-streams_events = pytest.importorskip("kvhal_conformance.base.streams_events")
+streamcase = pytest.importorskip("kvhal_conformance.streamcase")
 
 pytest_plugins = ["pytester"]
 REPO = Path(__file__).resolve().parents[1]
@@ -216,7 +216,7 @@ def test_an_early_event_after_a_copy_is_blamed_on_the_hook_at_fault(
     busy_of, plugin: type, clause: str
 ) -> None:
     device, busy = busy_of(plugin())
-    assert {streams_events.early_record_clause(device, busy) for _ in range(3)} == {clause}
+    assert {streamcase.early_record_clause(device, busy) for _ in range(3)} == {clause}
 
 
 def test_a_chain_copy_never_delivered_names_kvhal_copy_blocks() -> None:
@@ -316,7 +316,7 @@ def test_an_accelerator_plugin_reports_an_unreadable_plan_through_its_event() ->
     )
     module = FakeStreamModule()
     plugin = Plugin(module, Spy(module))
-    event = plugin.kvhal_copy_blocks(streams_events.failing_plan(plan), module.Stream())
+    event = plugin.kvhal_copy_blocks(streamcase.failing_plan(plan), module.Stream())
     with pytest.raises(TransferError, match="InjectedCopyFailure"):
         plugin.kvhal_synchronize_event(event)
     ok = plugin.kvhal_copy_blocks(plan, module.Stream())  # negative control

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvhal import remote_format
-from kvhal.remote_format import HEADER_BYTES, UNAUTHENTICATED, check, write_header
-from kvhal.tier_backend import CORRUPT, FOREIGN, OK
+from kvhal.tiers.backend import CORRUPT, FOREIGN, OK
+from kvhal.tiers.remote import format as remote_format
+from kvhal.tiers.remote.format import HEADER_BYTES, UNAUTHENTICATED, check, write_header
 
 SPACE = bytes(range(8))
 NAME = "kvhal/0001020304050607/ab"

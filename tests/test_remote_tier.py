@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 
 from kvhal.errors import TierError
-from kvhal.host_tier import HostTier
-from kvhal.remote_format import HEADER_BYTES, UNAUTHENTICATED
-from kvhal.remote_store import StoreUnavailable
-from kvhal.remote_tier import RemoteTier, redact
+from kvhal.offload.host_tier import HostTier
 from kvhal.testing.redis_servers import RedisServer
-from kvhal.tier_backend import CORRUPT, FOREIGN, IO_ERROR, MISSING, OK, TierSpec
+from kvhal.tiers.backend import CORRUPT, FOREIGN, IO_ERROR, MISSING, OK, TierSpec
+from kvhal.tiers.remote.format import HEADER_BYTES, UNAUTHENTICATED
+from kvhal.tiers.remote.store import StoreUnavailable
+from kvhal.tiers.remote.tier import RemoteTier, redact
 
 SLOT = 4096
 SLOTS = 16

@@ -19,9 +19,9 @@ pytest.importorskip("vllm")
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
-from kvhal.remote_tier import RemoteTier
 from kvhal.testing.redis_servers import RedisServer
-from kvhal.tier_backend import TierSpec
+from kvhal.tiers.backend import TierSpec
+from kvhal.tiers.remote.tier import RemoteTier
 from kvhal.vllm.config import ConnectorConfig, GroupInfo, RemoteTierConfig
 from kvhal.vllm.keys import offload_key
 from kvhal.vllm.scheduler_side import SchedulerSide

@@ -8,13 +8,13 @@ import pytest
 
 from kvhal.errors import MalformedResultError, PluginError, ValidationError
 from kvhal.hookspecs import hookimpl
-from kvhal.host_tier import HostTier
+from kvhal.offload.host_tier import HostTier
 from kvhal.registry import PluginRegistry
-from kvhal.remote_format import UNAUTHENTICATED
-from kvhal.remote_store import ABSENT, FAILED, RemoteStore
-from kvhal.remote_tier import RemoteTier
-from kvhal.stores import available_stores, open_store, url_scheme
-from kvhal.tier_backend import CORRUPT, OK, TierSpec
+from kvhal.tiers.backend import CORRUPT, OK, TierSpec
+from kvhal.tiers.media import available_stores, open_store, url_scheme
+from kvhal.tiers.remote.format import UNAUTHENTICATED
+from kvhal.tiers.remote.store import ABSENT, FAILED, RemoteStore
+from kvhal.tiers.remote.tier import RemoteTier
 
 SLOT = 4096
 

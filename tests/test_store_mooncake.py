@@ -1,4 +1,4 @@
-"""The built-in Mooncake store (kvhal.stores.mooncake) against a real master and store node."""
+"""The built-in Mooncake store (kvhal.tiers.stores.mooncake) against a real master and store node."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ import pytest
 
 from kvhal.errors import ValidationError
 from kvhal.registry import PluginRegistry
-from kvhal.remote_store import ABSENT, FAILED, StoreUnavailable
-from kvhal.stores import open_store
-from kvhal.stores.mooncake import MooncakeStore, parse_url
 from kvhal.testing.mooncake_servers import MooncakeCluster, free_port
+from kvhal.tiers.media import open_store
+from kvhal.tiers.remote.store import ABSENT, FAILED, StoreUnavailable
+from kvhal.tiers.stores.mooncake import MooncakeStore, parse_url
 
 pytest.importorskip("mooncake.store", reason="Mooncake's client is not installed")
 if not MooncakeCluster.available():
@@ -215,7 +215,7 @@ def test_registering_again_or_overlapping_memory_is_harmless(cluster, caplog):
         store.register(memoryview(area[:8192]))
         store.register(memoryview(area[:8192]))  # already registered: nothing to do
         store.register(memoryview(area[4096:8192]))  # inside a registered range
-        with caplog.at_level("WARNING", logger="kvhal.stores.mooncake"):
+        with caplog.at_level("WARNING", logger="kvhal.tiers.stores.mooncake"):
             store.register(memoryview(area[4096:]))  # overlaps: Mooncake refuses it, parts get staged
         assert "copied through a staging area" in caplog.text
         area[:] = noise(area.size, 8)
@@ -317,7 +317,7 @@ def test_no_metadata_server_is_unavailable(cluster):
 
 
 def test_local_host_defaults_to_the_address_routing_to_the_master(cluster):
-    from kvhal.stores.mooncake import _route_address
+    from kvhal.tiers.stores.mooncake import _route_address
 
     assert _route_address("127.0.0.1", cluster.rpc_port) == "127.0.0.1"
     assert _route_address("localhost", cluster.rpc_port) in ("127.0.0.1", "::1")
@@ -332,7 +332,7 @@ def test_without_mooncakes_client_the_url_is_refused(monkeypatch):
 
 def test_importing_the_stores_does_not_load_mooncake():
     code = (
-        "import sys, kvhal.stores, kvhal.stores.mooncake\n"
+        "import sys, kvhal.tiers.media, kvhal.tiers.stores.mooncake\n"
         "assert 'mooncake.store' not in sys.modules and 'mooncake' not in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

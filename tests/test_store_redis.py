@@ -1,4 +1,4 @@
-"""The built-in Redis remote store (kvhal.stores.redis) against real redis-server processes.
+"""The built-in Redis remote store (kvhal.tiers.stores.redis) against real redis-server processes.
 
 No mocks: every test talks to a server (or a 3-master cluster) that src/kvhal/testing/redis_servers.py
 starts on a free loopback port.
@@ -19,9 +19,6 @@ import pytest
 
 from kvhal.errors import ValidationError
 from kvhal.registry import PluginRegistry
-from kvhal.remote_store import ABSENT, FAILED, RemoteStore, StoreUnavailable
-from kvhal.stores import open_store
-from kvhal.stores.redis import RedisStore
 from kvhal.testing.redis_servers import (
     RedisCluster,
     RedisServer,
@@ -29,6 +26,9 @@ from kvhal.testing.redis_servers import (
     make_tls_certs,
     redis_server_binary,
 )
+from kvhal.tiers.media import open_store
+from kvhal.tiers.remote.store import ABSENT, FAILED, RemoteStore, StoreUnavailable
+from kvhal.tiers.stores.redis import RedisStore
 
 pytestmark = pytest.mark.skipif(redis_server_binary() is None, reason="redis-server is not installed")
 

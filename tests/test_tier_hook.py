@@ -8,17 +8,17 @@ from concurrent.futures import Future
 import numpy as np
 import pytest
 
-from kvhal.chain import TierChain
 from kvhal.errors import MalformedResultError, PluginError, ValidationError
 from kvhal.hookspecs import hookimpl
-from kvhal.host_tier import HostTier
-from kvhal.manager import OffloadingManager
+from kvhal.offload.host_tier import HostTier
+from kvhal.offload.manager import OffloadingManager
 from kvhal.registry import PluginRegistry, select_device
-from kvhal.tier_backend import MISSING, OK, TierBackend, TierSpec
-from kvhal.tier_index import TierIndex
-from kvhal.tier_io import TierIO
-from kvhal.tiers import available_tiers, open_tier
+from kvhal.tiers.backend import MISSING, OK, TierBackend, TierSpec
+from kvhal.tiers.chain import TierChain
 from kvhal.tiers.disk import DiskTier
+from kvhal.tiers.index import TierIndex
+from kvhal.tiers.io import TierIO
+from kvhal.tiers.media import available_tiers, open_tier
 
 SLOT = 8192
 

@@ -1,4 +1,4 @@
-"""The compact index of a tier below host memory (:mod:`kvhal.tier_index`).
+"""The compact index of a tier below host memory (:mod:`kvhal.tiers.index`).
 
 A hypothesis state machine drives a :class:`TierIndex` and an
 :class:`OffloadingManager` with the same policy through the same calls: with
@@ -16,9 +16,9 @@ from hypothesis import given, settings
 from hypothesis.stateful import invariant, precondition, rule
 
 from kvhal.errors import BlockStateError, PolicyError, ValidationError
-from kvhal.eviction import ClockPolicy, LRUPolicy
-from kvhal.manager import BlockState, OffloadingManager, StorePlan
-from kvhal.tier_index import TierIndex
+from kvhal.offload.eviction import ClockPolicy, LRUPolicy
+from kvhal.offload.manager import BlockState, OffloadingManager, StorePlan
+from kvhal.tiers.index import TierIndex
 from tests.helpers import examples
 from tests.slot_state_model import REGISTRY, UNIVERSE, SlotStateModel, as_test_case, key_lists
 
@@ -350,8 +350,9 @@ def test_clock_is_offered_to_the_host_tier_manager_too():
 
 
 def test_bench_drives_the_index_like_the_manager():
-    from kvhal.bench.manager import KvhalDriver, TraceSpec, make_trace, replay
-    from kvhal.bench.tier_index import TierIndexDriver, measure_recover
+    from kvhal.bench.drivers import KvhalDriver, TierIndexDriver
+    from kvhal.bench.manager import TraceSpec, make_trace, replay
+    from kvhal.bench.tier_index import measure_recover
 
     trace = make_trace(TraceSpec(documents=5, prefix_blocks=4, tail_blocks=1, requests=200))
     ours = replay(TierIndexDriver(16, "clock", REGISTRY), trace, inflight=2, tick=lambda: None)

@@ -16,11 +16,11 @@ from kvhal import KVGeometry, get_kv_from_block
 from kvhal.cpu.streams import CPUEvent
 from kvhal.errors import BlockStateError, CopyValidationError, ValidationError
 from kvhal.hookspecs import hookimpl
-from kvhal.host_tier import HostTier
 from kvhal.layouts import BLHNC
-from kvhal.manager import BlockState, OffloadingManager
-from kvhal.offloader import Offloader
-from kvhal.transfer import TransferEngine, TransferKind
+from kvhal.offload.host_tier import HostTier
+from kvhal.offload.manager import BlockState, OffloadingManager
+from kvhal.offload.offloader import Offloader
+from kvhal.offload.transfer import TransferEngine, TransferKind
 from tests.helpers import drain
 
 GEOMETRY = KVGeometry(2, 16, 4, 2, 8, torch.float32)

@@ -1,4 +1,11 @@
-"""kvhal: KV-cache offloading on any accelerator, through device plugins."""
+"""kvhal: KV-cache offloading on any accelerator, through device plugins.
+
+The modules at the top of this package are the HAL core, what device plugins use (the
+hookspecs, the registry, the device facade, layouts, caches, copy plans, ``accel``, the
+CPU plugin); its public names are exported here. The layers above it are packages:
+:mod:`kvhal.offload` (host memory), :mod:`kvhal.tiers` (below it), :mod:`kvhal.vllm` (the
+adapter), and :mod:`kvhal.bench` with the CLI on top (docs/architecture.md).
+"""
 
 from kvhal.blocks import get_kv_from_block, put_kv_into_block
 from kvhal.cache import KVCache, allocate_dense_kv_cache, dense_kv_cache, dense_nbytes

@@ -72,7 +72,7 @@ class ClosedError(KVHALError):
 
 class PolicyError(KVHALError):
     """An eviction policy broke its contract (e.g. chose a block in use); see
-    :class:`kvhal.eviction_policy.EvictionPolicy`."""
+    :class:`kvhal.offload.eviction_policy.EvictionPolicy`."""
 
 
 class PluginError(KVHALError):

@@ -43,11 +43,8 @@ if TYPE_CHECKING:
     from kvhal.cache import KVCache
     from kvhal.copyplan import CopyPlan
     from kvhal.descriptor import DeviceDescriptor, Refusal
-    from kvhal.eviction_policy import EvictionPolicy
     from kvhal.geometry import KVGeometry
     from kvhal.layouts import KVLayout
-    from kvhal.remote_store import RemoteStore
-    from kvhal.tier_backend import TierBackend, TierSpec
 
 PROJECT = "kvhal"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -452,21 +449,24 @@ DEVICE_HOOKS: tuple[str, ...] = (
 # --------------------------------------------------------------------------
 # Eviction policies (not a device hook: any plugin may offer policies)
 # --------------------------------------------------------------------------
+# This hook and the two after it serve the layers above this one (the offloading
+# core, the tiers). Their contracts live there and are named in the docstrings, not
+# imported: imports point down (pyproject.toml's layers contract).
 
 
 @hookspec
-def kvhal_eviction_policies() -> Mapping[str, Callable[[int], EvictionPolicy]]:
+def kvhal_eviction_policies() -> Mapping[str, Callable[[int], Any]]:
     """Eviction policies this plugin offers to offloading managers, by name.
 
     Not a device hook: kvhal calls it on every registered plugin, device or
     not, and merges the answers; the built-in ``lru`` and ``s3fifo`` come
     from a built-in plugin through this same hook. An
-    :class:`~kvhal.manager.OffloadingManager` picks a policy by name
-    (:func:`kvhal.eviction.create_policy`); an unknown name is an error
+    :class:`~kvhal.offload.manager.OffloadingManager` picks a policy by name
+    (:func:`kvhal.offload.eviction.create_policy`); an unknown name is an error
     listing the known ones.
 
     :return: a mapping from policy name to a factory: ``factory(num_slots)``
-        returns a fresh :class:`~kvhal.eviction_policy.EvictionPolicy` for a manager
+        returns a fresh :class:`~kvhal.offload.eviction_policy.EvictionPolicy` for a manager
         of ``num_slots`` slots. A name offered by two plugins is an error
         naming both; a result that is not such a mapping, or a factory that
         returns something else, is a
@@ -481,26 +481,26 @@ def kvhal_eviction_policies() -> Mapping[str, Callable[[int], EvictionPolicy]]:
 
 
 @hookspec
-def kvhal_tier_backends() -> Mapping[str, Callable[[TierSpec], TierBackend]]:
+def kvhal_tier_backends() -> Mapping[str, Callable[[Any], Any]]:
     """Tier backends this plugin offers below the host tier, by name.
 
     Not a device hook: kvhal calls it on every registered plugin, device or
     not, and merges the answers; the built-in ``disk`` comes from a built-in
     plugin through this same hook. A tier chain opens a backend by name
-    (:func:`kvhal.tiers.open_tier`); an unknown name is an error listing the
+    (:func:`kvhal.tiers.media.open_tier`); an unknown name is an error listing the
     known ones.
 
     A backend moves bytes between host memory and its medium only: it never
     imports a device plugin or vLLM. Its contract is
-    :class:`~kvhal.tier_backend.TierBackend`: equal slots, asynchronous
+    :class:`~kvhal.tiers.backend.TierBackend`: equal slots, asynchronous
     batched ``write``/``read`` returning futures, a ``read`` that delivers a
     block only once it is proven to be the requested key's under the spec's
     fingerprint (anything else is a miss: the engine recomputes), and a
     ``recover`` that lists what a restarted engine may serve.
 
     :return: a mapping from backend name to a factory: ``factory(spec)``
-        opens a :class:`~kvhal.tier_backend.TierBackend` for a
-        :class:`~kvhal.tier_backend.TierSpec`. It raises
+        opens a :class:`~kvhal.tiers.backend.TierBackend` for a
+        :class:`~kvhal.tiers.backend.TierSpec`. It raises
         :class:`~kvhal.errors.ValidationError` naming the option at fault for
         bad options, before touching the medium. A name offered by two plugins
         is an error naming both; a result that is not such a mapping, or a
@@ -516,18 +516,18 @@ def kvhal_tier_backends() -> Mapping[str, Callable[[TierSpec], TierBackend]]:
 
 
 @hookspec
-def kvhal_remote_stores() -> Mapping[str, Callable[[str], RemoteStore]]:
+def kvhal_remote_stores() -> Mapping[str, Callable[[str], Any]]:
     """Shared key-value stores this plugin offers as a remote tier, by URL scheme.
 
     Not a device hook: kvhal calls it on every registered plugin and merges
     the answers; the built-in ``mooncake``, ``redis``, ``rediss``,
     ``redis+cluster`` and ``rediss+cluster`` come from a built-in plugin
     through this same hook. The connector's ``remote_url`` picks a store by
-    its scheme (:func:`kvhal.stores.open_store`); an unknown scheme is an
+    its scheme (:func:`kvhal.tiers.media.open_store`); an unknown scheme is an
     error listing the known ones.
 
     A store moves bytes only; its contract is
-    :class:`~kvhal.remote_store.RemoteStore` (blocking batch ``exist``,
+    :class:`~kvhal.tiers.remote.store.RemoteStore` (blocking batch ``exist``,
     ``put`` and ``get``). kvhal names, frames, checksums, authenticates and
     verifies every value, and runs the calls on its own threads with
     timeouts, for every store alike.
@@ -536,6 +536,6 @@ def kvhal_remote_stores() -> Mapping[str, Callable[[str], RemoteStore]]:
         connects to the store the URL names. It raises
         :class:`~kvhal.errors.ValidationError` naming the part of the URL at
         fault before connecting, and
-        :class:`~kvhal.remote_store.StoreUnavailable` when the store cannot
+        :class:`~kvhal.tiers.remote.store.StoreUnavailable` when the store cannot
         be reached. A scheme offered by two plugins is an error naming both.
     """

@@ -11,10 +11,8 @@ block of every layer in one contiguous region ("cross-layer blocks").
 
 from __future__ import annotations
 
-import importlib
 import logging
-import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvhal.errors import LayoutError
@@ -107,8 +105,18 @@ def layout_by_name(name: str) -> KVLayout:
     return KVLayout.from_name(upper)
 
 
-#: Imported by vLLM when it selects attention backends: the sign kvhal runs in an engine.
-VLLM_BACKEND_REGISTRY = "vllm.v1.attention.backends.registry"
+#: ``lookup(attention_backend)``: the layouts the running engine's backend class declares
+#: (``None``: any layout); raises when it has no answer.
+EngineLayouts = Callable[[str], tuple[KVLayout, ...] | None]
+#: Set by the adapter of the engine kvhal runs in (:mod:`kvhal.vllm` sets vLLM's), so that
+#: this layer never imports an engine; ``None`` outside one.
+_engine_layouts: EngineLayouts | None = None
+
+
+def answer_layouts_from(lookup: EngineLayouts | None) -> None:
+    """Let :func:`layouts_from_engine` ask ``lookup`` (an engine adapter calls it on import)."""
+    global _engine_layouts
+    _engine_layouts = lookup
 
 
 def layouts_from_engine(
@@ -116,9 +124,9 @@ def layouts_from_engine(
 ) -> tuple[KVLayout, ...] | None:
     """The layouts the running engine's own backend class declares, or ``None``.
 
-    Inside a vLLM engine (vLLM's attention backend registry already imported),
-    asks vLLM's class for ``attention_backend`` (``supported_kv_cache_layouts()``,
-    see :mod:`kvhal.vllm.backends`). Anywhere else it answers ``None`` at once
+    Inside a vLLM engine, asks vLLM's class for ``attention_backend``
+    (``supported_kv_cache_layouts()``, through the lookup :mod:`kvhal.vllm.backends`
+    set with :func:`answer_layouts_from`). Anywhere else it answers ``None`` at once
     rather than import vLLM (seconds, and platform detection) for what a table
     answers. Device plugins call it first and fall back to their own tables on
     ``None``.
@@ -127,16 +135,16 @@ def layouts_from_engine(
         name or a backend's ``get_name()``.
     :param any_layout: what "any layout" means on the caller's device, returned
         when the backend declares no restriction.
-    :return: layouts, preferred first; ``None`` outside a vLLM engine, when vLLM
+    :return: layouts, preferred first; ``None`` outside an engine, when the engine
         knows no imported backend by that name, or when its answer could not be
         read (the reason is logged at debug level).
     """
-    if VLLM_BACKEND_REGISTRY not in sys.modules:
+    lookup = _engine_layouts
+    if lookup is None:
         return None
     try:
-        backends = importlib.import_module("kvhal.vllm.backends")
-        declared = backends.declared_layouts(attention_backend)
-    except Exception as exc:  # a vLLM lookup never breaks the hook: the caller's table answers
-        log.debug("no KV layouts from vLLM for %r: %s: %s", attention_backend, type(exc).__name__, exc)
+        declared = lookup(attention_backend)
+    except Exception as exc:  # an engine lookup never breaks the hook: the caller's table answers
+        log.debug("no KV layouts from the engine for %r: %s: %s", attention_backend, type(exc).__name__, exc)
         return None
     return tuple(any_layout) if declared is None else declared

@@ -20,6 +20,7 @@ another device. ``KVHAL_PLUGINS`` (allowlist) and ``KVHAL_DISABLE_PLUGINS``
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import inspect
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -29,6 +30,7 @@ from typing import Any, TypeVar
 import pluggy
 
 from kvhal import env, hookspecs
+from kvhal.cpu import CPUPlugin
 from kvhal.descriptor import DeviceDescriptor, Refusal
 from kvhal.device import Device
 from kvhal.errors import (
@@ -41,7 +43,6 @@ from kvhal.errors import (
     TierError,
     ValidationError,
 )
-from kvhal.remote_store import StoreUnavailable
 
 T = TypeVar("T")
 
@@ -54,6 +55,13 @@ BUILTIN_DISTRIBUTION = "kvhal (built-in)"
 BUILTIN_POLICIES = "kvhal-policies"
 BUILTIN_TIERS = "kvhal-tiers"
 BUILTIN_STORES = "kvhal-stores"
+#: The built-in plugins of the layers above this one, as ``module:class``: read when a
+#: registry is made, so that the layers import the registry and never the other way round.
+BUILTIN_PLUGINS = {
+    BUILTIN_POLICIES: "kvhal.offload.eviction:BuiltinPolicies",
+    BUILTIN_TIERS: "kvhal.tiers.media:BuiltinTiers",
+    BUILTIN_STORES: "kvhal.tiers.media:BuiltinStores",
+}
 
 
 @dataclass
@@ -104,6 +112,12 @@ class Selection:
     error: KVHALError | None = None
     why: str = ""
     others: dict[str, str] = field(default_factory=dict)
+
+
+def _builtin(path: str) -> object:
+    """An instance of the class at ``module:class`` (a row of :data:`BUILTIN_PLUGINS`)."""
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)()
 
 
 def _split_names(value: str | Iterable[str] | None) -> set[str] | None:
@@ -181,17 +195,11 @@ class PluginRegistry:
         self.pm = pluggy.PluginManager(hookspecs.PROJECT)
         self.pm.add_hookspecs(hookspecs)
         self.plugins: list[PluginInfo] = []
-        from kvhal.cpu import CPUPlugin
-        from kvhal.eviction import BuiltinPolicies
-        from kvhal.stores import BuiltinStores
-        from kvhal.tiers import BuiltinTiers
-
         self.register(CPUPlugin(), "cpu", BUILTIN_DISTRIBUTION)
         # Past allow/block (they choose devices: a manager must always find its
         # default policy), and not listed in self.plugins, the plugins found.
-        self.pm.register(BuiltinPolicies(), name=BUILTIN_POLICIES)
-        self.pm.register(BuiltinTiers(), name=BUILTIN_TIERS)
-        self.pm.register(BuiltinStores(), name=BUILTIN_STORES)
+        for name, path in BUILTIN_PLUGINS.items():
+            self.pm.register(_builtin(path), name=name)
         if autoload:
             self._load_entry_points()
 
@@ -365,6 +373,7 @@ class PluginRegistry:
         what: str,
         argument: str,
         label: str | None = None,
+        passes: tuple[type[Exception], ...] = (),
     ) -> T:
         """``factory(*args)`` of the factory offered as ``name`` through ``hook``, checked.
 
@@ -372,6 +381,8 @@ class PluginRegistry:
         :param what: what it makes, for messages (``"policy"``).
         :param label: a longer name for it in the unknown-name message (``"eviction policy"``).
         :param argument: the caller's argument that named it, for a :class:`ValidationError`.
+        :param passes: more exceptions of the factory's that reach the caller as they are
+            (``StoreUnavailable``: a store that is down is no fault of its plugin).
         :raises ValidationError: no plugin offers ``name`` (the message lists those known).
         :raises PluginError: the hook or the factory raised (names the plugin).
         :raises MalformedResultError: the factory returned something else than ``expected``.
@@ -383,8 +394,8 @@ class PluginRegistry:
         offer = offers[name]
         try:
             made = offer.factory(*args)
-        except (ValidationError, TierError, StoreUnavailable):
-            raise  # it names the argument or the medium at fault already, or the store is down
+        except (ValidationError, TierError, *passes):
+            raise  # it names the argument or the medium at fault already, or the caller expects it
         except Exception as exc:
             message = f"factory of {name!r} raised {type(exc).__name__}: {exc}"
             raise PluginError(offer.plugin, offer.distribution, hook, message) from exc

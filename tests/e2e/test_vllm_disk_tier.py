@@ -180,7 +180,7 @@ def test_second_engine_on_the_same_disk_path_is_refused(model, tmp_path):
 
 _HOLD = """
 import time
-from kvhal.tier_backend import TierSpec
+from kvhal.tiers.backend import TierSpec
 from kvhal.tiers.disk import DiskTier
 tier = DiskTier(TierSpec({{"path": {path!r}, "bytes_to_use": {size}}}, {slot}, role="index"))
 print("held", flush=True)

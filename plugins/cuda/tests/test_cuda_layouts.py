@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from kvhal.layouts import BLHNC, BLNHC, LBHNC, LHBNC, VLLM_BACKEND_REGISTRY, layout_by_name
+from kvhal.layouts import BLHNC, BLNHC, LBHNC, LHBNC, layout_by_name
 from kvhal_cuda.layouts import (
     ANY_LAYOUT,
     CUDA_BACKEND_LAYOUTS,
@@ -83,7 +83,7 @@ def test_default_and_unknown_backends_accept_any_layout():
 
 
 def test_outside_an_engine_the_hook_answers_from_the_table(monkeypatch):
-    monkeypatch.delitem(sys.modules, VLLM_BACKEND_REGISTRY)
+    monkeypatch.delitem(sys.modules, engine_backends.REGISTRY_MODULE)
     plugin = CUDAPlugin()
     assert plugin.kvhal_kv_layouts("FLEX_ATTENTION") == CUDA_BACKEND_LAYOUTS["FLEX_ATTENTION"]
     assert plugin.kvhal_kv_layouts("B12X") == (LBHNC, BLHNC)

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from kvhal.layouts import BLHNC, LBHNC, LBNHC, VLLM_BACKEND_REGISTRY
+from kvhal.layouts import BLHNC, LBHNC, LBNHC
 from kvhal_npu.layouts import ASCEND_BACKEND_NAMES, ASCEND_LAYOUTS, npu_kv_layouts
 from kvhal_npu.plugin import NPUPlugin
 
@@ -38,7 +38,7 @@ def test_a_declaration_by_vllm_ascend_wins(engine_backends, monkeypatch):
     with engine_backends.registered("CUSTOM", "CUSTOM", ("LBHNC", "BLHNC")):
         assert NPUPlugin().kvhal_kv_layouts("CUSTOM") == (LBHNC, BLHNC)
         assert NPUPlugin().kvhal_kv_layouts("custom") == (LBHNC, BLHNC)
-        monkeypatch.delitem(sys.modules, VLLM_BACKEND_REGISTRY)  # outside an engine: the table
+        monkeypatch.delitem(sys.modules, engine_backends.REGISTRY_MODULE)  # outside an engine: the table
         assert NPUPlugin().kvhal_kv_layouts("CUSTOM") == (LBNHC,)
 
 

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from kvhal.layouts import BLNHC, LBHNC, LHBNC, VLLM_BACKEND_REGISTRY, layout_by_name
+from kvhal.layouts import BLNHC, LBHNC, LHBNC, layout_by_name
 from kvhal_cuda.layouts import ANY_LAYOUT
 from kvhal_rocm.layouts import (
     ROCM_AITER_FA,
@@ -99,7 +99,7 @@ def test_the_default_puts_lbhnc_first_which_every_rocm_attention_backend_accepts
 
 
 def test_outside_an_engine_the_hook_reads_the_environment(monkeypatch):
-    monkeypatch.delitem(sys.modules, VLLM_BACKEND_REGISTRY)
+    monkeypatch.delitem(sys.modules, engine_backends.REGISTRY_MODULE)
     monkeypatch.setenv("VLLM_ROCM_SHUFFLE_KV_CACHE_LAYOUT", "true")
     assert ROCmPlugin().kvhal_kv_layouts("FLASH_ATTN") == ROCM_AITER_FA_SHUFFLED
     assert ROCmPlugin().kvhal_kv_layouts("ROCM_AITER_UNIFIED_ATTN") == (LBHNC,)

@@ -14,6 +14,22 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
+#: Bytes of the keys the benches index: a vLLM 0.32 OffloadKey (32-byte hash + 4-byte group).
+KEY_BYTES = 36
+
+
+def parse_size(text: str) -> int:
+    """``"64K"``, ``"4M"``, ``"1G"`` (binary units) or plain bytes."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    text = text.strip().upper().removesuffix("IB").removesuffix("B")
+    if text and text[-1] in units:
+        return int(float(text[:-1]) * units[text[-1]])
+    return int(text)
+
+
+def size_name(nbytes: int) -> str:
+    return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 and nbytes % (1 << 20) == 0 else f"{nbytes >> 10} KiB"
+
 
 def machine_info() -> dict:
     """Enough about the machine to tell two runs apart."""

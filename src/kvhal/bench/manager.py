@@ -33,7 +33,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 from rich.console import Console
@@ -41,14 +41,14 @@ from rich.progress import Progress
 from rich.table import Table
 
 from kvhal.bench.common import result_header, write_outputs
-from kvhal.keyindex import NATIVE
-from kvhal.manager import OffloadingManager
+from kvhal.bench.drivers import Driver, KvhalDriver, Request, TierIndexDriver
+from kvhal.bench.tier_index import measure_recover
+from kvhal.offload.keyindex import NATIVE
 from kvhal.registry import PluginRegistry
 
 #: Targets from the issue, checked on every run.
 TARGET_SPEEDUP = 3.0
 TARGET_BYTES_PER_BLOCK = 128
-Request = list[list[bytes]]  # per KV cache group, block keys in prefix order
 
 
 @dataclass(frozen=True)
@@ -84,55 +84,6 @@ def make_trace(spec: TraceSpec) -> list[Request]:
             ]
         )
     return trace
-
-
-class Driver(Protocol):
-    name: str
-    policy: str
-
-    def start(self, request: Request) -> tuple[int, int, object]: ...
-    def finish(self, state: object) -> None: ...
-    def tracked(self) -> int: ...
-
-
-class KvhalDriver:
-    """kvhal's manager, driven request by request (the vLLM driver mirrors it)."""
-
-    name = "kvhal OffloadingManager"
-
-    def __init__(self, num_slots: int, policy: str, registry: PluginRegistry) -> None:
-        self.policy = policy
-        self.manager = OffloadingManager(num_slots, policy, registry=registry)
-
-    def start(self, request: Request) -> tuple[int, int, object]:
-        manager = self.manager
-        hits = stored = 0
-        work = []
-        for keys in request:
-            n = manager.lookup(keys)
-            loaded = keys[:n]
-            if n:
-                manager.prepare_load(loaded)
-            plan = manager.prepare_store(keys[n:])
-            to_store = plan.keys if plan is not None else []
-            work.append((loaded, to_store))
-            hits += n
-            stored += len(to_store)
-        return hits, stored, (request, work)
-
-    def finish(self, state: object) -> None:
-        request, work = state  # type: ignore[misc]
-        manager = self.manager
-        for loaded, to_store in work:
-            if loaded:
-                manager.complete_load(loaded)
-            if to_store:
-                manager.complete_store(to_store)
-        # Group-major, each group in prefix order: what vLLM's request end touches.
-        manager.touch(request[0] if len(request) == 1 else [k for keys in request for k in keys])
-
-    def tracked(self) -> int:
-        return len(self.manager)
 
 
 @dataclass
@@ -384,8 +335,6 @@ def run(args: argparse.Namespace) -> int:
         f"kvhal {policy}": (lambda p=policy: KvhalDriver(args.slots, p, registry)) for policy in args.policies
     }
     if args.tier_index:
-        from kvhal.bench.tier_index import TierIndexDriver
-
         for policy in args.tier_index:
             makers[f"tier-index {policy}"] = lambda p=policy: TierIndexDriver(args.slots, p, registry)
     why_no_vllm = "--no-vllm"
@@ -410,8 +359,6 @@ def run(args: argparse.Namespace) -> int:
         "targets": targets,
     }
     if args.recover_blocks:
-        from kvhal.bench.tier_index import measure_recover
-
         with console.status(f"TierIndex.recover of {args.recover_blocks} blocks"):
             result["recover"] = measure_recover(args.recover_blocks)
         console.print(

@@ -1,9 +1,8 @@
-"""The tier index (:class:`~kvhal.tier_index.TierIndex`) in ``kvhal bench manager``, and its recovery speed.
+"""The recovery speed of the tier index (:class:`~kvhal.tiers.index.TierIndex`).
 
-``kvhal bench manager --tier-index clock`` replays the manager's trace through
-a tier index as well (its rows are ``tier-index POLICY``: the same calls, bytes
-per tracked block measured the same way); ``--recover-blocks N`` times a warm
-restart, :func:`measure_recover`, which ``kvhal bench disk`` can call too.
+``kvhal bench manager --recover-blocks N`` and ``kvhal bench disk`` time a warm
+restart with :func:`measure_recover`. (``--tier-index clock`` replays the
+manager's trace through a tier index: :class:`kvhal.bench.drivers.TierIndexDriver`.)
 """
 
 from __future__ import annotations
@@ -14,19 +13,8 @@ import time
 
 import numpy as np
 
-from kvhal.bench.manager import KvhalDriver
 from kvhal.registry import PluginRegistry
-from kvhal.tier_index import TierIndex
-
-
-class TierIndexDriver(KvhalDriver):
-    """The manager's driver over a :class:`TierIndex` (the same API, the same calls)."""
-
-    name = "kvhal TierIndex"
-
-    def __init__(self, num_slots: int, policy: str, registry: PluginRegistry) -> None:
-        self.policy = policy
-        self.manager = TierIndex(num_slots, policy, registry=registry)  # type: ignore[assignment]
+from kvhal.tiers.index import TierIndex
 
 
 def measure_recover(num_blocks: int, policy: str = "clock", key_bytes: int = 36, repeats: int = 3) -> dict:

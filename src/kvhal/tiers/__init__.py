@@ -1,60 +1,31 @@
-"""Tiers below the host tier: backends offered by name through ``kvhal_tier_backends``.
+"""The tier layer: everything below the host tier, as one chain.
 
-The built-in ``disk`` backend (:mod:`kvhal.tiers.disk`) is offered by
-:class:`BuiltinTiers`, which :class:`~kvhal.registry.PluginRegistry`
-registers; any plugin can add more. :func:`open_tier` opens one by name.
+A block's way down, once the offloading core (:mod:`kvhal.offload`) has
+stored it in a host slot:
+
+1. :mod:`kvhal.tiers.chain` plans the cascade: with each host store
+   (write-through) or at each host eviction (write-back), a write to the tier
+   below; :mod:`kvhal.tiers.index` keeps that tier's key -> slot index and
+   picks its victims.
+2. :mod:`kvhal.tiers.io` moves the bytes, on the worker, from the host slot to
+   a :mod:`kvhal.tiers.backend` (the tier contract): the built-in
+   :mod:`kvhal.tiers.disk`, or a plugin's.
+3. :mod:`kvhal.tiers.remote` writes the block to a store the fleet shares:
+   :mod:`kvhal.tiers.remote.tier` names and frames the value
+   (:mod:`kvhal.tiers.remote.format`) and hands it to a
+   :mod:`kvhal.tiers.remote.store` (the store contract):
+   :mod:`kvhal.tiers.stores.redis`, :mod:`kvhal.tiers.stores.mooncake`, or a plugin's.
+
+And its way up, when a request's prefix is not in host memory:
+
+1. Lookup: :class:`~kvhal.tiers.chain.TierChain` finds the host tier's prefix,
+   then how far the index of the tier below continues it; the remote tier is
+   asked (``exist``) for what follows.
+2. Promotion: a hit found below takes fresh host slots
+   (:meth:`~kvhal.tiers.chain.TierChain.prepare_load`).
+3. Fetch: the worker reads the blocks into those slots (:mod:`kvhal.tiers.io`,
+   or the remote tier's ``get``), and loads them into the device as any host hit.
+
+:mod:`kvhal.tiers.media` opens a tier backend by name and a store by URL
+scheme, through the ``kvhal_tier_backends`` and ``kvhal_remote_stores`` hooks.
 """
-
-from __future__ import annotations
-
-from collections.abc import Mapping
-from typing import TYPE_CHECKING
-
-from kvhal.hookspecs import hookimpl
-from kvhal.tier_backend import TierBackend, TierFactory, TierSpec
-
-if TYPE_CHECKING:
-    from kvhal.registry import PluginRegistry
-
-__all__ = ["DEFAULT_TIER", "HOOK", "BuiltinTiers", "available_tiers", "open_tier"]
-
-HOOK = "kvhal_tier_backends"
-DEFAULT_TIER = "disk"
-
-
-def _open_disk(spec: TierSpec) -> TierBackend:
-    from kvhal.tiers.disk import DiskTier  # imported when used: its I/O machinery is not free
-
-    return DiskTier(spec)
-
-
-class BuiltinTiers:
-    """The built-in plugin offering ``disk`` through the tier-backend hook."""
-
-    @hookimpl
-    def kvhal_tier_backends(self) -> Mapping[str, TierFactory]:
-        return {"disk": _open_disk}
-
-
-def available_tiers(registry: PluginRegistry) -> dict[str, TierFactory]:
-    """Every tier backend the registry's plugins offer, by name.
-
-    :raises MalformedResultError: a plugin answered with something other than
-        a mapping of names to factories.
-    :raises PluginError: two plugins offer the same name.
-    """
-    return {name: offer.factory for name, offer in registry.named_factories(HOOK, "tier backend").items()}
-
-
-def open_tier(name: str, spec: TierSpec, registry: PluginRegistry) -> TierBackend:
-    """Open the tier backend offered as ``name`` for ``spec``.
-
-    :raises ValidationError: no plugin offers ``name`` (the message lists those
-        known), or the backend refused an option (naming it).
-    :raises MalformedResultError: its factory returned something else than a
-        :class:`~kvhal.tier_backend.TierBackend` (names the plugin).
-    :raises PluginError: the hook or the factory raised (names the plugin).
-    """
-    return registry.create_named(
-        HOOK, name, (spec,), expected=TierBackend, what="tier backend", argument="tier", label="tier backend"
-    )

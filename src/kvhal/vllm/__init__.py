@@ -4,6 +4,11 @@
 loads :class:`~kvhal.vllm.connector.KVHALConnector`.
 """
 
+from kvhal.layouts import answer_layouts_from
+from kvhal.vllm.backends import declared_layouts
 from kvhal.vllm.connector import KVHALConnector
+
+# Device plugins ask kvhal.layouts for the engine's layouts; inside vLLM, vLLM's own classes answer.
+answer_layouts_from(declared_layouts)
 
 __all__ = ["KVHALConnector"]

@@ -4,8 +4,10 @@ Each vLLM attention backend says which KV cache layouts its kernels read,
 most preferred first, through the classmethod ``supported_kv_cache_layouts()``
 (``None``: any layout). Device plugins ask through
 :func:`kvhal.layouts.layouts_from_engine`, which calls :func:`declared_layouts`
-only inside a vLLM engine (vLLM's backend registry already imported), and
-falls back to the plugins' own tables whenever this module has no answer.
+once :mod:`kvhal.vllm` is imported (it hands it over with
+:func:`~kvhal.layouts.answer_layouts_from`); it answers only inside a vLLM
+engine (vLLM's backend registry already imported), and the plugins fall back to
+their own tables whenever this module has no answer.
 
 Only classes already imported are consulted; this module never imports a
 backend's module. vLLM imports the backends it runs, and importing one it does
@@ -19,8 +21,10 @@ import importlib
 import sys
 from collections.abc import Iterator
 
-from kvhal.layouts import VLLM_BACKEND_REGISTRY, KVLayout
+from kvhal.layouts import KVLayout
 
+#: Imported by vLLM when it selects attention backends: the sign kvhal runs in an engine.
+VLLM_BACKEND_REGISTRY = "vllm.v1.attention.backends.registry"
 _BASE = "vllm.v1.attention.backend"
 
 
@@ -98,9 +102,12 @@ def declared_layouts(attention_backend: str) -> tuple[KVLayout, ...] | None:
     :param attention_backend: an enum name or a ``get_name()`` value (see :func:`backend_classes`).
     :return: the declared layouts, or ``None`` when the backend declares that it
         reads any layout.
-    :raises LookupError: no imported class has that name, or several disagree.
+    :raises LookupError: not inside a vLLM engine, no imported class has that name, or
+        several disagree.
     :raises Exception: whatever the backend's ``supported_kv_cache_layouts()`` raised.
     """
+    if VLLM_BACKEND_REGISTRY not in sys.modules:
+        raise LookupError("not inside a vLLM engine (its attention backend registry is not imported)")
     classes = backend_classes(attention_backend)
     if not classes:
         raise LookupError(f"no imported vLLM attention backend is named {attention_backend!r}")

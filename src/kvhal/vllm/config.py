@@ -17,7 +17,7 @@ from vllm.config import VllmConfig
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
 from kvhal.errors import ValidationError
-from kvhal.tier_backend import TierSpec
+from kvhal.tiers.backend import TierSpec
 
 #: The keys a user may put in ``kv_connector_extra_config``.
 KNOWN_KEYS = {

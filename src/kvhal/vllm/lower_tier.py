@@ -8,8 +8,8 @@ from vllm.logger import init_logger
 
 from kvhal.errors import ValidationError
 from kvhal.registry import PluginRegistry
-from kvhal.tier_backend import TierBackend
-from kvhal.tiers import open_tier
+from kvhal.tiers.backend import TierBackend
+from kvhal.tiers.media import open_tier
 from kvhal.vllm.config import HASH_SEED_VARIABLE, ConnectorConfig
 
 logger = init_logger("vllm." + __name__)  # under "vllm": its handlers and level

@@ -8,8 +8,8 @@ from vllm.logger import init_logger
 
 from kvhal import env
 from kvhal.errors import ValidationError
-from kvhal.host_tier import HostTier
-from kvhal.remote_tier import RemoteTier, redact
+from kvhal.offload.host_tier import HostTier
+from kvhal.tiers.remote.tier import RemoteTier, redact
 from kvhal.vllm.config import HASH_SEED_VARIABLE, ConnectorConfig
 from kvhal.vllm.stats import KVHALStats
 

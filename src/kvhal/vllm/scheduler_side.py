@@ -1,6 +1,6 @@
 """The scheduler-side half of KVHALConnector: what the host tier holds, what to load and store.
 
-It owns the :class:`~kvhal.manager.OffloadingManager` and never touches KV
+It owns the :class:`~kvhal.offload.manager.OffloadingManager` and never touches KV
 bytes. Per step: lookups (``get_num_new_matched_tokens``) find the longest
 prefix of a request's blocks that every offloaded KV cache group holds;
 hits are loaded asynchronously (vLLM parks the request until the worker
@@ -18,7 +18,7 @@ or a block was allocated again, as sliding-window blocks are while their
 request runs) for the workers to fence. No other store delays a step.
 
 With a tier below host memory (``disk_path``, or a plugin's backend), a
-:class:`~kvhal.chain.TierChain` holds both tiers' indexes: a hit found only
+:class:`~kvhal.tiers.chain.TierChain` holds both tiers' indexes: a hit found only
 below is promoted into host slots by the load job itself (the request stays
 parked meanwhile, so no scheduler step waits), and stores cascade into the
 lower tier as write jobs the workers run off the engine's thread.
@@ -46,12 +46,12 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
 
-from kvhal.chain import LoadPlan, TierChain, WritePlan
 from kvhal.errors import ValidationError
-from kvhal.manager import BlockState, OffloadingManager
-from kvhal.remote_tier import RemoteTier
-from kvhal.tier_backend import TierBackend
-from kvhal.tier_index import TierIndex
+from kvhal.offload.manager import BlockState, OffloadingManager
+from kvhal.tiers.backend import TierBackend
+from kvhal.tiers.chain import LoadPlan, TierChain, WritePlan
+from kvhal.tiers.index import TierIndex
+from kvhal.tiers.remote.tier import RemoteTier
 from kvhal.vllm.config import ConnectorConfig
 from kvhal.vllm.keys import offload_key, split_offload_key
 from kvhal.vllm.lower_tier import open_lower_tier

@@ -16,7 +16,7 @@ rewritten), and a finished request the scheduler held is reported in
 ``finished_sending`` once this worker's stores of it finished.
 
 With a tier below host memory, this worker reads and writes its own share of
-each block there (:class:`~kvhal.tier_io.TierIO`, on the backend's threads): a
+each block there (:class:`~kvhal.tiers.io.TierIO`, on the backend's threads): a
 load that promotes blocks first reads them into host slots, polled like any
 copy, then loads them as host hits; a failed read fails the load (vLLM
 recomputes). Write jobs are submitted before the step's other copies.
@@ -43,13 +43,13 @@ from vllm.logger import init_logger
 from kvhal.cache import KVCache
 from kvhal.device import Device
 from kvhal.errors import ValidationError
-from kvhal.host_tier import HostTier
 from kvhal.layouts import layout_by_name
+from kvhal.offload.host_tier import HostTier
+from kvhal.offload.transfer import TransferEngine, TransferResult
 from kvhal.registry import select_device
-from kvhal.remote_tier import RemoteTier
-from kvhal.tier_backend import OK, TierBackend
-from kvhal.tier_io import TierIO
-from kvhal.transfer import TransferEngine, TransferResult
+from kvhal.tiers.backend import OK, TierBackend
+from kvhal.tiers.io import TierIO
+from kvhal.tiers.remote.tier import RemoteTier
 from kvhal.vllm.config import ConnectorConfig
 from kvhal.vllm.lower_tier import open_lower_tier
 from kvhal.vllm.metadata import (

@@ -108,7 +108,7 @@ def _faulty_disk(spec):
     import errno
 
     from kvhal.tiers.disk import DiskTier
-    from kvhal.tiers.disk_io import aligned_buffer
+    from kvhal.tiers.disk.io import aligned_buffer
 
     modes = {m.strip() for m in os.environ.get("KVHAL_TEST_FAULTS", "").split(",")}
     torn_after = int(os.environ.get("KVHAL_TEST_TORN_AFTER", "0"))

@@ -13,229 +13,26 @@ wait, for one small block, one block of an odd size, and a batch of many MiB.
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
 import torch
 
-from kvhal.cache import KVCache
-from kvhal.copyplan import CopyPlan
 from kvhal.descriptor import Capability
 from kvhal.device import Device
 from kvhal.errors import TransferError
 from kvhal_conformance.base.fixtures import ContractFixtures, final
 from kvhal_conformance.clauses import DIRECTIONS, SIZES, covers, expect, violated
-from kvhal_conformance.copycase import CONTROL_BUSY_S, CopyCase, judge_query, synchronize_and_check
+from kvhal_conformance.copycase import judge_query, synchronize_and_check
 from kvhal_conformance.settings import Sizes
+from kvhal_conformance.streamcase import TRIALS, NewStream, Rig, early_record_clause, failing_plan
 from kvhal_conformance.streamrig import Chain, free_chain, make_chain
 from kvhal_conformance.target import Target
 from kvhal_conformance.timing import Busy, poll, wait
 
-#: A call that must not block is blocking when, in this many trials out of this many, the
-#: copy it concerns had written everything by the time it returned (one stalled test thread
-#: is not a violation).
-TRIALS = 3
 #: How long an event recorded on an idle stream may take to report complete.
 IDLE_LIMIT_S = 5.0
-
-NewStream = Callable[[], Any]
-
-
-def early_record_clause(device: Device, busy: Busy) -> str:
-    """An event recorded after a copy completed before it: whose fault? A control event is
-    recorded on a stream behind two waits: one for busy work running now, and one, still
-    queued behind it, for busy work that follows. If the control completes while the
-    second busy work is incomplete, the records are wrong (``record.after_work``: say, they
-    follow only the work running when recorded, not work still queued); else the copy was
-    not on the stream it was given (``copy.on_stream``)."""
-    first, _ = busy.occupy(device.create_stream(), CONTROL_BUSY_S)
-    follows = device.create_stream()
-    device.stream_wait_event(follows, first)
-    second, _ = busy.occupy(follows, 5 * CONTROL_BUSY_S)  # a wide window to see the control in
-    stream = device.create_stream()
-    device.stream_wait_event(stream, first)
-    device.stream_wait_event(stream, second)
-    control = device.create_event()
-    device.record_event(control, stream)
-    early = False
-
-    def watch() -> None:
-        nonlocal early  # the control first, the work second: it was incomplete when seen
-        early = early or (device.query_event(control) and not device.query_event(second))
-
-    poll(device, second, "busy work", while_pending=watch)
-    return "record.after_work" if early else "copy.on_stream"
-
-
-@dataclasses.dataclass
-class Rig:
-    """What the checks of streams and events work with: the device, busy work, the sizes, the
-    stream factory, and the copies they make (:meth:`case`; freed by :meth:`free`)."""
-
-    device: Device
-    busy: Busy
-    sizes: Sizes
-    new_stream: NewStream
-    seed: int
-    rng: np.random.Generator
-    made: list[CopyCase] = dataclasses.field(default_factory=list)
-
-    def case(self, direction: str, size: str) -> CopyCase:
-        """A copy of ``direction`` and ``size`` in the busy copies' layout."""
-        case = CopyCase.make(
-            self.device,
-            self.busy.src.layout,
-            direction,
-            size,
-            self.sizes,
-            self.seed + len(self.made),
-            self.rng,
-        )
-        self.made.append(case)
-        return case
-
-    def free(self) -> None:
-        for case in self.made:
-            case.free()
-
-    def queue_large_copy(self, stream: Any, direction: str) -> tuple[CopyCase, Any]:
-        """A large copy submitted to ``stream`` behind busy work: the case and the copy's event."""
-        case = self.case(direction, "large")
-        self.busy.occupy(stream, self.sizes.busy_seconds)
-        return case, case.submit(stream)
-
-    def ordered_copy(self, case: CopyCase, two_streams: bool) -> None:
-        """Submit ``case`` behind busy work (on its stream, or on a second stream made to wait for
-        the busy work's event) plus an event recorded after it; watch all three while the busy
-        work runs, then check the copy."""
-        device, busy = self.device, self.busy
-        a = self.new_stream()
-        earlier, busy_s = busy.occupy(a, self.sizes.busy_seconds)
-        if two_streams:
-            target = self.new_stream()
-            device.stream_wait_event(target, earlier)
-            order_clause, where = (
-                "wait.orders",
-                "on stream B, made to wait for the event of busy work on stream A",
-            )
-        else:
-            target, order_clause, where = a, "copy.ordering", "on a stream behind busy work"
-        copied = case.submit(target)
-        after = device.create_event()
-        device.record_event(after, target)
-        context = f"{case.what} {where}"
-
-        def while_earlier_pending() -> None:
-            # Each verdict reads first and asks about the earlier work second: the earlier work
-            # was still incomplete when the destination (or the event) was seen.
-            if case.dst_changed() and not device.query_event(earlier):
-                violated(
-                    order_clause,
-                    f"{context}: the copy wrote its destination while the work it must follow "
-                    f"({busy_s * 1e3:.0f} ms of copies) was still incomplete",
-                )
-            for event, name in ((copied, "its event"), (after, "an event recorded after it")):
-                if device.query_event(event) and not device.query_event(earlier):
-                    missing = case.missing()
-                    if len(missing):
-                        clause = "copy.event" if event is copied else early_record_clause(device, busy)
-                        judge_query(
-                            device,
-                            event,
-                            case,
-                            missing,
-                            clause,
-                            f"{context} ({name}, complete before the busy work)",
-                            busy,
-                        )
-
-        poll(device, earlier, "the busy work a copy must follow", while_pending=while_earlier_pending)
-        poll(device, copied, context)
-        missing = case.missing()
-        if len(missing):
-            judge_query(device, copied, case, missing, "copy.event", f"{context} (its event)", busy)
-        synchronize_and_check(device, copied, case, "copy.event", context)
-        wait(device, after, f"{context} (an event recorded after it)")
-
-    def blocks(self, call: Callable[[Any, Any], None]) -> tuple[int, int, float]:
-        """In :data:`TRIALS` trials, queue a large copy behind busy work, ``call(stream, event)``,
-        and see whether the copy had written all it was sampled for when kvhal_copy_blocks
-        returned, and when ``call`` returned: (trials in which it had by the first, trials in
-        which it had not by the first but had by the second, the busy work's length)."""
-        done_at_submit = done_by_call = 0
-        busy_s = 0.0
-        case = self.case("d2h", "large")
-        for trial in range(TRIALS):
-            if trial:
-                case.rewind()
-            stream = self.new_stream()
-            _, busy_s = self.busy.occupy(stream, self.sizes.busy_seconds)
-            copied = case.submit(stream)
-            before = len(case.missing())  # at once: the copy is still queued behind the busy work
-            call(stream, copied)
-            after = len(case.missing())
-            done_at_submit += not before
-            done_by_call += bool(before) and not after
-            synchronize_and_check(self.device, copied, case, "copy.event", case.what)
-        return done_at_submit, done_by_call, busy_s
-
-
-class InjectedCopyFailure(RuntimeError):
-    """What a plan handed to kvhal_copy_blocks by the failure check raises when read."""
-
-
-def _injected() -> InjectedCopyFailure:
-    return InjectedCopyFailure(
-        "this copy's memory cannot be located (a failure injected by the conformance suite)"
-    )
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class FailingCache(KVCache):
-    """A cache whose memory cannot be located: its views and buffers raise when read. Its
-    geometry, layout, device and block count read as usual."""
-
-    def __getattribute__(self, name: str) -> Any:
-        if name in ("layers", "storage"):
-            raise _injected()
-        if name == "device":
-            return object.__getattribute__(self, "_device")
-        return object.__getattribute__(self, name)
-
-
-def failing_cache(cache: KVCache) -> FailingCache:
-    failing = object.__new__(FailingCache)  # no __post_init__: it would read the views
-    for f in dataclasses.fields(KVCache):
-        object.__setattr__(failing, f.name, object.__getattribute__(cache, f.name))
-    object.__setattr__(failing, "_device", cache.device)
-    return failing
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class FailingPlan(CopyPlan):
-    """A plan whose bytes cannot be located, whatever a plugin builds its copy from: its runs,
-    segment families and descriptors raise when read, and so do its caches' views and buffers.
-    Any copy of it fails before a byte moves, wherever the plugin reads them (on the caller's
-    thread or later). Its other facts (caches' geometry, layout and device, pairs, sizes,
-    direction) read as usual."""
-
-    def __getattribute__(self, name: str) -> Any:
-        if name in ("descriptors", "runs", "families"):
-            raise _injected()
-        if name == "num_bytes":
-            return object.__getattribute__(self, "_num_bytes")
-        return object.__getattribute__(self, name)
-
-
-def failing_plan(plan: CopyPlan) -> FailingPlan:
-    fields = {f.name: object.__getattribute__(plan, f.name) for f in dataclasses.fields(CopyPlan)}
-    fields["src"], fields["dst"] = failing_cache(plan.src), failing_cache(plan.dst)
-    failing = FailingPlan(**fields)
-    object.__setattr__(failing, "_num_bytes", plan.num_bytes)
-    return failing
 
 
 class StreamsEventsContract(ContractFixtures):

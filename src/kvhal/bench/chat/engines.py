@@ -1,0 +1,360 @@
+"""``kvhal bench chat``'s engines: one process per engine (two sharing a store), each running the
+whole workload of one configuration."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import shutil
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from kvhal.bench.chat.workload import DTYPE, TOP_LOGPROBS
+from kvhal.bench.e2e import SHARING_ENV
+from kvhal.testing.scenario import run_scenario
+
+KV_CACHE_LINE = re.compile(r"KV cache size: ([\d,]+) tokens")
+
+
+#: Seconds an engine of the shared configuration pauses after its half-round (writes land).
+SETTLE = 1.0
+
+
+def engine_args(size: dict, device_tokens: int) -> dict[str, Any]:
+    return {
+        "max_model_len": size["max_model_len"],
+        "max_num_batched_tokens": max(2048, size["max_model_len"]),
+        "max_num_seqs": 8,
+        "kv_cache_memory_bytes": device_tokens * size["kv_bytes_per_token"],
+        "disable_log_stats": False,  # metrics, and vLLM's own first_token_latency
+        "dtype": DTYPE,
+    }
+
+
+def _kv_cache_tokens(log: str) -> int | None:
+    found = KV_CACHE_LINE.findall(log)
+    return int(found[-1].replace(",", "")) if found else None
+
+
+def _delta(after: dict, before: dict | None, name: str) -> float:
+    return (after or {}).get(name, 0) - (before or {}).get(name, 0)
+
+
+def round_tiers(requests: list[dict], after: dict | None, before: dict | None) -> dict[str, float]:
+    """Prompt tokens of one round (one engine's share) by where they came from."""
+    prompt = sum(q["prompt_tokens"] for q in requests)
+    cached = sum(q["num_cached_tokens"] for q in requests)
+    kvhal = sum(q["kvhal_loaded_tokens"] or 0 for q in requests)
+    disk = _delta(after, before, "vllm:kvhal_tier_hit_tokens")
+    remote = _delta(after, before, "vllm:kvhal_remote_hit_tokens")
+    return {
+        "prompt": prompt,
+        "vllm_prefix_cache": cached - kvhal,
+        "kvhal": kvhal,
+        "kvhal_hit_tokens": _delta(after, before, "vllm:kvhal_hit_tokens"),
+        "host": kvhal - disk - remote,
+        "disk": disk,
+        "remote": remote,
+        "computed": prompt - cached,
+        "failed_loads": _delta(after, before, "vllm:kvhal_failed_loads"),
+        "remote_dropped_blocks": _delta(after, before, "vllm:kvhal_remote_dropped_blocks"),
+        # the small device cache is sized for the requests in flight: a preemption is a sizing bug
+        "preemptions": _delta(after, before, "vllm:num_preemptions"),
+    }
+
+
+def _rounds_of(chat: dict, engine: str | None = None) -> list[dict]:
+    """A ``chat`` record's rounds, with each round's tier split and the engine named."""
+    rounds, before = [], chat.get("metrics_before")
+    for record in chat["rounds"]:
+        after = record.get("metrics")
+        for q in record["requests"]:
+            q["engine"] = engine
+        rounds.append(
+            {
+                "seconds": record["seconds"],
+                "requests": record["requests"],
+                "tiers": round_tiers(record["requests"], after, before),
+                "load_avg": record.get("load_avg"),
+                "steps": record.get("steps"),
+            }
+        )
+        before = after
+    return rounds
+
+
+def warm_up(work: dict, engine: int, args: argparse.Namespace) -> dict:
+    """A ``chat`` step of prompts no user has (not measured): kernels, allocations, logprobs."""
+    prompts = work["warm_up"][engine]
+    return {
+        "op": "chat",
+        "tag": f"warm-up-{engine}",
+        "histories": prompts,
+        "users": list(range(len(prompts))),
+        "turns": [[[] for _ in prompts]],
+        "max_tokens": args.max_tokens,
+        "inflight": args.inflight,
+        "logprobs": TOP_LOGPROBS,
+        "metrics": False,
+    }
+
+
+def _metric_prefixes() -> list[str]:
+    return ["vllm:kvhal_", "vllm:prompt_tokens", "vllm:external_prefix_cache"]
+
+
+def single_engine(
+    name: str,
+    model: str,
+    work: dict,
+    size: dict,
+    kvhal: dict | None,
+    device: int,
+    args: argparse.Namespace,
+    answers: list[list[list[int]]] | None,
+) -> dict:
+    """One engine serves the whole workload (``floor``, ``vllm``, ``host``, ``disk``)."""
+    users = list(range(len(work["contexts"])))
+    steps = [
+        warm_up(work, 0, args),
+        {
+            "op": "chat",
+            "tag": name,
+            "histories": work["contexts"],
+            "users": users,
+            "turns": work["turns"],
+            "answers": answers,
+            "max_tokens": args.max_tokens,
+            "inflight": args.inflight,
+            "logprobs": TOP_LOGPROBS,
+            "trace": args.trace,
+        },
+        {"op": "metrics", "prefixes": _metric_prefixes()},
+    ]
+    result = run_scenario(
+        {
+            "model": model,
+            "kvhal": kvhal,
+            "steps": steps,
+            "engine": engine_args(size, device),
+            "env": SHARING_ENV,
+        },
+        timeout=3600,
+    )
+    chat = result["steps"][1]
+    rounds = _rounds_of(chat)
+    return {
+        "rounds": rounds,
+        "engine_start_s": [result["engine_start_seconds"]],
+        "kv_cache_tokens": [_kv_cache_tokens(result["stderr"])],
+        "metrics": result["steps"][2]["metrics"],
+        "kvhal_device": result.get("kvhal_device"),
+    }
+
+
+@contextlib.contextmanager
+def remote_store(kind: str) -> Iterator[str]:
+    """A fresh store on loopback: its URL."""
+    if kind == "mooncake":
+        from kvhal.testing.mooncake_servers import MooncakeCluster
+
+        with MooncakeCluster(segment="4GB") as cluster:
+            yield cluster.url
+    else:
+        from kvhal.testing.redis_servers import RedisServer
+
+        with RedisServer() as server:
+            yield server.url
+
+
+class EngineProcess:
+    """An engine running the runner's ``chat_jobs`` op in a thread: hand it jobs, get results."""
+
+    def __init__(self, spec: dict, folder: Path) -> None:
+        self.folder = folder
+        folder.mkdir(parents=True)
+        self.jobs = 0
+        self.result: dict | None = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(spec,), daemon=True)
+        self.thread.start()
+
+    def _run(self, spec: dict) -> None:
+        try:
+            self.result = run_scenario(spec, timeout=3600)
+        except BaseException as error:  # reported by stop() and _wait_for()
+            self.error = error
+
+    def _wait_for(self, path: Path, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not path.exists():
+            if not self.thread.is_alive():
+                raise RuntimeError(f"the engine exited before {path.name}") from self.error
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no {path} after {timeout} s")
+            time.sleep(0.01)
+
+    def ready(self, timeout: float = 900) -> None:
+        self._wait_for(self.folder / "ready", timeout)
+
+    def _hand(self, job: dict) -> int:
+        """Write job file K whole (the engine reads it as soon as it exists); K."""
+        number = self.jobs
+        self.jobs += 1  # handed out, whether or not its result ever comes
+        tmp = self.folder / f".job-{number}.tmp"
+        tmp.write_text(json.dumps(job))
+        tmp.rename(self.folder / f"job-{number}.json")
+        return number
+
+    def submit(self, job: dict, timeout: float = 1800) -> dict:
+        done = self.folder / f"result-{self._hand(job)}.json"
+        self._wait_for(done, timeout)
+        return json.loads(done.read_text())
+
+    def stop(self, timeout: float = 300) -> dict:
+        if self.thread.is_alive():
+            with contextlib.suppress(OSError):
+                self._hand({"stop": True})
+            self.thread.join(timeout)
+            if self.thread.is_alive():
+                raise TimeoutError(f"the engine of {self.folder.name} did not stop within {timeout} s")
+        if self.error is not None:
+            raise self.error
+        assert self.result is not None
+        return self.result
+
+
+def shared_engines(
+    model: str,
+    work: dict,
+    size: dict,
+    url: str,
+    folder: Path,
+    args: argparse.Namespace,
+    advance: Callable[[str], None],
+    answers: list[list[list[int]]] | None,
+) -> dict:
+    """Two live engines on one remote tier; user ``u`` in round ``r`` on engine ``(u + r) % 2``."""
+    kvhal = {"cpu_bytes_to_use": size["host_tokens"] * size["kv_bytes_per_token"], "remote_url": url}
+    engines = []
+    for e in range(2):
+        spec = {
+            "model": model,
+            "kvhal": kvhal,
+            "steps": [
+                warm_up(work, e, args),
+                {"op": "chat_jobs", "folder": str(folder / f"engine-{e}")},
+                {"op": "metrics", "prefixes": _metric_prefixes()},
+            ],
+            "engine": engine_args(size, size["small_device_tokens"]),
+            "env": SHARING_ENV,
+        }
+        engines.append(EngineProcess(spec, folder / f"engine-{e}"))
+    try:
+        for engine in engines:
+            engine.ready()
+        histories = [list(c) for c in work["contexts"]]
+        rounds = []
+        for r, turns in enumerate(work["turns"]):
+            merged: dict[str, Any] = {"seconds": 0.0, "requests": [], "tiers": {}}
+            merged.update({"load_avg": [], "steps": []})
+            for e, engine in enumerate(engines):
+                users = [u for u in range(len(histories)) if (u + r) % 2 == e]
+                if not users:
+                    continue
+                chat = {
+                    "op": "chat",
+                    "tag": f"shared-{'AB'[e]}",
+                    "histories": [histories[u] for u in users],
+                    "users": users,
+                    "turns": [[turns[u] for u in users]],
+                    "answers": [[answers[r][u] for u in users]] if answers else None,
+                    "max_tokens": args.max_tokens,
+                    "inflight": args.inflight,
+                    "logprobs": TOP_LOGPROBS,
+                    "trace": args.trace,
+                }
+                job = {"chat": chat, "drain_prompt": work["drain"], "drain_tokens": 4, "settle": SETTLE}
+                out = engine.submit(job)
+                for u, history in zip(users, out["histories"], strict=True):
+                    histories[u] = history
+                (half,) = _rounds_of(out, engine="AB"[e])
+                merged["seconds"] += half["seconds"]
+                merged["requests"] += half["requests"]
+                for key, value in half["tiers"].items():
+                    merged["tiers"][key] = merged["tiers"].get(key, 0) + value
+                merged["load_avg"].append(half["load_avg"])
+                merged["steps"].append(half["steps"])
+                advance(f"round {r + 1}, engine {'AB'[e]}")
+            merged["requests"].sort(key=lambda q: q["user"])
+            rounds.append(merged)
+    finally:
+        results, failures = [], []
+        for engine in engines:
+            try:
+                results.append(engine.stop())
+            except BaseException as error:  # the first failure is raised below
+                results.append(None)
+                failures.append(error)
+    if failures:
+        raise RuntimeError("an engine of the shared configuration failed") from failures[0]
+    return {
+        "rounds": rounds,
+        "engine_start_s": [r["engine_start_seconds"] for r in results],
+        "kv_cache_tokens": [_kv_cache_tokens(r["stderr"]) for r in results],
+        "metrics": [r["steps"][-1]["metrics"] for r in results],
+        "kvhal_device": results[0].get("kvhal_device"),
+    }
+
+
+def run_config(
+    name: str,
+    model: str,
+    work: dict,
+    size: dict,
+    scratch: Path,
+    repeat: int,
+    args: argparse.Namespace,
+    advance: Callable[[str], None],
+    answers: list[list[list[int]]] | None = None,
+) -> dict:
+    per_token = size["kv_bytes_per_token"]
+    load_before = os.getloadavg()
+    start = time.perf_counter()
+    if name == "shared":
+        with remote_store(args.store) as url:
+            run = shared_engines(model, work, size, url, scratch / f"shared-{repeat}", args, advance, answers)
+        run["store"] = args.store
+    else:
+        device = size["big_device_tokens"] if name == "floor" else size["small_device_tokens"]
+        kvhal: dict | None = None
+        if name == "host":
+            kvhal = {"cpu_bytes_to_use": size["host_tokens"] * per_token}
+        elif name == "disk":
+            kvhal = {
+                "cpu_bytes_to_use": size["small_host_tokens"] * per_token,
+                "disk_path": str(scratch / f"disk-{repeat}"),
+                "disk_bytes_to_use": size["disk_tokens"] * per_token,
+            }
+        try:
+            run = single_engine(name, model, work, size, kvhal, device, args, answers)
+        finally:
+            shutil.rmtree(scratch / f"disk-{repeat}", ignore_errors=True)
+        advance(f"{name}: done")
+    run.update(
+        {
+            "config": name,
+            "repeat": repeat,
+            "scripted": answers is not None,
+            "wall_s": time.perf_counter() - start,
+            "load_before": load_before,
+            "load_after": os.getloadavg(),
+        }
+    )
+    return run

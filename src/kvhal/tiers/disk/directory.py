@@ -1,0 +1,266 @@
+"""Where the disk tier keeps its blocks: its options, and its directory opened safely.
+
+Options (``TierSpec.options``):
+
+- ``path`` (str, required): a directory; created (mode 0700) if missing. An
+  existing one must be a real directory (not a symbolic link) that other users
+  cannot write (not world-writable).
+- ``bytes_to_use`` (int, required): disk space for the whole engine; each
+  tensor-parallel rank gets ``bytes_to_use // world_size``, as many whole slots
+  as fit (a slot takes its size rounded up to 4 KiB plus a 64-byte record).
+  Preallocated when the tier opens, so a full disk is an error at start-up
+  naming the free bytes, never a failure mid-run.
+- ``io_threads`` (int, default 8): requests in flight per worker.
+- ``direct`` (``"auto"`` default, ``True``, ``False``): read and write the data
+  files with ``O_DIRECT``, bypassing the page cache (so a read really comes from
+  the disk, and stored blocks do not push the engine's memory out of the page
+  cache). ``"auto"`` uses it where the file system accepts an aligned O_DIRECT
+  read (ext4, xfs; tmpfs since Linux 6.6); ``True`` makes a file system without
+  it an error. Buffers that are not 4 KiB-aligned go through per-thread bounce
+  buffers.
+
+What it writes, under ``<path>/kvhal-tier-v1/`` (directories 0700, files 0600,
+all opened relative to directory descriptors with ``O_NOFOLLOW``; keys never
+become file names):
+
+- ``LOCK``: held with ``flock`` by the engine's scheduler (``role="index"``)
+  while open, holding its pid; a second engine on the same path is refused.
+  Workers (``role="io"``) do not lock: they belong to the engine holding it.
+- ``rank{r}of{n}/meta.json``: the slot geometry (checked on every open: a
+  directory made for another slot size or ``bytes_to_use`` is refused, never
+  reinitialised, so nothing stored is lost to a configuration mistake) and, for
+  people, the fingerprint of the KV it holds.
+- ``rank{r}of{n}/data-{i}.bin``: the payloads, file-major (see
+  :class:`~kvhal.tiers.disk.format.Geometry`): ascending slots are contiguous,
+  so a run of them moves in one request.
+- ``rank{r}of{n}/index.bin``: one 64-byte record per slot (key, fingerprint
+  digest, payload crc32c, its own crc32c; :mod:`kvhal.tiers.disk.format`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import stat
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvhal.errors import TierError, ValidationError, check_int
+from kvhal.tiers.disk.format import RECORD_BYTES, TREE
+
+__all__ = [
+    "DiskOptions",
+    "open_dir",
+    "open_file",
+    "open_root",
+    "preallocate",
+    "read_meta",
+    "take_lock",
+    "write_meta",
+]
+
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+FILE_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC
+_OPTIONS = ("path", "bytes_to_use", "io_threads", "direct")
+
+
+@dataclass(frozen=True)
+class DiskOptions:
+    """The ``disk`` tier's options, validated (the module docstring describes them)."""
+
+    path: str
+    bytes_to_use: int
+    io_threads: int = 8
+    direct: bool | str = "auto"
+
+    @classmethod
+    def parse(cls, options: Mapping[str, Any]) -> DiskOptions:
+        """Validate ``options``; a :class:`ValidationError` names the offending option."""
+        for name in options:
+            if name not in _OPTIONS:
+                raise ValidationError(
+                    name, f"unknown disk tier option; the options are {', '.join(_OPTIONS)}"
+                )
+        for name in ("path", "bytes_to_use"):
+            if name not in options:
+                raise ValidationError(name, "the disk tier needs it")
+        path = options["path"]
+        if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+            raise ValidationError("path", f"must be a directory path, got {path!r}")
+        direct = options.get("direct", "auto")
+        if not (isinstance(direct, bool) or direct == "auto"):
+            raise ValidationError("direct", f'must be "auto", true or false, got {direct!r}')
+        return cls(
+            path=os.path.abspath(os.fspath(path)),
+            bytes_to_use=check_int("bytes_to_use", options["bytes_to_use"]),
+            io_threads=check_int("io_threads", options.get("io_threads", 8)),
+            direct=direct,
+        )
+
+
+def open_root(path: str) -> int:
+    """Open ``path`` (creating it, 0700): a real directory that other users cannot write."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        try:
+            os.makedirs(path, mode=0o700, exist_ok=True)
+            st = os.lstat(path)
+        except OSError as exc:
+            raise TierError("disk", path, f"cannot create the directory: {exc.strerror}") from exc
+    if stat.S_ISLNK(st.st_mode):
+        raise TierError(
+            "disk",
+            path,
+            "is a symbolic link; give the real directory (a link could redirect kvhal's files)",
+        )
+    if not stat.S_ISDIR(st.st_mode):
+        raise TierError("disk", path, "exists and is not a directory")
+    if st.st_mode & stat.S_IWOTH:
+        raise TierError(
+            "disk",
+            path,
+            f"is world-writable (mode {stat.S_IMODE(st.st_mode):o}): any user could replace "
+            "kvhal's files; use a directory others cannot write",
+        )
+    fd = os.open(path, DIR_FLAGS)
+    opened = os.fstat(fd)
+    if (opened.st_dev, opened.st_ino) != (st.st_dev, st.st_ino):
+        os.close(fd)
+        raise TierError("disk", path, "was replaced while being opened")
+    return fd
+
+
+def open_dir(parent: int, name: str, where: str) -> int:
+    """Open (creating, 0700) kvhal's own directory ``name`` in ``parent``; never through a link."""
+    path = os.path.join(where, name)
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(name, 0o700, dir_fd=parent)
+    try:
+        fd = os.open(name, DIR_FLAGS, dir_fd=parent)
+    except OSError as exc:
+        why = "is a symbolic link" if exc.errno in (errno.ELOOP, errno.ENOTDIR) else exc.strerror
+        raise TierError("disk", path, f"cannot be used: {why}") from exc
+    st = os.fstat(fd)
+    if st.st_uid != os.geteuid():
+        os.close(fd)
+        raise TierError("disk", path, f"belongs to another user (uid {st.st_uid})")
+    if st.st_mode & 0o077:  # kvhal's own directory: keep it private whatever happened to it
+        os.fchmod(fd, 0o700)
+    return fd
+
+
+def open_file(dir_fd: int, name: str, flags: int, where: str) -> int:
+    """Open kvhal's file ``name`` (created 0600 with ``O_CREAT``); never through a link."""
+    path = os.path.join(where, name)
+    try:
+        fd = os.open(name, flags | FILE_FLAGS, 0o600, dir_fd=dir_fd)
+    except FileNotFoundError as exc:
+        raise TierError("disk", path, "is missing; remove the directory it was in to start over") from exc
+    except OSError as exc:
+        why = "is a symbolic link" if exc.errno == errno.ELOOP else exc.strerror
+        raise TierError("disk", path, f"cannot be used: {why}") from exc
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise TierError("disk", path, "is not a regular file")
+    return fd
+
+
+def take_lock(tree_fd: int, path: str) -> int:
+    """Hold ``LOCK`` in the tree with ``flock``, holding this pid; another engine's is an error."""
+    fd = open_file(tree_fd, "LOCK", os.O_RDWR | os.O_CREAT, os.path.join(path, TREE))
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise TierError(
+            "disk",
+            path,
+            f"in use by another engine (pid {holder}); stop it or give this engine another path",
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def read_meta(dir_fd: int, where: str) -> dict[str, Any] | None:
+    try:
+        fd = os.open("meta.json", os.O_RDONLY | FILE_FLAGS, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return None
+    try:
+        with os.fdopen(fd, "rb") as f:
+            meta = json.loads(f.read())
+    except (OSError, ValueError) as exc:
+        raise TierError(
+            "disk",
+            os.path.join(where, "meta.json"),
+            f"is unreadable ({exc}); remove {where} to start over",
+        ) from exc
+    if not isinstance(meta, dict):
+        raise TierError("disk", os.path.join(where, "meta.json"), f"is not a JSON object; remove {where}")
+    return meta
+
+
+def write_meta(dir_fd: int, text: bytes) -> None:
+    """Replace ``meta.json`` atomically (a reader sees the old or the new one, whole)."""
+    temp = f"meta.json.{os.getpid()}.{threading.get_ident()}"
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | FILE_FLAGS, 0o600, dir_fd=dir_fd)
+    try:
+        os.write(fd, text)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(temp, "meta.json", src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    os.fsync(dir_fd)
+
+
+def no_space(bytes_to_use: int, path: str, needed: int, free: int) -> ValidationError:
+    """The error of ``bytes_to_use`` that does not fit at ``path``."""
+    return ValidationError(
+        "bytes_to_use",
+        f"{bytes_to_use} bytes do not fit at {path}: preallocating needs {needed} more "
+        f"bytes and the file system has {free} free; lower bytes_to_use or free space",
+    )
+
+
+def free_bytes(path: str) -> int:
+    """Bytes an unprivileged user may still allocate on ``path``'s file system."""
+    vfs = os.statvfs(path)
+    return vfs.f_bavail * vfs.f_frsize
+
+
+def preallocate(fd: int, size: int, bytes_to_use: int, path: str) -> None:
+    """Allocate ``size`` bytes of ``fd`` now (sparse where the file system cannot), so that a full
+    disk is an error at start-up, never a failure mid-run."""
+    if os.fstat(fd).st_size >= size:
+        return
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            raise no_space(bytes_to_use, path, size, free_bytes(path)) from exc
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            raise TierError("disk", path, f"preallocating a data file failed: {exc.strerror}") from exc
+        os.ftruncate(fd, size)  # no fallocate here: a sparse file, space taken as blocks arrive
+
+
+def read_records(fd: int, start: int, n: int) -> np.ndarray:
+    """Records ``start .. start + n`` of one rank as ``(n, 64)`` uint8 (zeros past the end of file)."""
+    raw = np.zeros((n, RECORD_BYTES), np.uint8)
+    view = memoryview(raw.reshape(-1))
+    done = 0
+    while done < view.nbytes:
+        got = os.preadv(fd, [view[done:]], start * RECORD_BYTES + done)
+        if got == 0:
+            break
+        done += got
+    return raw

@@ -1,0 +1,73 @@
+"""Aligned, vectored file I/O for the ``disk`` tier.
+
+``preadv``/``pwritev`` move a run of contiguous slots in one request even when
+the caller's buffers are scattered in memory; these helpers finish short
+transfers and respect ``IOV_MAX``. With ``O_DIRECT`` every buffer's address and
+length, and the offset, must be multiples of :data:`~kvhal.tiers.disk.format.ALIGN`.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvhal.tiers.disk.format import ALIGN
+
+IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024
+
+
+def aligned_buffer(nbytes: int) -> memoryview:
+    """``nbytes`` of page-aligned anonymous memory (what O_DIRECT needs for a bounce buffer)."""
+    return memoryview(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS))
+
+
+def address(buffer: memoryview) -> int:
+    """The address of ``buffer``'s first byte (read-only buffers included)."""
+    return np.frombuffer(buffer, np.uint8).__array_interface__["data"][0]
+
+
+def is_aligned(buffer: memoryview) -> bool:
+    return buffer.nbytes % ALIGN == 0 and address(buffer) % ALIGN == 0
+
+
+def _advance(buffers: list[memoryview], done: int) -> list[memoryview]:
+    """``buffers`` without their first ``done`` bytes."""
+    while done:
+        head = buffers[0]
+        if done >= head.nbytes:
+            done -= head.nbytes
+            buffers = buffers[1:]
+        else:
+            buffers = [head[done:], *buffers[1:]]
+            done = 0
+    return buffers
+
+
+def pwritev_all(fd: int, buffers: Sequence[memoryview], offset: int) -> None:
+    """Write ``buffers`` back to back at ``offset``, all of them, or raise OSError."""
+    pending = list(buffers)
+    while pending:
+        batch = pending[:IOV_MAX]
+        want = sum(b.nbytes for b in batch)
+        done = os.pwritev(fd, batch, offset)
+        if done == 0 and want:
+            raise OSError(errno.EIO, "pwritev wrote nothing")
+        offset += done
+        pending = _advance(pending, done)
+
+
+def preadv_all(fd: int, buffers: Sequence[memoryview], offset: int) -> None:
+    """Fill ``buffers`` back to back from ``offset``, all of them, or raise OSError (EIO at end of file)."""
+    pending = list(buffers)
+    while pending:
+        batch = pending[:IOV_MAX]
+        want = sum(b.nbytes for b in batch)
+        done = os.preadv(fd, batch, offset)
+        if done == 0 and want:
+            raise OSError(errno.EIO, f"end of file at offset {offset}: the file is shorter than its slots")
+        offset += done
+        pending = _advance(pending, done)

@@ -1,0 +1,577 @@
+"""The built-in ``disk`` tier backend: KV blocks in preallocated files on a local disk.
+
+Its options (``TierSpec.options``: ``path``, ``bytes_to_use``, ``io_threads``,
+``direct``) and the files it keeps are described in :mod:`kvhal.tiers.disk.directory`.
+
+Durability: a write stores the payload, then its record; nothing is synced
+per block (the data files are ``fdatasync``-ed on :meth:`DiskTier.close`). A
+crash of the process loses nothing the kernel accepted. A crash between payload
+and record leaves the old record over new bytes, whose crc then mismatches. A
+power loss may lose recent blocks or leave such mismatches, but every read
+verifies the record and the payload's crc, so a torn or stale block reads as
+``"corrupt"`` or ``"missing"`` (the engine recomputes it), never as wrong KV.
+
+Threading: :meth:`~DiskTier.write` and :meth:`~DiskTier.read` validate their
+arguments, cut the batch into runs of contiguous slots of at most a few MiB
+and hand them to a pool of ``io_threads`` threads; the returned future
+completes when all are done. Failures are per slot and never raised from the
+future; they are logged once per batch.
+
+Tests inject faults by subclassing: every file access goes through
+:meth:`DiskTier._pwritev`, :meth:`DiskTier._preadv`,
+:meth:`DiskTier._write_records` and :meth:`DiskTier._probe_direct`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import crc32c
+import numpy as np
+
+from kvhal.errors import ClosedError, TierError, ValidationError, check_int
+from kvhal.tiers.backend import IO_ERROR, OK, TierBackend, TierSpec
+from kvhal.tiers.disk.directory import (
+    FILE_FLAGS,
+    DiskOptions,
+    free_bytes,
+    no_space,
+    open_dir,
+    open_file,
+    open_root,
+    preallocate,
+    read_meta,
+    read_records,
+    take_lock,
+    write_meta,
+)
+from kvhal.tiers.disk.format import (
+    ALIGN,
+    MAX_KEY_BYTES,
+    RECORD_BYTES,
+    TREE,
+    Geometry,
+    check_record,
+    meta_mismatches,
+    meta_text,
+    pack_record,
+    record_keys,
+    valid_records,
+)
+from kvhal.tiers.disk.io import aligned_buffer, is_aligned, preadv_all, pwritev_all
+
+__all__ = ["DiskTier"]
+
+log = logging.getLogger(__name__)
+
+#: Largest single request: big enough for the disk's full bandwidth, small
+#: enough that a batch becomes several requests in flight.
+CHUNK_BYTES = 4 << 20
+#: Records ``recover`` checks per step (and per ``progress`` call).
+RECOVER_CHUNK = 1 << 20
+
+
+class DiskTier(TierBackend):
+    """Slots in preallocated files under ``spec.options["path"]``.
+
+    :raises ValidationError: an option is wrong (names it), or the disk has too
+        little free space for ``bytes_to_use``.
+    :raises TierError: the path is unsafe (a symbolic link, world-writable),
+        another engine holds it, or it holds slots of another geometry.
+    """
+
+    def __init__(self, spec: TierSpec) -> None:
+        self.spec = spec
+        self.options = DiskOptions.parse(spec.options)
+        self.path = self.options.path
+        slot_bytes = check_int("slot_bytes", spec.slot_bytes)
+        world_size = check_int("world_size", spec.world_size)
+        check_int("rank", spec.rank, minimum=0, below=world_size)
+        if spec.role not in ("index", "io"):
+            raise ValidationError("role", f'must be "index" or "io", got {spec.role!r}')
+        per_rank = self.options.bytes_to_use // world_size
+        self.geometry = Geometry.plan(slot_bytes, per_rank)
+        if self.geometry.num_slots < 1:
+            raise ValidationError(
+                "bytes_to_use",
+                f"{self.options.bytes_to_use} bytes is {per_rank} per rank over {world_size} rank(s), "
+                f"less than one slot ({self.geometry.stride + RECORD_BYTES} bytes on disk for "
+                f"{slot_bytes}-byte slots)",
+            )
+        self.num_slots = self.geometry.num_slots
+        #: Whether the data files are read and written with O_DIRECT (``io`` role).
+        self.direct = False
+        self._digest = spec.digest()
+        self._closed = False
+        self._root_fd = self._tree_fd = self._lock_fd = self._index_fd = -1
+        self._rank_fds: dict[int, int] = {}
+        self._data_fds: list[int] = []
+        self._pool: ThreadPoolExecutor | None = None
+        self._local = threading.local()
+        try:
+            self._root_fd = open_root(self.path)
+            self._tree_fd = open_dir(self._root_fd, TREE, self.path)
+            if spec.role == "index":
+                self._lock_fd = take_lock(self._tree_fd, self.path)
+            ranks = range(world_size) if spec.role == "index" else [spec.rank]
+            self._ensure_ranks(ranks)
+            if spec.role == "io":
+                self._open_io()
+        except BaseException:
+            self._release()
+            raise
+
+    # ------------------------------------------------------------------ the chain's calls
+
+    def recover(self, progress: Callable[[int, int], None] | None = None) -> tuple[list[int], list[bytes]]:
+        """The slots holding a block of this fingerprint in every rank, with the same key in each.
+
+        Records of another fingerprint, rank or format, damaged records and
+        slots whose ranks disagree are left out (the chain overwrites them).
+        """
+        self._check_open("recover", "index")
+        total = self.num_slots
+        digests = [self.spec.digest(r) for r in range(self.spec.world_size)]
+        fds = [
+            open_file(self._rank_fds[r], "index.bin", os.O_RDONLY, self._rank_dir(r))
+            for r in range(self.spec.world_size)
+        ]
+        slots: list[int] = []
+        keys: list[bytes] = []
+        try:
+            for start in range(0, total, RECOVER_CHUNK):
+                n = min(RECOVER_CHUNK, total - start)
+                first = read_records(fds[0], start, n)
+                mask = valid_records(first, digests[0])
+                for fd, digest in zip(fds[1:], digests[1:], strict=True):
+                    raw = read_records(fd, start, n)
+                    mask = valid_records(raw, digest, within=mask)
+                    rows = np.flatnonzero(mask)
+                    same = (raw[rows, 6:8] == first[rows, 6:8]).all(1) & (
+                        raw[rows, 20 : 20 + MAX_KEY_BYTES] == first[rows, 20 : 20 + MAX_KEY_BYTES]
+                    ).all(1)
+                    mask[rows[~same]] = False
+                rows = np.flatnonzero(mask)
+                slots.extend((rows + start).tolist())
+                keys.extend(record_keys(first, rows))
+                if progress is not None:
+                    progress(start + n, total)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        return slots, keys
+
+    def write(
+        self, slots: Sequence[int], keys: Sequence[bytes], buffers: Sequence[memoryview]
+    ) -> Future[list[bool]]:
+        """Store each buffer as its key in its slot; the future's result says which were written.
+
+        :raises ValidationError: a slot out of range or repeated, a key longer
+            than 40 bytes, a buffer of the wrong size (nothing was written).
+        :raises ClosedError: the tier was closed.
+        """
+        slots, keys, views = self._check_batch("write", slots, keys, buffers)
+        return self._submit(self._write_task, slots, keys, views, False, "write")
+
+    def read(
+        self, slots: Sequence[int], keys: Sequence[bytes], buffers: Sequence[memoryview]
+    ) -> Future[list[str | None]]:
+        """Fill each buffer with its key's block from its slot; the future's result is each outcome.
+
+        :raises ValidationError: as :meth:`write`, or a read-only buffer.
+        :raises ClosedError: the tier was closed.
+        """
+        slots, keys, views = self._check_batch("read", slots, keys, buffers)
+        return self._submit(self._read_task, slots, keys, views, IO_ERROR, "read")
+
+    def close(self) -> None:
+        """Finish the requests in flight, flush the files to disk, release the lock (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        for fd in [*self._data_fds, self._index_fd]:
+            if fd >= 0:
+                try:
+                    os.fdatasync(fd)
+                except OSError as exc:
+                    log.warning("disk tier at %s: flushing at close failed: %s", self.path, exc)
+        self._release()
+
+    def __repr__(self) -> str:
+        return (
+            f"DiskTier(path={self.path!r}, role={self.spec.role!r}, rank={self.spec.rank}, "
+            f"num_slots={self.num_slots}, direct={self.direct})"
+        )
+
+    # ------------------------------------------------------------------ overridable file I/O
+
+    def _pwritev(self, fd: int, buffers: Sequence[memoryview], offset: int) -> None:
+        """Write ``buffers`` back to back at ``offset`` (every payload and record write)."""
+        pwritev_all(fd, buffers, offset)
+
+    def _preadv(self, fd: int, buffers: Sequence[memoryview], offset: int) -> None:
+        """Fill ``buffers`` back to back from ``offset`` (every payload and record read)."""
+        preadv_all(fd, buffers, offset)
+
+    def _write_records(self, first_slot: int, records: bytes) -> None:
+        """Store the records of slots ``first_slot, first_slot + 1, ...`` (after their payloads)."""
+        self._pwritev(self._index_fd, [memoryview(records)], first_slot * RECORD_BYTES)
+
+    def _probe_direct(self, dir_fd: int) -> str | None:
+        """``None`` if ``data-0.bin`` in ``dir_fd`` can be read with O_DIRECT, else why not."""
+        try:
+            fd = os.open("data-0.bin", os.O_RDONLY | os.O_DIRECT | FILE_FLAGS, dir_fd=dir_fd)
+        except OSError as exc:
+            return f"opening with O_DIRECT failed: {exc.strerror}"
+        try:
+            os.preadv(fd, [aligned_buffer(ALIGN)], 0)
+        except OSError as exc:
+            return f"an aligned O_DIRECT read failed: {exc.strerror}"
+        finally:
+            os.close(fd)
+        return None
+
+    # ------------------------------------------------------------------ batches
+
+    def _check_open(self, call: str, role: str) -> None:
+        if self._closed:
+            raise ClosedError("disk tier")
+        if self.spec.role != role:
+            raise ValidationError(
+                "role", f"{call} needs the {role!r} role; this tier was opened as {self.spec.role!r}"
+            )
+
+    def _check_batch(
+        self, call: str, slots: Sequence[int], keys: Sequence[bytes], buffers: Sequence[memoryview]
+    ) -> tuple[list[int], list[bytes], list[memoryview]]:
+        self._check_open(call, "io")
+        n = len(slots)
+        if len(keys) != n or len(buffers) != n:
+            raise ValidationError(
+                "keys", f"{n} slots, {len(keys)} keys and {len(buffers)} buffers: one each per slot"
+            )
+        slots = [check_int("slots", s, minimum=0, below=self.num_slots) for s in slots]
+        if len(set(slots)) != n:
+            seen: set[int] = set()
+            for slot in slots:
+                if slot in seen:
+                    raise ValidationError("slots", f"slot {slot} appears twice in one {call}")
+                seen.add(slot)
+        keys = [bytes(k) for k in keys]
+        for key in keys:
+            if len(key) > MAX_KEY_BYTES:
+                raise ValidationError(
+                    "keys",
+                    f"key {key[:8].hex()}... has {len(key)} bytes; "
+                    f"the disk tier takes at most {MAX_KEY_BYTES}",
+                )
+        views = []
+        for i, buffer in enumerate(buffers):
+            try:
+                view = memoryview(buffer).cast("B")
+            except (TypeError, ValueError) as exc:
+                raise ValidationError("buffers", f"buffer {i} is not a contiguous buffer: {exc}") from exc
+            if view.nbytes != self.geometry.slot_bytes:
+                raise ValidationError(
+                    "buffers", f"buffer {i} has {view.nbytes} bytes; slots have {self.geometry.slot_bytes}"
+                )
+            if call == "read" and view.readonly:
+                raise ValidationError("buffers", f"buffer {i} is read-only; a read fills it")
+            views.append(view)
+        return slots, keys, views
+
+    def _plan(self, slots: list[int]) -> list[list[list[int]]]:
+        """Tasks for the pool: each a list of runs, each run batch positions of ascending contiguous
+        slots in one file. Tasks are at most ``CHUNK_BYTES`` and, for small batches, smaller, so
+        that every thread gets a share."""
+        stride, per_file = self.geometry.stride, self.geometry.slots_per_file
+        share = -(-len(slots) * stride // self.options.io_threads)
+        limit = max(1, min(CHUNK_BYTES, share) // stride)  # slots per task
+        runs: list[list[int]] = []
+        run: list[int] = []
+        previous = -2
+        for position in sorted(range(len(slots)), key=slots.__getitem__):
+            slot = slots[position]
+            if run and slot == previous + 1 and slot % per_file and len(run) < limit:
+                run.append(position)
+            else:
+                if run:
+                    runs.append(run)
+                run = [position]
+            previous = slot
+        runs.append(run)
+        tasks: list[list[list[int]]] = []
+        task: list[list[int]] = []
+        size = 0
+        for run in runs:
+            if task and size + len(run) > limit:
+                tasks.append(task)
+                task, size = [], 0
+            task.append(run)
+            size += len(run)
+        tasks.append(task)
+        return tasks
+
+    def _submit(
+        self,
+        work: Callable[..., None],
+        slots: list[int],
+        keys: list[bytes],
+        views: list[memoryview],
+        failed: Any,
+        what: str,
+    ) -> Future[Any]:
+        results = [failed] * len(slots)  # a slot's outcome stays a failure unless its work succeeds
+        outer: Future[Any] = Future()
+        outer.set_running_or_notify_cancel()
+        if not slots:
+            outer.set_result(results)
+            return outer
+        tasks = self._plan(slots)
+        errors: list[BaseException] = []
+        remaining = [len(tasks)]
+        lock = threading.Lock()
+
+        def finished(future: Future[None]) -> None:
+            exc = future.exception()
+            if exc is not None:  # a bug, not the medium: keep its slots failed and say so
+                log.error("disk tier at %s: a %s task failed", self.path, what, exc_info=exc)
+            with lock:
+                remaining[0] -= 1
+                last = remaining[0] == 0
+            if last:
+                if errors:
+                    bad = sum(r is failed for r in results)
+                    more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
+                    log.warning(
+                        "disk tier at %s: %d of %d slots failed to %s: %s%s",
+                        self.path,
+                        bad,
+                        len(results),
+                        what,
+                        errors[0],
+                        more,
+                    )
+                outer.set_result(results)
+
+        assert self._pool is not None
+        for task in tasks:
+            try:
+                future = self._pool.submit(work, task, slots, keys, views, results, errors)
+            except RuntimeError:
+                # The interpreter is exiting (concurrent.futures takes no new work once its
+                # atexit hook ran, before vLLM shuts the connector down): do it here, so an
+                # engine's last stores still reach the disk.
+                future = Future()
+                future.set_running_or_notify_cancel()
+                try:
+                    work(task, slots, keys, views, results, errors)
+                except BaseException as exc:
+                    future.set_exception(exc)
+                else:
+                    future.set_result(None)
+            future.add_done_callback(finished)
+        return outer
+
+    def _write_task(
+        self,
+        runs: list[list[int]],
+        slots: list[int],
+        keys: list[bytes],
+        views: list[memoryview],
+        results: list[bool],
+        errors: list[BaseException],
+    ) -> None:
+        for run in runs:
+            first = slots[run[0]]
+            buffers = [views[p] for p in run]
+            try:
+                crcs = [crc32c.crc32c(b) for b in buffers]  # from the caller's bytes, before they move
+                self._move(first, buffers, write=True)
+                records = b"".join(
+                    pack_record(keys[p], self._digest, c) for p, c in zip(run, crcs, strict=True)
+                )
+                self._write_records(first, records)
+            except OSError as exc:
+                errors.append(exc)
+                continue
+            for p in run:
+                results[p] = True
+
+    def _read_task(
+        self,
+        runs: list[list[int]],
+        slots: list[int],
+        keys: list[bytes],
+        views: list[memoryview],
+        results: list[str | None],
+        errors: list[BaseException],
+    ) -> None:
+        for run in runs:
+            first = slots[run[0]]
+            try:
+                records = bytearray(len(run) * RECORD_BYTES)
+                self._preadv(self._index_fd, [memoryview(records)], first * RECORD_BYTES)
+                wanted: list[tuple[int, int]] = []  # (index in run, payload crc)
+                for i, p in enumerate(run):
+                    outcome, crc = check_record(
+                        records[i * RECORD_BYTES : (i + 1) * RECORD_BYTES], keys[p], self._digest
+                    )
+                    if outcome is None:
+                        wanted.append((i, crc))
+                    else:
+                        results[p] = outcome
+                if not wanted:
+                    continue
+                lo, hi = wanted[0][0], wanted[-1][0]  # read only the span holding wanted blocks
+                self._move(first + lo, [views[p] for p in run[lo : hi + 1]], write=False)
+            except OSError as exc:
+                errors.append(exc)
+                continue
+            for i, crc in wanted:
+                p = run[i]
+                results[p] = OK if crc32c.crc32c(views[p]) == crc else "corrupt"
+
+    def _move(self, first: int, buffers: list[memoryview], *, write: bool) -> None:
+        """Write or read the payloads of slots ``first, first + 1, ...`` in one request."""
+        file, offset = self.geometry.locate(first)
+        fd = self._data_fds[file]
+        slot_bytes, stride = self.geometry.slot_bytes, self.geometry.stride
+        transfer = self._pwritev if write else self._preadv
+        if self.direct and (slot_bytes % ALIGN or not all(map(is_aligned, buffers))):
+            bounce = self._bounce()
+            if write:
+                for i, b in enumerate(buffers):
+                    bounce[i * stride : i * stride + slot_bytes] = b
+            transfer(fd, [bounce[: len(buffers) * stride]], offset)
+            if not write:
+                for i, b in enumerate(buffers):
+                    b[:] = bounce[i * stride : i * stride + slot_bytes]
+        elif stride == slot_bytes:
+            transfer(fd, buffers, offset)
+        else:  # buffered: the padding between slots from (or into) a scratch buffer
+            pad = self._pad()
+            transfer(fd, [view for b in buffers for view in (b, pad)], offset)
+
+    def _bounce(self) -> memoryview:
+        bounce = getattr(self._local, "bounce", None)
+        if bounce is None:
+            bounce = self._local.bounce = aligned_buffer(max(CHUNK_BYTES, self.geometry.stride))
+        return bounce
+
+    def _pad(self) -> memoryview:
+        pad = getattr(self._local, "pad", None)
+        if pad is None:
+            pad = self._local.pad = memoryview(bytearray(self.geometry.stride - self.geometry.slot_bytes))
+        return pad
+
+    # ------------------------------------------------------------------ opening the medium
+
+    def _rank_dir(self, rank: int) -> str:
+        return os.path.join(self.path, TREE, f"rank{rank}of{self.spec.world_size}")
+
+    def _write_meta(self, dir_fd: int, rank: int) -> None:
+        spec = self.spec
+        write_meta(
+            dir_fd, meta_text(self.geometry, rank, spec.world_size, spec.fingerprint, spec.digest(rank))
+        )
+
+    def _files(self) -> list[tuple[str, int]]:
+        return [(f"data-{i}.bin", self.geometry.file_bytes(i)) for i in range(self.geometry.num_files)] + [
+            ("index.bin", self.geometry.index_bytes)
+        ]
+
+    def _ensure_ranks(self, ranks: Sequence[int]) -> None:
+        """Open each rank's directory; check a ready one's geometry, create and preallocate the others."""
+        new: list[int] = []
+        for rank in ranks:
+            where = self._rank_dir(rank)
+            fd = self._rank_fds[rank] = open_dir(
+                self._tree_fd, os.path.basename(where), os.path.dirname(where)
+            )
+            meta = read_meta(fd, where)
+            if meta is None:
+                new.append(rank)
+                continue
+            wrong = meta_mismatches(meta, self.geometry)
+            if wrong:
+                raise TierError(
+                    "disk",
+                    where,
+                    f"holds slots of another geometry ({'; '.join(wrong)}; "
+                    f"bytes_to_use={self.options.bytes_to_use} and the slot size decide it); "
+                    f"nothing was changed: use another path or remove {where}",
+                )
+            if self.spec.role == "index" and meta.get("digest") != self.spec.digest(rank).hex():
+                self._write_meta(fd, rank)  # another KV from now on: say so for people reading the directory
+        if not new:
+            return
+        missing = 0  # bytes still to allocate, counted before anything is created
+        for rank in new:
+            for name, size in self._files():
+                try:
+                    st = os.stat(name, dir_fd=self._rank_fds[rank], follow_symlinks=False)
+                    missing += max(0, size - st.st_blocks * 512)
+                except FileNotFoundError:
+                    missing += size
+        free = free_bytes(self.path)
+        if missing > free:
+            raise no_space(self.options.bytes_to_use, self.path, missing, free)
+        for rank in new:
+            for name, size in self._files():
+                fd = open_file(self._rank_fds[rank], name, os.O_RDWR | os.O_CREAT, self._rank_dir(rank))
+                try:
+                    preallocate(fd, size, self.options.bytes_to_use, self.path)
+                finally:
+                    os.close(fd)
+            self._write_meta(self._rank_fds[rank], rank)
+
+    def _open_io(self) -> None:
+        rank = self.spec.rank
+        dir_fd, where = self._rank_fds[rank], self._rank_dir(rank)
+        want = self.options.direct
+        if want is not False:
+            reason = self._probe_direct(dir_fd)
+            if reason is not None and want is True:
+                raise ValidationError(
+                    "direct",
+                    f'the file system at {self.path} does not take O_DIRECT ({reason}); use "auto" or false',
+                )
+            self.direct = reason is None
+        flags = os.O_RDWR | (os.O_DIRECT if self.direct else 0)
+        for name, size in self._files():
+            fd = open_file(dir_fd, name, flags if name != "index.bin" else os.O_RDWR, where)
+            if name == "index.bin":
+                self._index_fd = fd
+            else:
+                self._data_fds.append(fd)
+            if os.fstat(fd).st_size < size:
+                raise TierError(
+                    "disk", os.path.join(where, name), f"is shorter than its {size} bytes; remove {where}"
+                )
+        self._pool = ThreadPoolExecutor(self.options.io_threads, thread_name_prefix="kvhal-disk")
+
+    def _release(self) -> None:
+        """Close every descriptor (closing the lock's releases the flock)."""
+        fds = [
+            *self._data_fds,
+            self._index_fd,
+            *self._rank_fds.values(),
+            self._tree_fd,
+            self._root_fd,
+            self._lock_fd,
+        ]
+        self._data_fds, self._rank_fds = [], {}
+        self._index_fd = self._tree_fd = self._root_fd = self._lock_fd = -1
+        for fd in fds:
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)

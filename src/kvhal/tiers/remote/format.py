@@ -1,0 +1,87 @@
+"""How a block is framed in a shared store: a 96-byte header before its bytes.
+
+A shared store is written by many engines, some of another model, some
+restarted, some perhaps hostile; so a value proves what it is before a byte
+of it is loaded:
+
+- ``namespace``: 8 bytes naming the KV fingerprint and tensor-parallel rank
+  (:meth:`~kvhal.tiers.backend.TierSpec.digest`). Names carry it too; the copy
+  in the header catches a value stored under a name it does not belong to.
+- ``name hash``: 8 bytes of BLAKE2b of the value's name, for the same reason.
+- ``crc32c`` of the payload and its length: a torn or flipped value is a miss.
+- With a shared secret, an HMAC-SHA256 over the header's first 64 bytes and
+  the payload: an engine without the secret cannot forge a value that others
+  load. Without a secret the MAC field is zero, and a reader with a secret
+  refuses such a value.
+
+Layout (little-endian): magic ``KVHALR1\\0`` (8), version u32, flags u32,
+payload length u64, crc32c u32, 4 reserved, namespace (8), name hash (8),
+16 reserved, MAC (32).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import struct
+
+import crc32c
+
+from kvhal.tiers.backend import CORRUPT, FOREIGN, OK
+
+MAGIC = b"KVHALR1\0"
+VERSION = 1
+FLAG_MAC = 1
+_FIELDS = struct.Struct("<8sIIQI4x8s8s16x")
+MAC_BYTES = 32
+HEADER_BYTES = _FIELDS.size + MAC_BYTES  # 96
+#: ``read`` outcome of a value whose MAC is missing or wrong (a reader with a secret).
+UNAUTHENTICATED = "unauthenticated"
+
+
+def name_hash(name: str) -> bytes:
+    return hashlib.blake2b(name.encode(), digest_size=8).digest()
+
+
+def _mac(secret: bytes, fields: memoryview, payload: memoryview) -> bytes:
+    mac = hmac.new(secret, fields, hashlib.sha256)
+    mac.update(payload)
+    return mac.digest()
+
+
+def write_header(
+    out: memoryview, payload: memoryview, namespace: bytes, name: str, secret: bytes | None
+) -> None:
+    """Fill ``out`` (:data:`HEADER_BYTES` bytes) with the header of ``payload`` stored as ``name``."""
+    flags = FLAG_MAC if secret else 0
+    fields = _FIELDS.pack(
+        MAGIC, VERSION, flags, payload.nbytes, crc32c.crc32c(payload), namespace, name_hash(name)
+    )
+    out[: _FIELDS.size] = fields
+    out[_FIELDS.size : HEADER_BYTES] = (
+        _mac(secret, memoryview(fields), payload) if secret else bytes(MAC_BYTES)
+    )
+
+
+def check(
+    header: memoryview, payload: memoryview, namespace: bytes, name: str, secret: bytes | None
+) -> str | None:
+    """Whether ``header`` + ``payload`` is the block ``name`` of ``namespace``: :data:`OK`
+    (``None``), ``FOREIGN``, ``CORRUPT`` or :data:`UNAUTHENTICATED`."""
+    try:
+        magic, version, flags, length, crc, their_space, their_hash = _FIELDS.unpack_from(header)
+    except struct.error:
+        return CORRUPT
+    if magic != MAGIC or version != VERSION:
+        return CORRUPT
+    if their_space != namespace or their_hash != name_hash(name) or length != payload.nbytes:
+        return FOREIGN
+    if crc32c.crc32c(payload) != crc:
+        return CORRUPT
+    if secret:
+        mac = bytes(header[_FIELDS.size : HEADER_BYTES])
+        if not flags & FLAG_MAC or not hmac.compare_digest(
+            mac, _mac(secret, header[: _FIELDS.size], payload)
+        ):
+            return UNAUTHENTICATED
+    return OK

@@ -1,0 +1,273 @@
+"""A shared store as kvhal's remote tier: names, framing, threads, health.
+
+One class for every store (:mod:`kvhal.tiers.remote.store` is what a store
+implements). It is opened once by the scheduler (``role="index"``: existence
+checks, over every tensor-parallel rank's share) and once per worker
+(``role="io"``: that rank's reads and writes, between the worker's host-tier
+slots and the store). Every call returns a future at once and runs on the
+tier's threads: the engine never waits on the network.
+
+Names are ``PREFIX/NAMESPACE/KEY``: the namespace digests the KV fingerprint
+(model and revision, dtype, layout and geometry, groups, hash algorithm and
+seed, tensor-parallel size) and the rank, so engines of another model or
+geometry sharing the store never read each other's blocks. Each value is a
+:mod:`~kvhal.tiers.remote.format` header and the block's bytes, verified on every
+read (a failure is a miss, counted by its kind).
+
+A store that cannot be reached marks the tier *down*: calls fail fast (the
+engine recomputes; stores are dropped) and the tier tries to connect again
+at most every ``retry_seconds``; the first call that succeeds marks it *up*.
+Each change is reported once through ``on_health``.
+"""
+
+from __future__ import annotations
+
+import mmap
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TypeVar
+
+import numpy as np
+
+from kvhal.errors import TierError
+from kvhal.offload.host_tier import HostTier
+from kvhal.registry import PluginRegistry
+from kvhal.tiers.backend import CORRUPT, IO_ERROR, MISSING, OK, TierSpec
+from kvhal.tiers.media import open_store
+from kvhal.tiers.remote import format as remote_format
+from kvhal.tiers.remote.store import ABSENT, RemoteStore, StoreUnavailable
+
+T = TypeVar("T")
+HEADER_BYTES = remote_format.HEADER_BYTES
+#: Most threads a tier runs its store calls on (the store's ``concurrency`` caps it further).
+MAX_THREADS = 4
+
+
+def _aligned(rows: int, row_bytes: int) -> np.ndarray:
+    memory = mmap.mmap(-1, max(rows * row_bytes, 1))
+    return np.frombuffer(memory, dtype=np.uint8, count=rows * row_bytes).reshape(rows, row_bytes)
+
+
+def redact(url: str) -> str:
+    """``url`` without a password (for logs and errors)."""
+    scheme, sep, rest = url.partition("://")
+    auth, at, host = rest.partition("@")
+    if not at or ":" not in auth:
+        return url
+    return f"{scheme}{sep}{auth.split(':', 1)[0]}:***@{host}"
+
+
+class RemoteTier:
+    """A shared store behind the host tier.
+
+    :param url: the store's URL (its scheme picks the store plugin).
+    :param spec: what the KV is (``slot_bytes``, ``fingerprint``, ``rank``,
+        ``world_size``; ``options`` unused) and the ``role``.
+    :param host: the worker's host tier (``role="io"``): values move between
+        its slots and the store, in place where a slot is one run of bytes.
+    :param secret: values carry an HMAC of it, and values without a valid one are refused.
+    :param strict: a store unreachable now is a :class:`~kvhal.errors.TierError`
+        instead of a tier that starts down.
+    :param on_health: called with ``(up, why)`` each time the store's reachability changes.
+    :raises ValidationError: a malformed URL (from the store's factory).
+    :raises TierError: ``strict`` and the store is unreachable.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        spec: TierSpec,
+        *,
+        host: HostTier | None = None,
+        secret: bytes | None = None,
+        strict: bool = False,
+        registry: PluginRegistry | None = None,
+        on_health: Callable[[bool, str], None] | None = None,
+        retry_seconds: float = 2.0,
+        prefix: str = "kvhal",
+    ) -> None:
+        self.url, self.spec, self.host, self.secret = url, spec, host, secret or None
+        self.registry = registry or PluginRegistry()
+        self.on_health = on_health or (lambda up, why: None)
+        self.retry_seconds = retry_seconds
+        self._prefixes = [f"{prefix}/{spec.digest(rank).hex()}/" for rank in range(spec.world_size)]
+        self._namespace = spec.digest()
+        self._lock = threading.Lock()
+        self._store: RemoteStore | None = None
+        self._last_try = 0.0
+        self.up = False
+        self._reported: bool | None = None  # the reachability last reported
+        self._closed = False
+        # header rows: one per host slot (a slot is read or written by one call at a time)
+        self._headers = _aligned(host.num_slots if host else 1, HEADER_BYTES)
+        try:
+            self._connect()
+        except StoreUnavailable as exc:
+            if strict:
+                raise TierError(
+                    "remote",
+                    redact(url),
+                    f"the store cannot be reached ({exc}); remote_strict is set, so the engine "
+                    "does not start without it",
+                ) from exc
+            self._set_health(False, str(exc))
+        concurrency = self._store.concurrency if self._store else MAX_THREADS
+        self._threads = ThreadPoolExecutor(max(1, min(concurrency, MAX_THREADS)), "kvhal-remote")
+
+    # -- connection and health ----------------------------------------------------
+
+    def _connect(self) -> RemoteStore:
+        self._last_try = time.monotonic()
+        store = open_store(self.url, self.registry)
+        store.register(memoryview(self._headers.reshape(-1)))
+        if self.host is not None and self.host.slots_are_contiguous:
+            store.register(self.host.memory())
+        self._store = store
+        self._set_health(True, "connected")
+        return store
+
+    def _set_health(self, up: bool, why: str) -> None:
+        with self._lock:
+            changed = up != self._reported
+            self.up = self._reported = up
+        if changed:
+            self.on_health(up, why)
+
+    def _client(self) -> RemoteStore:
+        """The connected store; reconnects at most every ``retry_seconds`` while there is none."""
+        if self._closed:
+            raise StoreUnavailable("the remote tier is closed")
+        store = self._store
+        if store is not None:
+            return store
+        with self._lock:
+            due = time.monotonic() - self._last_try >= self.retry_seconds
+            if due:
+                self._last_try = time.monotonic()
+        if not due:
+            raise StoreUnavailable("not connected (retrying)")
+        return self._connect()
+
+    def _run(self, call: Callable[[RemoteStore], T]) -> T:
+        try:
+            store = self._client()
+            try:
+                result = call(store)
+            except StoreUnavailable:
+                if not self.up:
+                    raise
+                # A client idle while its store restarted fails its first call on a stale
+                # connection (Mooncake's does): one more try tells that from an outage.
+                result = call(store)
+        except StoreUnavailable as exc:
+            self._set_health(False, str(exc))
+            raise
+        if not self.up:
+            self._set_health(True, "answering again")
+        return result
+
+    # -- names ----------------------------------------------------------------------
+
+    def names(self, keys: Sequence[bytes], rank: int | None = None) -> list[str]:
+        """The store's names of ``keys`` for ``rank`` (default: this spec's)."""
+        prefix = self._prefixes[self.spec.rank if rank is None else rank]
+        return [prefix + key.hex() for key in keys]
+
+    # -- the scheduler's calls --------------------------------------------------------
+
+    def exist(self, keys: Sequence[bytes]) -> Future[list[bool]]:
+        """Whether the store holds every rank's share of each of ``keys``.
+
+        The future raises :class:`StoreUnavailable` if the store did not answer.
+        """
+        keys = list(keys)
+        ranks = range(self.spec.world_size)
+        names = [name for rank in ranks for name in self.names(keys, rank)]
+
+        def call(store: RemoteStore) -> list[bool]:
+            found = store.exist(names)
+            n = len(keys)
+            return [all(found[rank * n + i] for rank in ranks) for i in range(n)]
+
+        return self._threads.submit(self._run, call)
+
+    # -- the workers' calls -------------------------------------------------------------
+
+    def _payloads(self, slots: Sequence[int]) -> tuple[list[memoryview], np.ndarray | None]:
+        assert self.host is not None, "reads and writes need the worker's host tier (role io)"
+        if self.host.slots_are_contiguous:
+            return [self.host.slot_memory(slot) for slot in slots], None
+        rows = _aligned(len(slots), self.host.slot_bytes)
+        return [memoryview(row) for row in rows], rows
+
+    def write(self, keys: Sequence[bytes], host_slots: Sequence[int]) -> Future[list[bool]]:
+        """Store host slots ``host_slots`` as ``keys``; one bool per key (False: not stored).
+
+        The slots must stay unchanged until the future completes. It never
+        raises: an unreachable store makes every result False.
+        """
+        keys, host_slots = list(keys), list(host_slots)
+        names = self.names(keys)
+
+        def work() -> list[bool]:
+            payloads, rows = self._payloads(host_slots)
+            if rows is not None:
+                assert self.host is not None
+                self.host.gather_slots(host_slots, rows)
+            headers = [memoryview(self._headers[slot]) for slot in host_slots]
+            for header, payload, name in zip(headers, payloads, names, strict=True):
+                remote_format.write_header(header, payload, self._namespace, name, self.secret)
+            values = list(zip(headers, payloads, strict=True))
+            try:
+                return self._run(lambda store: store.put(names, values))
+            except StoreUnavailable:
+                return [False] * len(keys)
+
+        return self._threads.submit(work)
+
+    def read(self, keys: Sequence[bytes], host_slots: Sequence[int]) -> Future[list[str | None]]:
+        """Read ``keys`` into host slots ``host_slots``: one outcome per key, ``None`` once
+        its bytes are in its slot and verified (else ``missing``, ``corrupt``, ``foreign``,
+        ``unauthenticated`` or ``io_error``, and the slot's bytes are undefined).
+
+        It never raises: an unreachable store makes every outcome ``io_error``.
+        """
+        keys, host_slots = list(keys), list(host_slots)
+        names = self.names(keys)
+
+        def work() -> list[str | None]:
+            payloads, rows = self._payloads(host_slots)
+            headers = [memoryview(self._headers[slot]) for slot in host_slots]
+            buffers = list(zip(headers, payloads, strict=True))
+            try:
+                sizes = self._run(lambda store: store.get(names, buffers))
+            except StoreUnavailable:
+                return [IO_ERROR] * len(keys)
+            outcomes: list[str | None] = []
+            for size, header, payload, name in zip(sizes, headers, payloads, names, strict=True):
+                if size == ABSENT:
+                    outcomes.append(MISSING)
+                elif size != HEADER_BYTES + payload.nbytes:
+                    outcomes.append(CORRUPT if size >= 0 else IO_ERROR)
+                else:
+                    outcomes.append(remote_format.check(header, payload, self._namespace, name, self.secret))
+            if rows is not None:
+                assert self.host is not None
+                good = [i for i, outcome in enumerate(outcomes) if outcome is OK]
+                if good:
+                    self.host.scatter_slots([host_slots[i] for i in good], rows[good])
+            return outcomes
+
+        return self._threads.submit(work)
+
+    def close(self) -> None:
+        """Finish the calls in flight, then disconnect (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._threads.shutdown(wait=True)
+        if self._store is not None:
+            self._store.close()
+            self._store = None

@@ -1,0 +1,571 @@
+"""Mooncake Store as the shared remote store: zero-copy batch puts and gets through its client.
+
+URL form (``remote_url``)::
+
+    mooncake://HOST[:RPC_PORT]?metadata=http://MHOST:MPORT/metadata[&protocol=tcp][&OPTION=...]
+
+``HOST:RPC_PORT`` is the Mooncake master's RPC address (port 50051 when left out, Mooncake's
+default); ``metadata`` (required) is the transfer-engine metadata server, an ``http://`` or
+``https://`` URL (the master serves one with ``--enable_http_metadata_server=true``). Options:
+
+* ``protocol``: ``tcp`` (default) or ``rdma``. RDMA is what clusters use; only TCP was run
+  here (on loopback), the RDMA path is Mooncake's and was not exercised by kvhal's tests.
+* ``device``: the RDMA device names for ``protocol=rdma`` (e.g. ``mlx5_0,mlx5_1``; default:
+  Mooncake discovers them).
+* ``segment``: bytes this client contributes to the store (default 0: it only reads and
+  writes). Suffixes ``K``/``KB``/``KiB``, ``M``/``MB``/``MiB``, ``G``/``GB``/``GiB``,
+  ``T``/``TB``/``TiB`` are powers of 1024, as in Mooncake.
+* ``buffer``: the size of Mooncake's own local staging buffer (default 16MB); kvhal's zero-copy
+  calls do not use it.
+* ``replicas``: copies of each value (default 1).
+* ``local_host``: this host's address as the other nodes reach it; default: the local address
+  of the interface that routes to HOST (``127.0.0.1`` for a master on loopback).
+
+A fleet needs a master (``mooncake_master --enable_http_metadata_server=true``) and store nodes
+(``mooncake_client --global_segment_size=...``) that hold the values: a value lives in the
+memory of the process that contributed the segment it was put in, so it disappears with that
+process. Engines come and go, so their clients use ``segment=0`` (the default) and the cache
+survives in the store nodes; an engine may still contribute memory with ``segment=``, for
+values that may vanish with it.
+
+Zero-copy: :meth:`MooncakeStore.register` registers memory with Mooncake's transfer engine
+(kvhal registers its host tier and header rows), and a put or get moves the bytes of parts
+lying in registered memory directly (RDMA or TCP) between them and the store nodes. A part
+outside every registered range is copied through a registered staging area of this client:
+RDMA can only reach registered memory, and registering the caller's buffer for the call is
+not an option because Mooncake refuses a region overlapping one already registered (rc -600),
+which two concurrent calls over the same buffer would hit. (The TCP transport would accept
+unregistered memory; kvhal does not rely on it.)
+
+Mooncake's return codes (``ErrorCode`` in ``mooncake-store/include/types.h``) are mapped:
+``OBJECT_NOT_FOUND`` (-704) and ``REPLICA_IS_NOT_READY`` (-703, a put still in flight) read
+as absent; ``OBJECT_ALREADY_EXISTS`` (-705, reported as 0 by the client) as stored;
+``RPC_FAIL`` (-900), ``RPC_TIMEOUT`` (-901) and ``UNAVAILABLE_IN_CURRENT_STATUS`` (-1010)
+for every name of a call raise :class:`~kvhal.tiers.remote.store.StoreUnavailable`; any other
+negative code fails that name alone (e.g. ``NO_AVAILABLE_HANDLE`` -200, no space; or
+``INVALID_PARAMS`` -600, a value larger than its buffers, refused before any byte moves).
+``exist`` raises StoreUnavailable for any negative answer. Mooncake's transfer needs the buffers
+to add up to the value's size exactly (else ``TRANSFER_FAIL`` -800), so a value shorter than
+its buffers is read again, after asking its size, into their first bytes.
+
+Timeouts are the library's own: with the master down, ``exist`` fails at once but a put or a
+get blocks about 4.3 s before it fails, and connecting (``from_url``) retries 20 times, about
+90 s, so ``from_url`` first checks that the master's and the metadata server's ports accept a
+TCP connection (3 s at most each). The client reconnects by itself once the master is back
+(the master keeps no state across a restart: the names it held are gone). Closing takes about
+a second (Mooncake's teardown); a closed client answers StoreUnavailable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import re
+import socket
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import parse_qsl, urlsplit
+
+import numpy as np
+
+from kvhal.errors import ValidationError
+from kvhal.tiers.remote.store import ABSENT, FAILED, RemoteStore, StoreUnavailable
+
+__all__ = ["MooncakeOptions", "MooncakeStore", "parse_url"]
+
+log = logging.getLogger(__name__)
+
+ARGUMENT = "remote_url"
+DEFAULT_RPC_PORT = 50051
+DEFAULT_BUFFER = 16 << 20
+#: seconds a TCP probe of the master's and the metadata server's ports may take
+PROBE_TIMEOUT = 3.0
+#: how many calls kvhal may run at once on one client (see MooncakeStore.concurrency)
+CONCURRENCY = 4
+#: the smallest staging area this client allocates and registers
+MIN_STAGING = 1 << 20
+
+# Mooncake's ErrorCode values (mooncake-store/include/types.h)
+OBJECT_NOT_FOUND = -704
+REPLICA_IS_NOT_READY = -703
+OBJECT_ALREADY_EXISTS = -705
+TRANSFER_FAIL = -800
+#: codes meaning the master did not answer (RPC_FAIL, RPC_TIMEOUT, UNAVAILABLE_IN_CURRENT_STATUS)
+UNAVAILABLE = frozenset({-900, -901, -1010})
+NOT_HELD = frozenset({OBJECT_NOT_FOUND, REPLICA_IS_NOT_READY})
+
+OPTIONS = ("metadata", "protocol", "segment", "buffer", "replicas", "device", "local_host")
+PROTOCOLS = ("tcp", "rdma")
+UNITS = {"": 0, "B": 0, "K": 1, "M": 2, "G": 3, "T": 4}
+SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(I?B)?\s*", re.IGNORECASE)
+
+MISSING_CLIENT = (
+    "mooncake:// needs Mooncake's client: pip install mooncake-transfer-engine-non-cuda "
+    "(or mooncake-transfer-engine on GPU machines)"
+)
+
+
+def _size(option: str, text: str) -> int:
+    match = SIZE.fullmatch(text)
+    if match is None or (match.group(3) and match.group(3).upper() == "IB" and not match.group(2)):
+        raise ValidationError(ARGUMENT, f"{option}={text!r} is not a size (bytes, or e.g. 512MB, 4GB)")
+    value = float(match.group(1)) * 1024 ** UNITS[match.group(2).upper()]
+    if not math.isfinite(value) or value >= 1 << 63:
+        raise ValidationError(ARGUMENT, f"{option}={text!r} is too large")
+    return int(value)
+
+
+def _host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _route_address(host: str, port: int) -> str:
+    """The local address of the interface that routes to ``host`` (a UDP connect sends nothing)."""
+    try:
+        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(address)
+            return str(probe.getsockname()[0])
+    except OSError as exc:
+        where = f"mooncake master at {_host_port(host, port)}"
+        raise StoreUnavailable(f"{where}: no route from this host to it ({exc})") from exc
+
+
+@dataclass(frozen=True)
+class MooncakeOptions:
+    """A parsed ``mooncake://`` URL (see the module's docstring)."""
+
+    host: str
+    port: int
+    metadata: str
+    protocol: str = "tcp"
+    segment: int = 0
+    buffer: int = DEFAULT_BUFFER
+    replicas: int = 1
+    device: str = ""
+    local_host: str | None = None
+
+    @property
+    def master(self) -> str:
+        """The master's RPC address, ``HOST:PORT``."""
+        return _host_port(self.host, self.port)
+
+    @property
+    def where(self) -> str:
+        """The store, for messages."""
+        return f"mooncake master at {self.master} (metadata {self.metadata})"
+
+
+def parse_url(url: str) -> MooncakeOptions:
+    """Parse a ``mooncake://`` URL without connecting.
+
+    :raises ValidationError: (``remote_url``) a malformed URL or option, naming the bad part.
+    """
+    if not isinstance(url, str):
+        raise ValidationError(ARGUMENT, f"must be a mooncake:// URL, got {type(url).__name__}")
+    parts = urlsplit(url)
+    if parts.scheme.lower() != "mooncake":
+        raise ValidationError(ARGUMENT, f"scheme {parts.scheme!r} is not mooncake")
+    if parts.username is not None or parts.password is not None:
+        raise ValidationError(ARGUMENT, "a mooncake:// URL takes no user or password")
+    if not parts.hostname:
+        raise ValidationError(ARGUMENT, "no master host (mooncake://HOST:RPC_PORT?metadata=...)")
+    try:
+        port = parts.port
+    except ValueError:
+        port = -1
+    if port is None and parts.netloc.endswith(":"):
+        port = -1
+    if port == -1 or port == 0:
+        bad = parts.netloc.rpartition(":")[2]
+        raise ValidationError(ARGUMENT, f"master port {bad!r} is not a port number (1-65535)")
+    if parts.path not in ("", "/"):
+        raise ValidationError(ARGUMENT, f"unexpected path {parts.path!r} (options go in the query)")
+    if parts.fragment:
+        raise ValidationError(ARGUMENT, f"unexpected fragment {parts.fragment!r}")
+    options: dict[str, str] = {}
+    try:
+        pairs = parse_qsl(parts.query, keep_blank_values=True, strict_parsing=bool(parts.query))
+    except ValueError as exc:
+        raise ValidationError(ARGUMENT, f"malformed query {parts.query!r}: {exc}") from exc
+    for key, value in pairs:
+        if key not in OPTIONS:
+            raise ValidationError(ARGUMENT, f"unknown option {key!r} (known: {', '.join(OPTIONS)})")
+        if key in options:
+            raise ValidationError(ARGUMENT, f"option {key!r} given twice")
+        options[key] = value
+    metadata = options.get("metadata", "")
+    if not metadata:
+        raise ValidationError(ARGUMENT, "missing metadata=http://HOST:PORT/metadata (the metadata server)")
+    meta = urlsplit(metadata)
+    try:
+        meta_port = meta.port
+    except ValueError:
+        meta_port = -1
+    if meta.scheme not in ("http", "https") or not meta.hostname or meta_port in (-1, 0):
+        raise ValidationError(
+            ARGUMENT, f"metadata={metadata!r} is not an http:// URL such as http://HOST:PORT/metadata"
+        )
+    protocol = options.get("protocol", "tcp")
+    if protocol not in PROTOCOLS:
+        raise ValidationError(ARGUMENT, f"protocol={protocol!r} is not one of {', '.join(PROTOCOLS)}")
+    replicas_text = options.get("replicas", "1")
+    if not replicas_text.isdigit() or not 1 <= int(replicas_text) <= 64:
+        raise ValidationError(ARGUMENT, f"replicas={replicas_text!r} is not a count of copies (1-64)")
+    buffer = _size("buffer", options["buffer"]) if "buffer" in options else DEFAULT_BUFFER
+    device = options.get("device", "")
+    if device and protocol != "rdma":
+        raise ValidationError(ARGUMENT, f"device={device!r} needs protocol=rdma")
+    local_host = options.get("local_host")
+    if local_host is not None and (not local_host or any(c in local_host for c in "/?#@ ")):
+        raise ValidationError(ARGUMENT, f"local_host={local_host!r} is not a host name or address")
+    return MooncakeOptions(
+        host=parts.hostname,
+        port=DEFAULT_RPC_PORT if port is None else port,
+        metadata=metadata,
+        protocol=protocol,
+        segment=_size("segment", options["segment"]) if "segment" in options else 0,
+        buffer=buffer,
+        replicas=int(replicas_text),
+        device=device,
+        local_host=local_host,
+    )
+
+
+def _load_client() -> tuple[Any, Any]:
+    """Mooncake's client classes, imported only when a store connects (it loads a large library)."""
+    try:
+        from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+    except ImportError as exc:
+        raise ValidationError(ARGUMENT, MISSING_CLIENT) from exc
+    return MooncakeDistributedStore, ReplicateConfig
+
+
+def _probe(what: str, host: str, port: int, where: str) -> None:
+    # Mooncake's setup retries for ~90 s against a dead master; a refused connection fails here at once.
+    try:
+        socket.create_connection((host, port), timeout=PROBE_TIMEOUT).close()
+    except OSError as exc:
+        address = _host_port(host, port)
+        raise StoreUnavailable(f"{where}: cannot connect to the {what} at {address} ({exc})") from exc
+
+
+class _Staging:
+    """A registered area of this client that parts outside registered memory are copied through."""
+
+    def __init__(self, client: Any, size: int) -> None:
+        self.array = np.empty(size, dtype=np.uint8)
+        self.address = int(self.array.ctypes.data)
+        self.size = size
+        self.rc = int(client.register_buffer(self.address, size))
+
+
+class MooncakeStore(RemoteStore):
+    """A connected Mooncake Store client (see the module's docstring).
+
+    Build it with :meth:`from_url`. Methods are thread-safe: Mooncake's client releases the
+    GIL and guards its state with its own locks, and Mooncake's Python code runs batch puts of
+    one client on parallel threads itself (``structured_object_store.py``).
+    """
+
+    #: calls kvhal may run at once: the client is thread-safe (see the class docstring)
+    concurrency = CONCURRENCY
+
+    def __init__(self, client: Any, replicate_config: Any, options: MooncakeOptions) -> None:
+        self._client = client
+        self._config = replicate_config
+        self.options = options
+        self._state = threading.Condition()
+        self._calls = 0
+        self._closed = False
+        self._ranges: list[tuple[int, int]] = []  # registered memory: [start, end)
+        self._register_lock = threading.Lock()  # two registrations of one range: Mooncake refuses the second
+        self._staging_lock = threading.Lock()
+        self._free_staging: list[_Staging] = []
+        self._all_staging: list[_Staging] = []
+
+    @classmethod
+    def from_url(cls, url: str) -> MooncakeStore:
+        """Connect to the master a ``mooncake://`` URL names.
+
+        :raises ValidationError: (``remote_url``) a malformed URL or option, checked before
+            connecting; or Mooncake's client is not installed.
+        :raises StoreUnavailable: the master or the metadata server cannot be reached, or
+            Mooncake's setup failed.
+        """
+        options = parse_url(url)
+        client_class, config_class = _load_client()
+        meta = urlsplit(options.metadata)
+        meta_port = meta.port or (443 if meta.scheme == "https" else 80)
+        _probe("master", options.host, options.port, options.where)
+        _probe("metadata server", meta.hostname or "", meta_port, options.where)
+        local_host = options.local_host or _route_address(options.host, options.port)
+        client = client_class()
+        rc = client.setup(
+            local_host,
+            options.metadata,
+            options.segment,
+            options.buffer,
+            options.protocol,
+            options.device,
+            options.master,
+        )
+        if rc != 0:
+            with contextlib.suppress(Exception):
+                client.close()
+            raise StoreUnavailable(f"{options.where}: setup returned {rc}")
+        config = config_class()
+        config.replica_num = options.replicas
+        return cls(client, config, options)
+
+    def __repr__(self) -> str:
+        return f"MooncakeStore({self.options.where}, protocol={self.options.protocol})"
+
+    # -- calls ------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _call(self) -> Iterator[Any]:
+        # close() waits for the calls in flight: Mooncake's close frees what they use
+        with self._state:
+            if self._closed:
+                raise StoreUnavailable(f"{self.options.where}: this client is closed")
+            self._calls += 1
+        try:
+            yield self._client
+        finally:
+            with self._state:
+                self._calls -= 1
+                if not self._calls:
+                    self._state.notify_all()
+
+    def _registered(self, start: int, size: int) -> bool:
+        end = start + size
+        return any(low <= start and end <= high for low, high in self._ranges)
+
+    def register(self, memory: memoryview) -> None:
+        """Register ``memory`` with Mooncake's transfer engine for zero-copy puts and gets.
+
+        Memory already inside a registered range is left as it is. If Mooncake refuses it
+        (e.g. it overlaps a registered range), a warning is logged and parts in it are copied
+        through the staging area.
+        """
+        view = _bytes(memory, "memory", writable=False)
+        if not view.nbytes:
+            return
+        start = int(view.ctypes.data)
+        with self._call() as client, self._register_lock:
+            if self._registered(start, view.nbytes):
+                return
+            rc = int(client.register_buffer(start, view.nbytes))
+            if rc != 0:
+                log.warning(
+                    "%s: registering %d bytes at %#x failed (rc %d); they will be copied through "
+                    "a staging area",
+                    self.options.where,
+                    view.nbytes,
+                    start,
+                    rc,
+                )
+                return
+            self._ranges.append((start, start + view.nbytes))
+
+    def exist(self, names: Sequence[str]) -> list[bool]:
+        names = list(names)
+        if not names:
+            return []
+        with self._call() as client:
+            codes = list(client.batch_is_exist(names))
+        if len(codes) != len(names) or any(code < 0 for code in codes):
+            bad = sorted({code for code in codes if code < 0}) or [f"{len(codes)} answers"]
+            raise StoreUnavailable(f"{self.options.where}: batch_is_exist returned {bad}")
+        return [code == 1 for code in codes]
+
+    def put(self, names: Sequence[str], values: Sequence[Sequence[memoryview]]) -> list[bool]:
+        names = list(names)
+        if len(values) != len(names):
+            raise ValidationError("values", f"{len(values)} values for {len(names)} names")
+        if not names:
+            return []
+        with self._call() as client:
+            plan = _Plan(self, [[_bytes(p, "values", writable=False) for p in parts] for parts in values])
+            try:
+                plan.stage_in()
+                codes = list(client.batch_put_from_multi_buffers(names, plan.ptrs, plan.sizes, self._config))
+            finally:
+                plan.release()
+        self._check_answered("batch_put_from_multi_buffers", codes, len(names))
+        return [code in (0, OBJECT_ALREADY_EXISTS) for code in codes]
+
+    def get(self, names: Sequence[str], buffers: Sequence[Sequence[memoryview]]) -> list[int]:
+        names = list(names)
+        if len(buffers) != len(names):
+            raise ValidationError("buffers", f"{len(buffers)} buffers for {len(names)} names")
+        if not names:
+            return []
+        with self._call() as client:
+            plan = _Plan(self, [[_bytes(p, "buffers", writable=True) for p in parts] for parts in buffers])
+            try:
+                codes = list(client.batch_get_into_multi_buffers(names, plan.ptrs, plan.sizes))
+                self._check_answered("batch_get_into_multi_buffers", codes, len(names))
+                codes = self._shorter_values(client, names, plan, codes)
+                plan.stage_out(codes)
+            finally:
+                plan.release()
+        return [code if code >= 0 else ABSENT if code in NOT_HELD else FAILED for code in codes]
+
+    def _shorter_values(self, client: Any, names: list[str], plan: _Plan, codes: list[int]) -> list[int]:
+        """Read again the values shorter than their buffers, into the buffers' first bytes.
+
+        Mooncake's transfer fails (TRANSFER_FAIL) unless the buffers add up to the value's
+        size exactly; a value larger than them fails earlier, as INVALID_PARAMS.
+        """
+        retry: list[int] = []
+        for i, code in enumerate(codes):
+            if code == TRANSFER_FAIL and sum(plan.sizes[i]) > 0:
+                size = int(client.get_size(names[i]))
+                if 0 < size < sum(plan.sizes[i]):
+                    plan.trim(i, size)
+                    retry.append(i)
+                elif size in NOT_HELD:
+                    codes[i] = size
+        if retry:
+            again = client.batch_get_into_multi_buffers(
+                [names[i] for i in retry], [plan.ptrs[i] for i in retry], [plan.sizes[i] for i in retry]
+            )
+            for i, code in zip(retry, again, strict=True):
+                codes[i] = int(code)
+        return codes
+
+    def _check_answered(self, call: str, codes: list[int], count: int) -> None:
+        if len(codes) != count or all(code in UNAVAILABLE for code in codes):
+            bad = sorted(set(codes)) or [f"{len(codes)} answers"]
+            raise StoreUnavailable(f"{self.options.where}: {call} returned {bad}")
+
+    # -- staging ------------------------------------------------------------------------
+
+    def _take_staging(self, size: int) -> _Staging:
+        with self._staging_lock:
+            fits = [s for s in self._free_staging if s.size >= size]
+            if fits:
+                area = min(fits, key=lambda s: s.size)
+                self._free_staging.remove(area)
+                return area
+        area = _Staging(self._client, max(MIN_STAGING, 1 << (size - 1).bit_length()))
+        if area.rc != 0:
+            raise StoreUnavailable(f"{self.options.where}: registering a staging area failed (rc {area.rc})")
+        with self._staging_lock:
+            self._all_staging.append(area)
+        return area
+
+    def _give_staging(self, area: _Staging) -> None:
+        with self._staging_lock:
+            self._free_staging.append(area)
+            if len(self._free_staging) <= self.concurrency:
+                return
+            # keep at most one free area per concurrent call: drop the smallest
+            drop = min(self._free_staging, key=lambda s: s.size)
+            self._free_staging.remove(drop)
+            self._all_staging.remove(drop)
+        self._client.unregister_buffer(drop.address)
+
+    def close(self) -> None:
+        """Finish the calls in flight, unregister this client's memory and disconnect (idempotent)."""
+        with self._state:
+            if self._closed:
+                return
+            self._closed = True
+            self._state.wait_for(lambda: self._calls == 0)
+        try:
+            # best effort: Mooncake's close tears its transfer engine down with them anyway
+            for start, _ in self._ranges:
+                self._client.unregister_buffer(start)
+            for area in self._all_staging:
+                self._client.unregister_buffer(area.address)
+        finally:
+            self._ranges.clear()
+            self._free_staging.clear()
+            self._all_staging.clear()
+            self._client.close()
+
+
+def _bytes(memory: memoryview, argument: str, *, writable: bool) -> np.ndarray:
+    """``memory`` as a flat uint8 array (its address is ``.ctypes.data``)."""
+    if not isinstance(memory, memoryview):
+        memory = memoryview(memory)
+    if not memory.c_contiguous:
+        raise ValidationError(argument, "a part is not contiguous memory")
+    if writable and memory.readonly:
+        raise ValidationError(argument, "a buffer is read-only")
+    if not memory.nbytes:
+        return np.empty(0, dtype=np.uint8)
+    return np.frombuffer(memory, np.uint8)
+
+
+class _Plan:
+    """One call's pointers and sizes, with its parts outside registered memory staged."""
+
+    def __init__(self, store: MooncakeStore, values: list[list[np.ndarray]]) -> None:
+        self.store = store
+        self.ptrs: list[list[int]] = []
+        self.sizes: list[list[int]] = []
+        # staged parts: (value, offset in the staging area, offset in the value, part)
+        self.staged: list[tuple[int, int, int, np.ndarray]] = []
+        self.area: _Staging | None = None
+        staged_bytes = 0
+        for i, parts in enumerate(values):
+            ptrs, sizes, at = [], [], 0
+            for part in parts:
+                if not part.nbytes:
+                    continue  # Mooncake refuses zero-length slices; they carry nothing
+                address = int(part.ctypes.data)
+                if store._registered(address, part.nbytes):
+                    ptrs.append(address)
+                else:
+                    ptrs.append(-1)  # filled in once the staging area exists
+                    self.staged.append((i, staged_bytes, at, part))
+                    staged_bytes += part.nbytes
+                sizes.append(part.nbytes)
+                at += part.nbytes
+            self.ptrs.append(ptrs)
+            self.sizes.append(sizes)
+        if staged_bytes:
+            self.area = store._take_staging(staged_bytes)
+            base = self.area.address
+            fill = iter(self.staged)
+            for ptrs in self.ptrs:
+                for j, ptr in enumerate(ptrs):
+                    if ptr == -1:
+                        ptrs[j] = base + next(fill)[1]
+
+    def stage_in(self) -> None:
+        if self.area is not None:
+            for _, offset, _, part in self.staged:
+                self.area.array[offset : offset + part.nbytes] = part
+
+    def stage_out(self, delivered: list[int]) -> None:
+        """Copy out the staged bytes of the values delivered (``delivered[i]`` bytes of value i)."""
+        if self.area is None:
+            return
+        for i, offset, at, part in self.staged:
+            n = min(part.nbytes, delivered[i] - at)
+            if n > 0:
+                part[:n] = self.area.array[offset : offset + n]
+
+    def trim(self, i: int, size: int) -> None:
+        """Cut value ``i``'s slices to its first ``size`` bytes."""
+        ptrs, sizes, left = [], [], size
+        for ptr, n in zip(self.ptrs[i], self.sizes[i], strict=True):
+            if left <= 0:
+                break
+            ptrs.append(ptr)
+            sizes.append(min(n, left))
+            left -= n
+        self.ptrs[i], self.sizes[i] = ptrs, sizes
+
+    def release(self) -> None:
+        if self.area is not None:
+            self.store._give_staging(self.area)
+            self.area = None

@@ -1,0 +1,456 @@
+"""Redis (one server or a Redis Cluster) as the shared remote store.
+
+Each value is one binary Redis string under its name, written with ``SET NX`` (names are
+content-addressed: an existing value is never replaced) and read with ``GET``; batches are
+pipelined. Nothing is pickled.
+
+URL forms (``remote_url``)::
+
+    redis://[USER[:PASSWORD]@]HOST[:PORT][/DB]     one server (port 6379, DB 0 by default)
+    rediss://...                                    the same over TLS
+    redis+cluster://[USER[:PASSWORD]@]HOST[:PORT]   a Redis Cluster, through one seed node (no DB)
+    rediss+cluster://...                            a cluster over TLS
+
+Query options read here: ``ttl=SECONDS`` (values expire after that long; default never) and
+``timeout=SECONDS`` (connect and read timeout, default 2.0). Passed on to redis-py:
+``ssl_ca_certs``, ``ssl_ca_path``, ``ssl_certfile``, ``ssl_keyfile``, ``ssl_cert_reqs``
+(``none``/``optional``/``required``), ``ssl_check_hostname``, ``max_connections``,
+``health_check_interval``, ``socket_keepalive``; the ``ssl_*`` ones need ``rediss``.
+
+Credentials: the user and password in the URL (percent-encoded), else ``KVHAL_REDIS_USERNAME``
+and ``KVHAL_REDIS_PASSWORD``. The password never appears in a message or a repr.
+
+Eviction is the Redis server's job: give it ``maxmemory`` and an ``allkeys-lru`` (or
+``allkeys-lfu``) policy, or use ``ttl``. A full server with neither refuses writes (``put``
+answers False for them) and still serves reads.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import parse_qsl, unquote, urlsplit
+
+import redis
+import redis.exceptions as rex
+from redis.backoff import NoBackoff
+from redis.cluster import RedisCluster
+from redis.retry import Retry
+
+from kvhal import env
+from kvhal.errors import ValidationError
+from kvhal.tiers.remote.store import ABSENT, FAILED, RemoteStore, StoreUnavailable
+
+__all__ = ["RedisStore"]
+
+ARGUMENT = "remote_url"
+SCHEMES = {"redis": (False, False), "rediss": (True, False), "redis+cluster": (False, True)}
+SCHEMES["rediss+cluster"] = (True, True)
+DEFAULT_PORT = 6379
+DEFAULT_TIMEOUT = 2.0
+#: commands per pipeline, and the value bytes one put pipeline holds at most (bounds the
+#: memory of joined values and the size of one round trip)
+PIPELINE_COMMANDS = 128
+PIPELINE_BYTES = 64 << 20
+
+
+def _to_bool(text: str) -> bool:
+    lowered = text.lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(text)
+
+
+def _cert_reqs(text: str) -> str:
+    if text.lower() not in ("none", "optional", "required"):
+        raise ValueError(text)
+    return text.lower()
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise ValueError(text)
+    return value
+
+
+#: query options handed to redis-py, with their parsers
+_PASSED_ON: dict[str, Callable[[str], object]] = {
+    "ssl_ca_certs": str,
+    "ssl_ca_path": str,
+    "ssl_certfile": str,
+    "ssl_keyfile": str,
+    "ssl_cert_reqs": _cert_reqs,
+    "ssl_check_hostname": _to_bool,
+    "max_connections": _positive_int,
+    "health_check_interval": _positive_int,
+    "socket_keepalive": _to_bool,
+}
+
+_FILES = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
+
+#: errors that mean the store (or a node of it) did not answer, as opposed to one command failing.
+#: ClusterError is raised when a cluster command ran out of redirections/retries;
+#: RedisClusterException when no seed node answers or slots are not covered.
+_UNAVAILABLE: tuple[type[BaseException], ...] = (
+    rex.ConnectionError,  # also AuthenticationError, BusyLoadingError, MaxConnectionsError
+    rex.TimeoutError,
+    rex.ClusterDownError,  # also MasterDownError
+    rex.ClusterError,
+    rex.TryAgainError,
+    rex.RedisClusterException,
+    OSError,
+)
+
+
+@dataclass(frozen=True)
+class _Target:
+    """A parsed ``remote_url`` (the password is kept out of the repr)."""
+
+    tls: bool
+    cluster: bool
+    host: str
+    port: int
+    db: int
+    username: str | None
+    password: str | None = field(repr=False)
+    password_source: str  # "from the URL", "from KVHAL_REDIS_PASSWORD" or "none"
+    ttl: int | None
+    timeout: float
+    options: dict[str, object]
+
+    @property
+    def where(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+    @property
+    def scheme(self) -> str:
+        return ("rediss" if self.tls else "redis") + ("+cluster" if self.cluster else "")
+
+
+def _parse_url(url: str) -> _Target:
+    """Parse and check ``url``; nothing is connected. Messages never quote the password."""
+    if not isinstance(url, str) or "://" not in url:
+        raise ValidationError(
+            ARGUMENT, f"must be a URL such as redis://HOST:PORT/0, got a {type(url).__name__}"
+        )
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    if scheme not in SCHEMES:
+        raise ValidationError(
+            ARGUMENT, f"unknown Redis scheme {scheme!r}; use one of {', '.join(s + '://' for s in SCHEMES)}"
+        )
+    tls, cluster = SCHEMES[scheme]
+    hostport = parts.netloc.rpartition("@")[2]  # what follows the credentials, safe to quote
+    if not parts.hostname:
+        raise ValidationError(ARGUMENT, f"names no host ({scheme}://HOST:PORT)")
+    try:
+        port = parts.port
+    except ValueError:
+        raise ValidationError(ARGUMENT, f"bad port in {hostport!r}: must be an integer in 1..65535") from None
+    if port is None:
+        if hostport.endswith(":"):
+            raise ValidationError(ARGUMENT, f"empty port in {hostport!r}")
+        port = DEFAULT_PORT
+    if port == 0:
+        raise ValidationError(ARGUMENT, f"bad port in {hostport!r}: must be an integer in 1..65535")
+    path = parts.path.strip("/")
+    if cluster and path:
+        raise ValidationError(ARGUMENT, f"a Redis cluster has only database 0; drop /{path} from the URL")
+    db = 0
+    if path:
+        if not path.isdigit():
+            raise ValidationError(ARGUMENT, f"the database must be a number (/0, /1, ...), got /{path}")
+        db = int(path)
+    if parts.fragment:
+        raise ValidationError(ARGUMENT, "must not have a #fragment")
+
+    ttl: int | None = None
+    timeout = DEFAULT_TIMEOUT
+    options: dict[str, object] = {}
+    seen: set[str] = set()
+    for name, value in parse_qsl(parts.query, keep_blank_values=True):
+        if name in seen:
+            raise ValidationError(ARGUMENT, f"option {name} is given twice")
+        seen.add(name)
+        if name == "ttl":
+            try:
+                ttl = _positive_int(value)
+            except ValueError:
+                raise ValidationError(
+                    ARGUMENT, f"ttl must be a positive number of seconds, got {value!r}"
+                ) from None
+        elif name == "timeout":
+            try:
+                timeout = float(value)
+            except ValueError:
+                timeout = -1.0
+            if not 0 < timeout < float("inf"):
+                raise ValidationError(
+                    ARGUMENT, f"timeout must be a positive number of seconds, got {value!r}"
+                )
+        elif name in _PASSED_ON:
+            if name.startswith("ssl_") and not tls:
+                raise ValidationError(
+                    ARGUMENT, f"option {name} needs TLS: use {scheme.replace('redis', 'rediss')}://"
+                )
+            try:
+                options[name] = _PASSED_ON[name](value)
+            except ValueError:
+                raise ValidationError(ARGUMENT, f"bad value {value!r} for option {name}") from None
+            # a missing file would otherwise surface as a connection failure
+            if name in _FILES and not os.path.isfile(value):
+                raise ValidationError(ARGUMENT, f"option {name}: no file {value!r}")
+            if name == "ssl_ca_path" and not os.path.isdir(value):
+                raise ValidationError(ARGUMENT, f"option ssl_ca_path: no directory {value!r}")
+        else:
+            known = ", ".join(["ttl", "timeout", *_PASSED_ON])
+            raise ValidationError(ARGUMENT, f"unknown option {name!r}; known: {known}")
+
+    # credentials: the URL's, else the settings'; an empty user or password counts as none given
+    username = unquote(parts.username) if parts.username else None
+    if parts.password:
+        password, source = unquote(parts.password), "from the URL"
+    elif (password := env.read("KVHAL_REDIS_PASSWORD")) is not None:
+        source = "from KVHAL_REDIS_PASSWORD"
+    else:
+        source = "none"
+    if username is None:
+        username = env.read("KVHAL_REDIS_USERNAME")
+    return _Target(tls, cluster, parts.hostname, port, db, username, password, source, ttl, timeout, options)
+
+
+def _auth_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what caused it) is the server refusing the credentials."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, rex.AuthenticationError):
+            return True
+        if isinstance(current, rex.ResponseError) and str(current).startswith(("NOAUTH", "WRONGPASS")):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
+def _bytes_view(part: memoryview) -> memoryview:
+    """``part`` as a flat view of bytes (its length is then its size in bytes)."""
+    return part if part.format == "B" and part.ndim == 1 else part.cast("B")
+
+
+class RedisStore(RemoteStore):
+    """A connected Redis or Redis Cluster client; build it with :meth:`from_url`.
+
+    Thread-safe: redis-py clients hand each call its own pooled connection.
+    """
+
+    concurrency = 4
+
+    def __init__(self, target: _Target) -> None:
+        """Connect to ``target`` and PING it (use :meth:`from_url`).
+
+        :raises StoreUnavailable: it does not answer.
+        :raises ValidationError: it refused the credentials.
+        """
+        self._target = target
+        self._lock = threading.Lock()
+        self._closed = False
+        self._stale = False
+        self._client: Any = None
+        self._client = self._connect()
+
+    @classmethod
+    def from_url(cls, url: str) -> RedisStore:
+        """Connect to the server or cluster ``url`` names (see the module's documentation).
+
+        :raises ValidationError: the URL or an option is malformed (nothing was connected),
+            or the server refused the credentials; the argument is ``remote_url``.
+        :raises StoreUnavailable: the server does not answer.
+        """
+        return cls(_parse_url(url))
+
+    def __repr__(self) -> str:
+        t = self._target
+        db = "" if t.cluster else f"/{t.db}"
+        return f"RedisStore({t.scheme}://{t.where}{db}, ttl={t.ttl})"
+
+    @property
+    def _what(self) -> str:
+        kind = "redis cluster" if self._target.cluster else "redis"
+        return f"{kind} at {self._target.where}"
+
+    def _connect(self) -> Any:
+        t = self._target
+        options: dict[str, Any] = {
+            "username": t.username,
+            "password": t.password,
+            "socket_timeout": t.timeout,
+            "socket_connect_timeout": t.timeout,
+            "decode_responses": False,
+            # one immediate retry: enough to replace a pooled connection the server closed
+            # (a restart), without redis-py's default backoff stretching an outage's calls
+            "retry": Retry(NoBackoff(), 1),
+            **t.options,
+        }
+        if t.tls:
+            options["ssl"] = True
+        client: Any = None
+        try:
+            if t.cluster:
+                # builds the slot map from the seed, so it already talks to the cluster
+                client = RedisCluster(host=t.host, port=t.port, **options)
+            else:
+                client = redis.Redis(host=t.host, port=t.port, db=t.db, **options)
+            if t.cluster:
+                # a connection to every primary now: opened lazily, they would fall on the
+                # first lookups, which have a budget of a few hundred milliseconds
+                client.ping(target_nodes=RedisCluster.PRIMARIES)
+            else:
+                client.ping()
+        except Exception as exc:
+            if client is not None:
+                client.close()
+            if _auth_failure(exc):
+                user = repr(t.username) if t.username else "default"
+                raise ValidationError(
+                    ARGUMENT,
+                    f"the Redis server at {t.where} refused the credentials "
+                    f"(user {user}; password {t.password_source})",
+                ) from None  # the cause may echo what was sent
+            if isinstance(exc, _UNAVAILABLE):
+                raise StoreUnavailable(f"{self._what}: {_describe(exc)}") from exc
+            if isinstance(exc, rex.ResponseError):  # e.g. SELECT of a database it does not have
+                raise ValidationError(ARGUMENT, f"the Redis server at {t.where} answered: {exc}") from exc
+            raise
+        return client
+
+    def _current(self) -> Any:
+        """The client to use now; after a failure on a cluster, a new one.
+
+        redis-py before 8 drops each unreachable node from a RedisCluster's startup nodes, so
+        after a whole-cluster outage that client never finds the cluster again (8.1 recovers by
+        itself); a new client, built from the seed, works with both.
+        """
+        with self._lock:
+            if self._closed:
+                raise StoreUnavailable(f"{self._what}: the store is closed")
+            if self._stale:
+                fresh = self._connect()  # raises StoreUnavailable while the cluster is still down
+                old, self._client, self._stale = self._client, fresh, False
+                old.close()
+            return self._client
+
+    def _failed(self, client: Any, exc: BaseException) -> StoreUnavailable:
+        if self._target.cluster:
+            with self._lock:
+                if self._client is client:
+                    self._stale = True
+        return StoreUnavailable(f"{self._what}: {_describe(exc)}")
+
+    def _pipelined(
+        self, count: int, add: Callable[[Any, int], int], raise_on_error: bool = False
+    ) -> list[object]:
+        """Run ``add(pipe, i)`` for i in ``range(count)`` in pipelines; the replies, in order.
+
+        ``add`` returns the bytes it queued, to bound a pipeline's size.
+        """
+        client = self._current()
+        replies: list[object] = []
+        try:
+            i = 0
+            while i < count:
+                pipe = client.pipeline(transaction=False)
+                queued = size = 0
+                while i < count and queued < PIPELINE_COMMANDS and size < PIPELINE_BYTES:
+                    size += add(pipe, i)
+                    queued += 1
+                    i += 1
+                replies.extend(pipe.execute(raise_on_error=raise_on_error))
+        except _UNAVAILABLE as exc:
+            raise self._failed(client, exc) from exc
+        # a cluster pipeline can report a node's failure as that command's reply
+        for reply in replies:
+            if isinstance(reply, _UNAVAILABLE):
+                raise self._failed(client, reply) from reply
+        return replies
+
+    def exist(self, names: Sequence[str]) -> list[bool]:
+        def add(pipe: Any, i: int) -> int:
+            pipe.exists(names[i])
+            return 0
+
+        replies = self._pipelined(len(names), add)
+        # another error (a refused command) says nothing about the name: not known to exist
+        return [isinstance(r, int) and r > 0 for r in replies]
+
+    def put(self, names: Sequence[str], values: Sequence[Sequence[memoryview]]) -> list[bool]:
+        if len(names) != len(values):
+            raise ValueError(f"{len(names)} names but {len(values)} values")
+        ttl = self._target.ttl
+
+        def add(pipe: Any, i: int) -> int:
+            parts = values[i]
+            # one part goes out as it is (redis-py writes a memoryview without copying it)
+            value: bytes | memoryview = _bytes_view(parts[0]) if len(parts) == 1 else b"".join(parts)
+            pipe.set(names[i], value, nx=True, ex=ttl)
+            return len(value)
+
+        replies = self._pipelined(len(names), add)
+        # SET NX answers None when the name exists already: stored, by another writer
+        return [not isinstance(r, BaseException) for r in replies]
+
+    def get(self, names: Sequence[str], buffers: Sequence[Sequence[memoryview]]) -> list[int]:
+        if len(names) != len(buffers):
+            raise ValueError(f"{len(names)} names but {len(buffers)} buffers")
+
+        def add(pipe: Any, i: int) -> int:
+            pipe.get(names[i])
+            return 0
+
+        replies = self._pipelined(len(names), add)
+        results: list[int] = []
+        for reply, parts in zip(replies, buffers, strict=True):
+            if reply is None:
+                results.append(ABSENT)
+            elif not isinstance(reply, bytes):
+                results.append(FAILED)  # that command was refused
+            else:
+                results.append(_scatter(reply, parts))
+        return results
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            client, self._client = self._client, None
+        if client is not None:
+            client.close()
+
+
+def _scatter(value: bytes, parts: Sequence[memoryview]) -> int:
+    """Copy ``value`` over ``parts`` in order: its length, or FAILED if it does not fit."""
+    views = [_bytes_view(p) for p in parts]
+    if len(value) > sum(len(v) for v in views):
+        return FAILED
+    source = memoryview(value)
+    offset = 0
+    for view in views:
+        if offset == len(value):
+            break
+        n = min(len(view), len(value) - offset)
+        view[:n] = source[offset : offset + n]
+        offset += n
+    return len(value)
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
