@@ -1,7 +1,15 @@
 #!/usr/bin/env bash
 # The test command (README): set up, lint, run every test. Extra arguments go to pytest.
+#   bash scripts/test.sh           every test, two workers (what CI runs via .ci/run)
+#   bash scripts/test.sh --quick   the inner loop before each commit: every unit test, no engine,
+#                                  no conformance-suite marathon, hypothesis's quick profile
 set -euo pipefail
 cd "$(dirname "$0")/.."
+quick=0
+args=()
+for arg in "$@"; do
+  if [ "$arg" = --quick ]; then quick=1; else args+=("$arg"); fi
+done
 bash scripts/setup.sh
 VENV=${KVHAL_VENV:-.venv}
 echo "[test] ruff"
@@ -9,5 +17,13 @@ echo "[test] ruff"
 "$VENV/bin/ruff" format --check src tests conformance plugins
 echo "[test] lint-imports"
 "$VENV/bin/lint-imports"
+# Two workers on two cores: an engine test waits on its engine's start and sleeps while a
+# unit test computes. --dist loadfile keeps a file's tests (and its module-scoped servers,
+# engines and the mutation batch) on one worker.
+pytest=("$VENV/bin/python" -m pytest -q -n 2 --dist loadfile)
+if [ "$quick" = 1 ]; then
+  echo "[test] pytest (quick: not e2e, not slow)"
+  KVHAL_HYPOTHESIS=quick exec "${pytest[@]}" -m "not e2e and not slow" "${args[@]}"
+fi
 echo "[test] pytest"
-exec "$VENV/bin/python" -m pytest -q "$@"
+exec "${pytest[@]}" "${args[@]}"

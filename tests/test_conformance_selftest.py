@@ -72,9 +72,15 @@ BROKEN: dict[str, tuple[str, str, tuple[str, ...]]] = {
 
 INSTALLED = importlib.util.find_spec("kvhal_conformance") is not None
 MUTANTS = importlib.import_module("kvhal_conformance.mutants").MUTANTS if INSTALLED else {}
-pytestmark = pytest.mark.skipif(
-    not INSTALLED, reason="kvhal-conformance is not installed (pip install -e conformance)"
-)
+pytestmark = [
+    pytest.mark.skipif(
+        not INSTALLED, reason="kvhal-conformance is not installed (pip install -e conformance)"
+    ),
+    # the suite run against every mutant: minutes, in the full run only
+    pytest.mark.slow,
+    # the first test waits for the mutation batch (MUTATION_TIMEOUT_S at most)
+    pytest.mark.timeout(MUTATION_TIMEOUT_S + 300),
+]
 
 
 def run(args: list[str], timeout: int = 600) -> subprocess.CompletedProcess[str]:

@@ -189,6 +189,7 @@ def test_stubs_fail_conformance_naming_their_sections(tmp_path: Path) -> None:
 # -- the guide's example, installed --------------------------------------------------------
 
 
+@pytest.mark.slow  # a fresh virtual environment, pip install and the whole suite
 def test_guide_example_passes_conformance_when_installed(tmp_path: Path) -> None:
     """The scaffold filled in with the guide's code blocks, installed with pip into a fresh
     virtual environment (kvhal and the suite come from this one), is found through its entry

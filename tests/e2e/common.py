@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 from pathlib import Path
+
+from kvhal.testing.scenario import ServedEngine
 
 FAULT_PLUGIN = Path(__file__).parent / "fault_plugin"
 
@@ -24,3 +27,18 @@ def fault_env(modes: str, ranks: list[int] | None = None) -> dict[str, str]:
     if ranks is not None:
         env["KVHAL_TEST_FAULT_RANKS"] = ",".join(str(r) for r in ranks)
     return env
+
+
+#: Engines without kvhal kept running for the whole session, by (model, engine arguments):
+#: every test's baseline comes from one of them (closed by tests/e2e/conftest.py).
+BASELINE_ENGINES: dict[tuple[str, str], ServedEngine] = {}
+
+
+def baseline_tokens(model: str, batch: list[list[int]], engine: dict | None = None) -> list[list[int]]:
+    """Greedy tokens of ``batch`` on an engine without kvhal, its prefix cache reset first: what
+    a fresh engine computes (a shared engine saves an engine start per baseline)."""
+    key = (model, json.dumps(engine or {}, sort_keys=True))
+    if key not in BASELINE_ENGINES:
+        BASELINE_ENGINES[key] = ServedEngine({"model": model, "kvhal": None, "engine": engine or {}})
+    _, generated = BASELINE_ENGINES[key].submit([{"op": "reset"}, {"op": "generate", "prompts": batch}])
+    return [o["tokens"] for o in generated["outputs"]]

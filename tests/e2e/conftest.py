@@ -9,14 +9,27 @@ import pytest
 
 from kvhal.testing import scenario
 from kvhal.testing.models import HYBRID_MODEL, TEST_MODEL
+from tests.e2e.common import BASELINE_ENGINES
 
 MODEL_CACHE = Path(os.environ.get("KVHAL_TEST_MODELS", Path.home() / ".cache" / "kvhal-test-models"))
 
 
+#: The end-to-end files every supported vLLM version runs (marker ``vllm_compat``).
+VLLM_COMPAT = {
+    "test_vllm_connector.py",
+    "test_vllm_disk_tier.py",
+    "test_vllm_remote_tier.py",
+    "test_vllm_tensor_parallel.py",
+}
+
+
 def pytest_collection_modifyitems(items):
     for item in items:
-        if "tests/e2e/" in str(item.fspath).replace(os.sep, "/"):
+        path = Path(str(item.fspath))
+        if "tests/e2e/" in path.as_posix():
             item.add_marker(pytest.mark.e2e)
+            if path.name in VLLM_COMPAT:
+                item.add_marker(pytest.mark.vllm_compat)
 
 
 @pytest.fixture(scope="session")
@@ -31,6 +44,9 @@ def engine_fork_server():
     starts every engine with a fresh interpreter instead, as the benchmarks do."""
     scenario.use_fork_server(os.environ.get("KVHAL_FORK_SERVER", "1") != "0")
     yield
+    for served in BASELINE_ENGINES.values():
+        served.close()
+    BASELINE_ENGINES.clear()
     scenario.use_fork_server(False)
 
 

@@ -14,7 +14,7 @@ import json
 import pytest
 
 from kvhal.testing.scenario import ScenarioError, run_scenario
-from tests.e2e.common import fault_env, prompts
+from tests.e2e.common import baseline_tokens, fault_env, prompts
 
 BLOCK = 32
 #: A prompt of 200 tokens: vLLM computes at least the last token, so kvhal can serve 6 full blocks.
@@ -36,9 +36,8 @@ def warm_round(model: str, batch: list[list[int]], kvhal: dict | None, **extra) 
 
 @functools.cache
 def _baseline(model: str, batch_json: str, engine_json: str) -> tuple[tuple[int, ...], ...]:
-    steps = [{"op": "generate", "prompts": json.loads(batch_json)}]
-    result = run_scenario({"model": model, "kvhal": None, "steps": steps, "engine": json.loads(engine_json)})
-    return tuple(tuple(o["tokens"]) for o in result["steps"][0]["outputs"])
+    tokens = baseline_tokens(model, json.loads(batch_json), json.loads(engine_json))
+    return tuple(tuple(t) for t in tokens)
 
 
 def baseline(model: str, batch: list[list[int]], engine: dict | None = None) -> list[list[int]]:
@@ -54,18 +53,30 @@ def loaded(step: dict) -> list[int]:
     return [o["kvhal_loaded_tokens"] for o in step["outputs"]]
 
 
-@pytest.mark.parametrize("multiprocessing", [False, True], ids=["mp0", "mp1"])
-def test_outputs_identical_and_served_from_host_tier(model, multiprocessing):
-    batch = prompts(3, LENGTH, seed=1)
-    cold, reset, warm, metrics = warm_round(
+@functools.cache
+def host_tier_run(model: str, multiprocessing: bool) -> list[dict]:
+    """cold -> reset -> warm -> metrics on an engine with a host tier; single-process engines
+    go on (reset -> noise over the host tier -> the same prompts again) for the negative control."""
+    more = [{"op": "metrics"}]
+    if not multiprocessing:  # corrupt_host reaches the worker's host tier in this process only
+        more += [{"op": "reset"}, {"op": "corrupt_host", "seed": 7}, {"op": "generate", "prompts": BATCH}]
+    return warm_round(
         model,
-        batch,
+        BATCH,
         {"cpu_bytes_to_use": 64 << 20},
         multiprocessing=multiprocessing,
         engine={"disable_log_stats": False},
-        more_steps=[{"op": "metrics"}],
+        more_steps=more,
     )
-    expected = baseline(model, batch)
+
+
+BATCH = prompts(3, LENGTH, seed=1)
+
+
+@pytest.mark.parametrize("multiprocessing", [False, True], ids=["mp0", "mp1"])
+def test_outputs_identical_and_served_from_host_tier(model, multiprocessing):
+    cold, reset, warm, metrics = host_tier_run(model, multiprocessing)[:4]
+    expected = baseline(model, BATCH)
     assert tokens(cold) == expected, "kvhal changed the outputs of a cold run"
     assert reset["ok"]
     assert tokens(warm) == expected, "outputs differ when KV comes from kvhal's host tier"
@@ -81,17 +92,9 @@ def test_outputs_identical_and_served_from_host_tier(model, multiprocessing):
 
 
 def test_negative_control_corrupted_host_tier_changes_outputs(model):
-    """Proves the loaded KV is used: noise in the host tier must change the outputs."""
-    batch = prompts(3, LENGTH, seed=1)
-    cold, _, warm = warm_round(model, batch, {"cpu_bytes_to_use": 64 << 20}, more_steps=[])[:3]
-    steps = [
-        {"op": "generate", "prompts": batch},
-        {"op": "reset"},
-        {"op": "corrupt_host", "seed": 7},
-        {"op": "generate", "prompts": batch},
-    ]
-    result = run_scenario({"model": model, "kvhal": {"cpu_bytes_to_use": 64 << 20}, "steps": steps})["steps"]
-    corrupted = result[3]
+    """Proves the loaded KV is used: noise in the host tier must change the outputs (the same
+    engine's warm round, before the noise, served the same blocks with the cold outputs)."""
+    cold, _, warm, _, _, _, corrupted = host_tier_run(model, False)
     assert loaded(corrupted) == [SERVED] * 3, "the corrupted blocks were not loaded at all"
     changed = [a != b for a, b in zip(tokens(corrupted), tokens(cold), strict=True)]
     assert all(changed), f"outputs survived a corrupted host tier: {changed}"

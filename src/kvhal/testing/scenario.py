@@ -13,10 +13,12 @@ import json
 import os
 import resource
 import select
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -62,9 +64,12 @@ class ForkServer:
             stdout=subprocess.PIPE,
             stderr=fd,
         )
-        self._pending = bytearray()
         os.close(fd)
-        self._read(deadline=time.monotonic() + 300)  # {"ready": pid}
+        self._pending = bytearray()
+        self._replies: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+        self._next_id = 0
+        self._await(None, "ready", deadline=time.monotonic() + 300)
 
     def accepts(self, env: dict[str, str], python: str | None) -> bool:
         """Whether a scenario with ``env`` can be forked from this server."""
@@ -74,35 +79,45 @@ class ForkServer:
             and _exec_time(env) == _exec_time(self.env)
         )
 
-    def _read(self, deadline: float) -> dict[str, Any]:
-        """The server's next reply line, waiting until ``deadline`` (TimeoutExpired past it)."""
+    def _await(self, rid: int | None, key: str, deadline: float) -> dict[str, Any]:
+        """The server's reply to request ``rid`` that holds ``key``, waiting until ``deadline``
+        (TimeoutExpired past it). Threads share the pipe: whoever holds the lock reads for all."""
         assert self.proc.stdout is not None
         fd = self.proc.stdout.fileno()
-        while b"\n" not in self._pending:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
-                raise subprocess.TimeoutExpired(self.proc.args, 0)
-            chunk = os.read(fd, 65536)
-            if not chunk:
-                log = Path(self.log).read_text(errors="replace")[-3000:]
-                raise ScenarioError(f"the fork server died:\n{log}")
-            self._pending += chunk
-        line, _, self._pending = bytes(self._pending).partition(b"\n")
-        self._pending = bytearray(self._pending)
-        return json.loads(line)
+        while True:
+            with self._lock:
+                for i, reply in enumerate(self._replies):
+                    if reply.get("id") == rid and key in reply:
+                        return self._replies.pop(i)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise subprocess.TimeoutExpired(self.proc.args, 0)
+                if select.select([fd], [], [], min(left, 0.05))[0]:
+                    chunk = os.read(fd, 65536)
+                    if not chunk:
+                        log = Path(self.log).read_text(errors="replace")[-3000:]
+                        raise ScenarioError(f"the fork server died:\n{log}")
+                    self._pending += chunk
+                    while b"\n" in self._pending:
+                        line, _, rest = bytes(self._pending).partition(b"\n")
+                        self._pending = bytearray(rest)
+                        self._replies.append(json.loads(line))
 
     def run(self, argv: list[str], env: dict[str, str], log: Path, timeout: float) -> tuple[int, int]:
         """Run the runner with ``argv`` in a forked child; (its return code, its minor faults)."""
         assert self.proc.stdin is not None
         deadline = time.monotonic() + timeout
-        self.proc.stdin.write((json.dumps({"argv": argv, "env": env, "log": str(log)}) + "\n").encode())
-        self.proc.stdin.flush()
-        pid = self._read(deadline)["pid"]
+        with self._lock:
+            rid, self._next_id = self._next_id, self._next_id + 1
+            request = {"id": rid, "argv": argv, "env": env, "log": str(log)}
+            self.proc.stdin.write((json.dumps(request) + "\n").encode())
+            self.proc.stdin.flush()
+        pid = self._await(rid, "pid", deadline)["pid"]
         try:
-            done = self._read(deadline)
+            done = self._await(rid, "returncode", deadline)
         except subprocess.TimeoutExpired:
             os.kill(pid, signal.SIGKILL)  # as subprocess.run does on a timeout
-            self._read(time.monotonic() + 60)
+            self._await(rid, "returncode", time.monotonic() + 60)
             raise subprocess.TimeoutExpired(argv, timeout) from None
         return done["returncode"], done["minor_faults"]
 
@@ -120,6 +135,7 @@ class ForkServer:
 
 _fork_server: ForkServer | None = None
 _use_fork_server = False
+_fork_server_lock = threading.Lock()  # a served engine's thread starts scenarios too
 
 
 def use_fork_server(enabled: bool = True) -> None:
@@ -133,6 +149,11 @@ def use_fork_server(enabled: bool = True) -> None:
 
 
 def _server_for(env: dict[str, str], python: str | None) -> ForkServer | None:
+    with _fork_server_lock:
+        return _locked_server_for(env, python)
+
+
+def _locked_server_for(env: dict[str, str], python: str | None) -> ForkServer | None:
     global _fork_server
     if not _use_fork_server:
         return None
@@ -184,3 +205,59 @@ def run_scenario(
     result["stderr"] = output
     result["minor_faults"] = minor_faults
     return result
+
+
+class ServedEngine:
+    """One engine kept running for many jobs (the runner's ``serve`` step): tests that need
+    the same engine again (a baseline without kvhal, say) ask it instead of starting one.
+
+    ``submit(steps)`` hands a job over in a file and waits for its records; an engine that
+    died or a job past its deadline raises :class:`ScenarioError` with the engine's log.
+    """
+
+    def __init__(self, scenario: dict[str, Any], *, start_timeout: float = 600) -> None:
+        self.folder = Path(tempfile.mkdtemp(prefix="kvhal-served-"))
+        spec = {**scenario, "steps": [{"op": "serve", "folder": str(self.folder)}]}
+        self.jobs = 0
+        self._failure: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(spec,), daemon=True)
+        self._thread.start()
+        self._wait_for(self.folder / "ready", start_timeout)
+
+    def _run(self, spec: dict[str, Any]) -> None:
+        try:
+            run_scenario(spec, timeout=24 * 3600)
+        except BaseException as exc:  # reported by the next submit()
+            self._failure = exc
+
+    def _wait_for(self, path: Path, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not path.exists():
+            if not self._thread.is_alive():
+                raise ScenarioError(f"the served engine ended: {self._failure}")
+            if time.monotonic() > deadline:
+                raise ScenarioError(f"the served engine wrote no {path.name} within {timeout} s")
+            time.sleep(0.005)
+
+    def _hand_over(self, job: dict[str, Any]) -> int:
+        number, self.jobs = self.jobs, self.jobs + 1
+        tmp = self.folder / f".job-{number}.tmp"
+        tmp.write_text(json.dumps(job))
+        tmp.rename(self.folder / f"job-{number}.json")
+        return number
+
+    def submit(self, steps: list[dict[str, Any]], timeout: float = 600) -> list[dict[str, Any]]:
+        """Run ``steps`` on the engine; their records, as :func:`run_scenario`'s ``steps``."""
+        number = self._hand_over({"steps": steps})
+        path = self.folder / f"result-{number}.json"
+        self._wait_for(path, timeout)
+        answer = json.loads(path.read_text())
+        if "error" in answer:
+            raise ScenarioError(f"a served job failed:\n{answer['error']}")
+        return answer["steps"]
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._hand_over({"stop": True})
+            self._thread.join(120)
+        shutil.rmtree(self.folder, ignore_errors=True)

@@ -13,16 +13,19 @@ would hang the child) and holds no thread but the main one. Variables a process 
 only when it starts (malloc tuning, ``PYTHONHASHSEED``, OpenMP's) cannot be changed after
 a fork: :mod:`kvhal.testing.scenario` sends such scenarios to a fresh process instead.
 
-Protocol, one JSON object a line: the client writes ``{"argv": [SPEC, OUT], "env": {...},
-"log": PATH}``; the server answers ``{"pid": N}`` when the child runs and ``{"pid": N,
-"returncode": R, "minor_faults": F}`` when it ended (``R`` negative: killed by signal ``-R``).
+Protocol, one JSON object a line: the client writes ``{"id": I, "argv": [SPEC, OUT], "env":
+{...}, "log": PATH}``; the server answers ``{"id": I, "pid": N}`` when the child runs and
+``{"id": I, "pid": N, "returncode": R, "minor_faults": F}`` when it ended (``R`` negative:
+killed by signal ``-R``). Several children may run at once.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import select
 import sys
+import time
 from typing import Any
 
 
@@ -58,25 +61,43 @@ def _become(request: dict[str, Any]) -> list[str]:
 
 
 def serve() -> list[str] | None:
-    """Answer requests until stdin closes (returns None), or, in a forked child, return the
-    runner's argv."""
-    reply = sys.stdout
-    reply.write(json.dumps({"ready": os.getpid()}) + "\n")
-    reply.flush()
-    for line in sys.stdin:
-        if not line.strip():
-            continue
-        request = json.loads(line)
-        pid = os.fork()
-        if pid == 0:
-            return _become(request)
-        reply.write(json.dumps({"pid": pid}) + "\n")
-        reply.flush()
-        _, status, usage = os.wait4(pid, 0)
-        code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
-        reply.write(json.dumps({"pid": pid, "returncode": code, "minor_faults": usage.ru_minflt}) + "\n")
-        reply.flush()
+    """Answer requests until stdin closes and every child ended (returns None), or, in a
+    forked child, return the runner's argv. Children run side by side (a test may keep one
+    engine serving while it starts others)."""
+    fd = sys.stdin.fileno()
+    children: dict[int, Any] = {}  # pid -> request id
+    pending, reading = b"", True
+    _reply({"ready": os.getpid()})
+    while reading or children:
+        if reading and select.select([fd], [], [], 0.02)[0]:
+            chunk = os.read(fd, 65536)
+            reading = bool(chunk)
+            pending += chunk
+            while b"\n" in pending:
+                line, pending = pending.split(b"\n", 1)
+                if not line.strip():
+                    continue
+                request = json.loads(line)
+                pid = os.fork()
+                if pid == 0:
+                    return _become(request)
+                children[pid] = request.get("id")
+                _reply({"id": request.get("id"), "pid": pid})
+        elif not reading:
+            time.sleep(0.02)
+        while children:
+            pid, status, usage = os.wait4(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+            reply = {"pid": pid, "returncode": code, "minor_faults": usage.ru_minflt}
+            _reply({"id": children.pop(pid), **reply})
     return None
+
+
+def _reply(message: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(message) + "\n")
+    sys.stdout.flush()
 
 
 def main() -> int:

@@ -16,9 +16,10 @@ medium; needs ``kv_events_port`` in the spec), ``sleep`` (``seconds``) and
 ``kill`` (SIGKILL of the engine's own process: a crash), ``threads`` (page faults and CPU
 time per thread of the engine's process, so far), ``chat`` (a multi-turn workload:
 each round's prompt is the conversation so far plus a new turn, served round-robin with a
-few requests in flight; per-request TTFT and logprobs, metrics after each round) and
+few requests in flight; per-request TTFT and logprobs, metrics after each round),
 ``chat_jobs`` (serve ``chat`` jobs handed over in files until told to stop, so that two
-live engines can take turns: ``kvhal bench chat``'s shared configuration).
+live engines can take turns: ``kvhal bench chat``'s shared configuration) and ``serve``
+(any steps handed over in files: one engine for many tests).
 """
 
 from __future__ import annotations
@@ -506,37 +507,81 @@ def run(spec: dict) -> dict:
     result: dict[str, Any] = {"engine_start_seconds": time.perf_counter() - start, "steps": []}
     result["kvhal_device"] = _kvhal_device() if spec.get("kvhal") is not None else None
     for step in spec["steps"]:
-        op = step["op"]
-        if op == "generate":
-            record = _generate(llm, step)
-        elif op == "reset":
-            record = _reset(llm, step)
-        elif op == "corrupt_host":
-            record = _corrupt_host(step.get("seed", 0))
-        elif op == "metrics":
-            record = _metrics(llm, step)
-        elif op == "kvhal_state":
-            record = _kvhal_state(llm)
-        elif op == "threads":  # page faults and CPU time per thread, so far
-            record = _threads()
-        elif op == "sleep":  # lets copies and tier writes in flight go on
-            time.sleep(step["seconds"])
-            record = {}
-        elif op == "handshake":  # the test acts outside (stops a server, say) while the engine lives
-            record = _handshake(step)
-        elif op == "kill":  # a crash: SIGKILL, nothing flushed or shut down
-            os.kill(os.getpid(), signal.SIGKILL)
-        elif op == "chat":  # a multi-turn workload (kvhal bench chat)
-            record = _chat(llm, step)
-        elif op == "chat_jobs":  # chat jobs handed over in files (two engines taking turns)
-            record = _chat_jobs(llm, step)
-        elif op == "kv_events":
-            assert listener is not None, "kv_events needs kv_events_port in the spec"
-            record = listener.summary(step.get("settle", 1.0))
-        else:
-            raise ValueError(f"unknown step op {op!r}")
-        result["steps"].append({"op": op, "name": step.get("name", op), **record})
+        # serve: steps handed over in files, until told to stop
+        record = _serve(llm, listener, step) if step["op"] == "serve" else _step(llm, listener, step)
+        result["steps"].append({"op": step["op"], "name": step.get("name", step["op"]), **record})
     return result
+
+
+def _step(llm: Any, listener: EventListener | None, step: dict) -> dict:
+    """Run one step; its record."""
+    op = step["op"]
+    if op == "generate":
+        return _generate(llm, step)
+    if op == "reset":
+        return _reset(llm, step)
+    if op == "corrupt_host":
+        return _corrupt_host(step.get("seed", 0))
+    if op == "metrics":
+        return _metrics(llm, step)
+    if op == "kvhal_state":
+        return _kvhal_state(llm)
+    if op == "threads":  # page faults and CPU time per thread, so far
+        return _threads()
+    if op == "sleep":  # lets copies and tier writes in flight go on
+        time.sleep(step["seconds"])
+        return {}
+    if op == "handshake":  # the test acts outside (stops a server, say) while the engine lives
+        return _handshake(step)
+    if op == "kill":  # a crash: SIGKILL, nothing flushed or shut down
+        os.kill(os.getpid(), signal.SIGKILL)
+    if op == "chat":  # a multi-turn workload (kvhal bench chat)
+        return _chat(llm, step)
+    if op == "chat_jobs":  # chat jobs handed over in files (two engines taking turns)
+        return _chat_jobs(llm, step)
+    if op == "kv_events":
+        assert listener is not None, "kv_events needs kv_events_port in the spec"
+        return listener.summary(step.get("settle", 1.0))
+    raise ValueError(f"unknown step op {op!r}")
+
+
+def _serve(llm: Any, listener: EventListener | None, step: dict) -> dict:
+    """Serve jobs from ``folder`` (one engine for many tests: see
+    :class:`kvhal.testing.scenario.ServedEngine`): wait for ``job-K.json`` (``{"steps":
+    [...]}``), run its steps, write ``result-K.json`` (``{"steps": [records]}``, or
+    ``{"error": ...}`` when a step raised); ``{"stop": true}`` ends. Files are written whole
+    (a temporary name, then renamed)."""
+    import traceback
+    from pathlib import Path
+
+    folder = Path(step["folder"])
+    timeout = step.get("timeout", 3600)
+    (folder / "ready").touch()
+    count = 0
+    while True:
+        job_path = folder / f"job-{count}.json"
+        deadline = time.monotonic() + timeout
+        while not job_path.exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"serve: no {job_path} after {timeout} s")
+            time.sleep(0.005)
+        job = json.loads(job_path.read_text())
+        if job.get("stop"):
+            break
+        try:
+            answer: dict[str, Any] = {
+                "steps": [
+                    {"op": s["op"], "name": s.get("name", s["op"]), **_step(llm, listener, s)}
+                    for s in job["steps"]
+                ]
+            }
+        except Exception:
+            answer = {"error": traceback.format_exc()}
+        tmp = folder / f".result-{count}.tmp"
+        tmp.write_text(json.dumps(answer))
+        tmp.rename(folder / f"result-{count}.json")
+        count += 1
+    return {"jobs": count}
 
 
 def main(argv: list[str]) -> int:
