@@ -19,8 +19,9 @@ echo "[test] lint-imports"
 "$VENV/bin/lint-imports"
 # Two workers on two cores: an engine test waits on its engine's start and sleeps while a
 # unit test computes. --dist loadfile keeps a file's tests (and its module-scoped servers,
-# engines and the mutation batch) on one worker.
-pytest=("$VENV/bin/python" -m pytest -q -n 2 --dist loadfile)
+# engines and the mutation batch) on one worker; files go out in the order tests/conftest.py
+# gives them (the longest first), not by their number of tests.
+pytest=("$VENV/bin/python" -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder)
 if [ "$quick" = 1 ]; then
   echo "[test] pytest (quick: not e2e, not slow)"
   KVHAL_HYPOTHESIS=quick exec "${pytest[@]}" -m "not e2e and not slow" "${args[@]}"

@@ -18,6 +18,29 @@ settings.register_profile("quick", max_examples=10)
 settings.load_profile(os.environ.get("KVHAL_HYPOTHESIS", "full"))
 
 
+#: The longest files first (seconds measured on 2 cores, in bash scripts/test.sh): with two
+#: xdist workers taking whole files (--dist loadfile), the longest start first and the
+#: workers end together instead of one waiting out the other's last long file.
+LONGEST_FIRST = (
+    "test_conformance_selftest.py",  # ~340: the suite against 59 broken plugins
+    "test_vllm_tensor_parallel.py",  # ~250: TP=2 engines, two spawned workers each
+    "test_vllm_connector.py",  # ~200
+    "test_vllm_remote_tier.py",  # ~160
+    "test_bench_chat.py",  # ~120
+    "test_vllm_overlap.py",  # ~100
+    "test_vllm_disk_tier.py",  # ~80
+    "test_vllm_openai_server.py",  # ~70
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        name = item.path.name
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: the order within a file, and among the rest, is kept
+
+
 @pytest.fixture
 def registry() -> PluginRegistry:
     """A registry with only the built-in CPU plugin (entry points not loaded)."""

@@ -183,6 +183,15 @@ def test_targets_compare_the_right_pairs():
     assert by["host tok/s"]["value"] == pytest.approx(0.99) and not by["host tok/s"]["met"]
 
 
+def test_no_ratio_without_its_reference_configuration():
+    """Without a host run, disk and shared have nothing to be compared with (was asserted at
+    the end of the e2e test of floor, disk and shared, which now runs host too)."""
+    found = checks.check_targets(summary({"floor": 0.10, "disk": 0.2, "shared": 0.25}, {}))
+    assert found == []
+    found = checks.check_targets(summary({"host": 0.105, "disk": 0.2}, {}))
+    assert [c["target"].split(":")[0] for c in found] == ["disk"]
+
+
 @pytest.mark.parametrize("flag", ["--users", "--rounds", "--repeats", "--inflight", "--max-tokens"])
 def test_a_count_below_one_is_refused_before_anything_runs(flag, tmp_path):
     from kvhal.cli import main

@@ -8,7 +8,7 @@ import threading
 import numpy as np
 
 from kvhal.bench.e2e import thread_groups
-from kvhal.vllm.testing.runner import _threads
+from kvhal.vllm.testing.steps import threads as _threads
 
 
 def test_a_thread_that_touches_new_pages_is_charged_with_their_faults():

@@ -80,6 +80,12 @@ _TABLE = (
     Setting(
         "KVHAL_REDIS_PASSWORD", "none", "the Redis password, when `remote_url` carries none", "kvhal (redis)"
     ),
+    Setting(
+        "KVHAL_SCENARIO_LOG",
+        "none",
+        "a file the test harness appends one JSON line to per engine it runs (test, seconds, kind)",
+        "kvhal (kvhal.testing)",
+    ),
 )
 
 #: Every setting by name.

@@ -10,6 +10,8 @@ from pathlib import Path
 from kvhal.testing.scenario import ServedEngine
 
 FAULT_PLUGIN = Path(__file__).parent / "fault_plugin"
+#: Where the e2e tests' models are built once (each is rebuilt only when its recipe changes).
+MODEL_CACHE = Path(os.environ.get("KVHAL_TEST_MODELS", Path.home() / ".cache" / "kvhal-test-models"))
 
 
 def prompts(count: int, length: int, seed: int, prefix: list[int] | None = None) -> list[list[int]]:

@@ -9,10 +9,7 @@ import pytest
 
 from kvhal.testing import scenario
 from kvhal.testing.models import HYBRID_MODEL, TEST_MODEL
-from tests.e2e.common import BASELINE_ENGINES
-
-MODEL_CACHE = Path(os.environ.get("KVHAL_TEST_MODELS", Path.home() / ".cache" / "kvhal-test-models"))
-
+from tests.e2e.common import BASELINE_ENGINES, MODEL_CACHE
 
 #: The end-to-end files every supported vLLM version runs (marker ``vllm_compat``).
 VLLM_COMPAT = {

@@ -1,5 +1,8 @@
 """``kvhal bench chat`` at a tiny size on real vLLM engines: it runs, writes its JSON and plot,
-checks the outputs, and kvhal serves the returning turns (no speed targets here)."""
+checks the outputs, and kvhal serves the returning turns (no speed targets here).
+
+One run covers every kvhal configuration (host; disk below a small host tier; two engines
+sharing a Redis server) against one floor: each configuration's engines start once."""
 
 from __future__ import annotations
 
@@ -8,64 +11,58 @@ import json
 import pytest
 
 from kvhal.cli import main
+from tests.e2e.common import MODEL_CACHE
 
 
-def test_chat_bench_floor_and_host(tmp_path, vllm_installed):
+@pytest.mark.timeout(600)  # six engines in a row, each started from a fresh interpreter
+def test_chat_bench_floor_host_disk_and_shared(tmp_path, vllm_installed):
+    """Round 2 of the host configuration comes from the host tier, of the disk configuration
+    from the disk tier (its host tier is too small), and of the shared configuration from the
+    other engine, through a Redis server."""
+    pytest.importorskip("redis")
     out = tmp_path / "out"
-    argv = ["bench", "chat", "--users", "3", "--rounds", "2", "--context", "96", "160"]
+    argv = ["bench", "chat", "--users", "4", "--rounds", "2", "--context", "96", "160"]
     argv += ["--turn", "32", "--max-tokens", "8", "--inflight", "1", "--repeats", "1"]
-    argv += ["--configs", "floor", "host"]
-    argv += ["--models", str(tmp_path / "models"), "--out", str(out)]
+    argv += ["--configs", "floor", "host", "disk", "shared", "--store", "redis"]
+    argv += ["--models", str(MODEL_CACHE), "--out", str(out)]
     assert main(argv) == 0, "the outputs check failed"
     result = json.loads((out / "chat.json").read_text())
     assert (out / "chat.png").stat().st_size > 0
     assert [p.name for p in out.iterdir() if p.is_dir()] == [], "the bench left its scratch folder behind"
 
     summary = result["summary"]
-    assert list(summary) == ["floor", "host"]
+    assert list(summary) == ["floor", "host", "disk", "shared"]
     for name, s in summary.items():
         assert [row["round"] for row in s["rounds"]] == [1, 2], name
         for row in s["rounds"]:
-            assert row["ttft"]["n"] == 3 and 0 < row["ttft"]["p50"] <= row["ttft"]["p90"], (name, row)
+            assert row["ttft"]["n"] == 4 and 0 < row["ttft"]["p50"] <= row["ttft"]["p90"], (name, row)
             assert row["ttft"]["mean"] > 0
-        assert s["ttft_later"]["n"] == 3 and s["output_tokens_per_s"] > 0
+        assert s["ttft_later"]["n"] == 4 and s["output_tokens_per_s"] > 0
+    runs = {run["config"]: run for run in result["runs"]}
     for run in result["runs"]:
         assert run["load_before"] and run["load_after"]
+        if run["config"] == "shared":
+            continue  # its requests alternate between two engines (below)
         for rnd in run["rounds"]:
-            assert [q["user"] for q in rnd["requests"]] == [0, 1, 2]
+            assert [q["user"] for q in rnd["requests"]] == [0, 1, 2, 3]
             assert all(len(q["tokens"]) == 8 and q["ttft_s"] > 0 for q in rnd["requests"])
 
     outputs = result["outputs"]
     assert outputs["reference"]["config"] == "floor" and outputs["passed"]
-    (host,) = outputs["comparisons"]
-    assert host["config"] == "host" and host["compared"] >= 3 and host["unexplained"] == 0
+    compared = {c["config"]: c for c in outputs["comparisons"]}
+    assert set(compared) == {"host", "disk", "shared"}
+    for name, c in compared.items():
+        assert c["compared"] >= 4 and c["unexplained"] == 0, (name, c)
 
-    round2 = summary["host"]["rounds"][1]["tiers"]
-    assert round2["host"] > 0 and round2["kvhal"] > 0, f"kvhal served nothing in round 2: {round2}"
+    host = summary["host"]["rounds"][1]["tiers"]
+    assert host["host"] > 0 and host["kvhal"] > 0, f"kvhal served nothing in round 2: {host}"
     assert summary["host"]["rounds"][0]["tiers"]["kvhal"] == 0, "round 1 is every user's first sight"
-    assert {t["target"].split(":")[0] for t in result["targets"]} == {"host"}
-
-
-def test_chat_bench_disk_and_shared(tmp_path, vllm_installed):
-    """Round 2 of the disk configuration comes from the disk tier (its host tier is too small),
-    and the shared configuration's from the other engine, through a Redis server."""
-    pytest.importorskip("redis")
-    out = tmp_path / "out"
-    argv = ["bench", "chat", "--users", "4", "--rounds", "2", "--context", "96", "160"]
-    argv += ["--turn", "32", "--max-tokens", "8", "--inflight", "1", "--repeats", "1"]
-    argv += ["--configs", "floor", "disk", "shared", "--store", "redis"]
-    argv += ["--models", str(tmp_path / "models"), "--out", str(out)]
-    assert main(argv) == 0, "the outputs check failed"
-    result = json.loads((out / "chat.json").read_text())
-    summary = result["summary"]
-    assert list(summary) == ["floor", "disk", "shared"]
     disk, shared = summary["disk"]["rounds"][1]["tiers"], summary["shared"]["rounds"][1]["tiers"]
     assert disk["disk"] > 0, f"the disk tier served nothing in round 2: {disk}"
     assert shared["remote"] > 0, f"the other engine's turns were not served from the store: {shared}"
-    engines = {q["engine"] for rnd in result["runs"][2]["rounds"] for q in rnd["requests"]}
+    engines = {q["engine"] for rnd in runs["shared"]["rounds"] for q in rnd["requests"]}
     assert engines == {"A", "B"}
-    by_user = {q["user"]: q["engine"] for rnd in result["runs"][2]["rounds"][:1] for q in rnd["requests"]}
-    again = {q["user"]: q["engine"] for q in result["runs"][2]["rounds"][1]["requests"]}
+    by_user = {q["user"]: q["engine"] for q in runs["shared"]["rounds"][0]["requests"]}
+    again = {q["user"]: q["engine"] for q in runs["shared"]["rounds"][1]["requests"]}
     assert all(by_user[u] != again[u] for u in by_user), "a returning turn stayed on its engine"
-    assert result["outputs"]["passed"]
-    assert {t["target"].split(":")[0] for t in result["targets"]} == set(), "no host run, no ratio"
+    assert {t["target"].split(":")[0] for t in result["targets"]} == {"host", "disk", "shared"}

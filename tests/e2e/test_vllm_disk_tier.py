@@ -73,14 +73,15 @@ def test_hits_come_from_disk_when_the_host_tier_is_too_small(model, tmp_path, wr
 
 
 def populate(model: str, path: Path, batch: list[list[int]], **more) -> list[dict]:
-    """One engine stores ``batch`` (write-through reaches the disk), then exits."""
-    steps = [{"op": "generate", "prompts": batch}, {"op": "sleep", "seconds": 2}, {"op": "metrics"}]
+    """One engine stores ``batch`` (write-through reaches the disk), waits until every write
+    landed, then exits."""
+    steps = [{"op": "generate", "prompts": batch}, {"op": "settle"}, {"op": "metrics"}]
     return engine(model, roomy(path, **more), steps)
 
 
 def test_a_restarted_engine_serves_from_disk_in_its_first_round(model, tmp_path):
     batch = prompts(3, LENGTH, seed=22)
-    populate(model, tmp_path, batch)  # the scheduler may exit before it hears of the last writes
+    populate(model, tmp_path, batch)
     second = engine(model, roomy(tmp_path), [{"op": "generate", "prompts": batch}, {"op": "metrics"}])
     assert tokens(second[0]) == baseline(model, batch)
     assert loaded(second[0]) == [SERVED] * 3, "a fresh engine on the same disk_path got no hit"
@@ -124,10 +125,10 @@ def test_kill_9_while_writing_never_serves_a_torn_block(model, tmp_path):
     env = {**fault_env("torn_write"), "KVHAL_TEST_TORN_AFTER": str(BLOCKS_PER_PROMPT)}
     steps = [
         {"op": "generate", "prompts": [p0]},
-        {"op": "sleep", "seconds": 1},  # p0's writes land whole
+        {"op": "settle"},  # p0's writes land whole
         {"op": "generate", "prompts": [p1]},  # the scheduler hears of them (p1's writes find no room)
         {"op": "generate", "prompts": [p2]},  # p2's writes evict p0's slots, and tear
-        {"op": "sleep", "seconds": 2},
+        {"op": "sleep", "seconds": 2},  # the torn writes hang (never land): no event to wait for
         {"op": "kill"},
     ]
     with pytest.raises(ScenarioError, match="exited with -9"):

@@ -72,8 +72,8 @@ def metrics(step: dict) -> dict:
 
 #: vLLM's prefix cache and kvhal's host tier forget everything: only the store can serve.
 RESET = {"op": "reset", "connector": True}
-#: Let the writes to the store end before the engine exits (the scheduler hears of them).
-SETTLE = [{"op": "sleep", "seconds": 2}, {"op": "generate", "prompts": []}, {"op": "metrics"}]
+#: The writes to the store end before the engine exits (the scheduler hears of them).
+SETTLE = [{"op": "settle"}, {"op": "metrics"}]
 
 
 def populate(model: str, url: str, batch: list[list[int]], env: dict | None = None) -> dict:
@@ -154,7 +154,7 @@ def test_store_down_mid_run_recomputes_then_hits_resume(model, backend, tmp_path
     first, during, after = (prompts(2, LENGTH, seed=s) for s in (61, 62, 63))
     steps = [
         {"op": "generate", "prompts": first},
-        {"op": "sleep", "seconds": 1},
+        {"op": "settle"},  # `first` is in the store
         handshake(tmp_path, 0),  # the store goes down
         RESET,  # the host tier forgets: only the (dead) store could serve `first`
         {"op": "generate", "prompts": first},
@@ -163,7 +163,7 @@ def test_store_down_mid_run_recomputes_then_hits_resume(model, backend, tmp_path
         handshake(tmp_path, 1),  # the store comes back, empty
         {"op": "sleep", "seconds": 3},  # the engine's clients reconnect (Mooncake's: about 2 s)
         {"op": "generate", "prompts": after},  # stored to the store again
-        {"op": "sleep", "seconds": 2},
+        {"op": "settle"},
         RESET,
         {"op": "generate", "prompts": after},
         {"op": "metrics"},
@@ -221,7 +221,7 @@ def test_with_a_secret_values_written_without_it_are_refused(model, own_redis):
     steps = [
         {"op": "generate", "prompts": poisoned},  # refused: no valid MAC
         {"op": "generate", "prompts": signed},  # written with the MAC
-        {"op": "sleep", "seconds": 2},
+        {"op": "settle"},
         RESET,
         {"op": "generate", "prompts": signed},  # the control: served from the store
         {"op": "metrics"},

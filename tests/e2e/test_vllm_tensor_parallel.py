@@ -14,6 +14,8 @@ from __future__ import annotations
 import functools
 import os
 import re
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -130,21 +132,37 @@ def test_tp_negative_control_corrupted_loads_on_one_rank_change_outputs(model):
     assert all(changed), f"outputs survived noise in rank 1's loaded blocks: {changed}"
 
 
-def test_tp_disk_tier_restart_serves_each_ranks_share(model, tmp_path):
+@pytest.fixture(scope="module")
+def tp_written(model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, object]]:
+    """A TP=2 engine with a disk tier and a Redis store serves BATCH, waits until every write
+    landed, and exits: the disk folder and the store it leaves (one writer for both tests)."""
+    from kvhal.testing.redis_servers import RedisServer
+
+    path = tmp_path_factory.mktemp("tp-disk")
+    with RedisServer() as server:
+        kvhal = {**KVHAL, "disk_path": str(path), "disk_bytes_to_use": 8 << 20, "remote_url": server.url}
+        steps = [{"op": "generate", "prompts": BATCH}, {"op": "settle"}]
+        spec = {"model": model, "kvhal": kvhal, "steps": steps, "engine": TP_ENGINE, "env": TP_ENV}
+        run_scenario(spec, timeout=600)
+        yield path, server
+
+
+def tp_fresh(model: str, kvhal: dict) -> list[dict]:
+    """A fresh TP=2 engine serves BATCH once and reports its metrics."""
+    steps = [{"op": "generate", "prompts": BATCH}, {"op": "metrics"}]
+    spec = {"model": model, "kvhal": {**KVHAL, **kvhal}, "steps": steps, "engine": TP_ENGINE, "env": TP_ENV}
+    return run_scenario(spec, timeout=600)["steps"]
+
+
+def test_tp_disk_tier_restart_serves_each_ranks_share(model, tp_written):
     """Each rank writes its half of every block to its own directory; a restarted TP=2
     engine recovers the blocks both ranks hold and loads each rank's half from disk."""
-    kvhal = {**KVHAL, "disk_path": str(tmp_path), "disk_bytes_to_use": 8 << 20}
-
-    def run(steps: list[dict]) -> list[dict]:
-        spec = {"model": model, "kvhal": kvhal, "steps": steps, "engine": TP_ENGINE, "env": TP_ENV}
-        return run_scenario(spec, timeout=600)["steps"]
-
-    run([{"op": "generate", "prompts": BATCH}, {"op": "sleep", "seconds": 2}])
-    assert sorted(p.name for p in (tmp_path / "kvhal-tier-v1").iterdir() if p.is_dir()) == [
+    path, _ = tp_written
+    assert sorted(p.name for p in (path / "kvhal-tier-v1").iterdir() if p.is_dir()) == [
         "rank0of2",
         "rank1of2",
     ]
-    second = run([{"op": "generate", "prompts": BATCH}, {"op": "metrics"}])
+    second = tp_fresh(model, {"disk_path": str(path), "disk_bytes_to_use": 8 << 20})
     assert tokens(second[0]) == baseline(model)
     assert loaded(second[0]) == [SERVED] * 3, "a restarted TP engine got no hit from disk"
     found = second[1]["metrics"]
@@ -153,29 +171,14 @@ def test_tp_disk_tier_restart_serves_each_ranks_share(model, tmp_path):
     assert found["vllm:kvhal_tier_read_bytes"] == 3 * SERVED // BLOCK * BLOCK_BYTES, "each rank read its half"
 
 
-def test_tp_engines_share_each_ranks_half_through_the_remote_tier(model):
+def test_tp_engines_share_each_ranks_half_through_the_remote_tier(model, tp_written):
     """A TP=2 engine writes each rank's half of every block to a Redis server; a fresh TP=2
     engine finds a block only once both halves are there, and each rank loads its own."""
-    from kvhal.testing.redis_servers import RedisServer
-
-    with RedisServer() as server:
-        kvhal = {**KVHAL, "remote_url": server.url}
-
-        def run(steps: list[dict]) -> list[dict]:
-            spec = {"model": model, "kvhal": kvhal, "steps": steps, "engine": TP_ENGINE, "env": TP_ENV}
-            return run_scenario(spec, timeout=600)["steps"]
-
-        run(
-            [
-                {"op": "generate", "prompts": BATCH},
-                {"op": "sleep", "seconds": 2},
-                {"op": "generate", "prompts": []},
-            ]
-        )
-        names = list(server.client().scan_iter(match="kvhal/*"))
-        assert len(names) == 2 * 3 * SERVED // BLOCK, "one value per rank per block"
-        assert len({name.split(b"/")[1] for name in names}) == 2, "each rank has its own namespace"
-        second = run([{"op": "generate", "prompts": BATCH}, {"op": "metrics"}])
+    _, server = tp_written
+    names = list(server.client().scan_iter(match="kvhal/*"))
+    assert len(names) == 2 * 3 * SERVED // BLOCK, "one value per rank per block"
+    assert len({name.split(b"/")[1] for name in names}) == 2, "each rank has its own namespace"
+    second = tp_fresh(model, {"remote_url": server.url})
     assert tokens(second[0]) == baseline(model)
     assert loaded(second[0]) == [SERVED] * 3, "a fresh TP engine got no hit from the store"
     found = second[1]["metrics"]
@@ -185,3 +188,29 @@ def test_tp_engines_share_each_ranks_half_through_the_remote_tier(model):
     assert found["vllm:kvhal_remote_read_bytes"] == 3 * SERVED // BLOCK * BLOCK_BYTES, (
         "each rank read its half"
     )
+
+
+# Moved from test_vllm_overlap.py: it shares this module's TP baseline (one engine fewer).
+def test_tensor_parallel_blocks_come_back_once_every_worker_stored_them(model):
+    """TP=2 with stores slow on rank 1 only: rank 0 reports the finished requests at its
+    next step, and vLLM frees their blocks only once rank 1 has reported them too."""
+    short = prompts(1, 20, seed=25)  # no full block: nothing to store, nothing held
+    steps = [
+        {"op": "generate", "name": "cold", "prompts": BATCH},
+        {"op": "generate", "name": "short", "prompts": short},  # steps both ranks
+        {"op": "reset", "name": "reset after steps", "drain": False},
+        {"op": "reset", "name": "reset"},
+        {"op": "generate", "name": "warm", "prompts": BATCH},
+        {"op": "metrics", "name": "metrics"},
+    ]
+    env = {**TP_ENV, **fault_env("slow_store", ranks=[1]), "KVHAL_TEST_FAULT_DELAY_S": "2"}
+    scenario = {"model": model, "kvhal": KVHAL, "steps": steps, "env": env, "engine": TP_ENGINE}
+    by_name = {s["name"]: s for s in run_scenario(scenario, timeout=600)["steps"]}
+    expected = baseline(model)
+    assert tokens(by_name["cold"]) == expected
+    # rank 1 still stores (3 jobs x 2 s, one after another on its copy stream)
+    assert by_name["reset after steps"]["ok"] is False
+    assert by_name["reset"]["ok"] is True
+    assert loaded(by_name["warm"]) == [SERVED] * 3 and tokens(by_name["warm"]) == expected
+    # each request held once, and freed once (a second finished_sending would fail vLLM)
+    assert by_name["metrics"]["metrics"]["vllm:kvhal_held_requests"] == 3

