@@ -21,11 +21,15 @@ def prompts(count: int, length: int, seed: int, prefix: list[int] | None = None)
     return [head + [rng.randrange(1, 1024) for _ in range(length - len(head))] for _ in range(count)]
 
 
-def fault_env(modes: str, ranks: list[int] | None = None) -> dict[str, str]:
+def fault_env(modes: str, ranks: list[int] | None = None, modes_file: Path | None = None) -> dict[str, str]:
     """Environment that installs the fault-injection plugin and turns on ``modes``
-    (on the ``torch.distributed`` ``ranks`` only, when given)."""
+    (on the ``torch.distributed`` ``ranks`` only, when given). With ``modes_file``, the
+    modes are that file's, written here first: a ``write_file`` step switches them."""
     path = os.pathsep.join(filter(None, [str(FAULT_PLUGIN), os.environ.get("PYTHONPATH")]))
     env = {"PYTHONPATH": path, "KVHAL_TEST_FAULTS": modes}
+    if modes_file is not None:
+        modes_file.write_text(modes)
+        env["KVHAL_TEST_FAULTS_FILE"] = str(modes_file)
     if ranks is not None:
         env["KVHAL_TEST_FAULT_RANKS"] = ",".join(str(r) for r in ranks)
     return env

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import functools
 import json
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -101,19 +103,6 @@ def test_negative_control_corrupted_host_tier_changes_outputs(model):
     assert tokens(warm) == tokens(cold)
 
 
-def test_negative_control_across_processes_corrupted_loads_change_outputs(model):
-    """The same proof with the engine core in its own process (VLLM_ENABLE_V1_MULTIPROCESSING=1):
-    loads report success but leave noise in the blocks they wrote; outputs must change."""
-    batch = prompts(3, LENGTH, seed=1)
-    cold, _, warm = warm_round(
-        model, batch, {"cpu_bytes_to_use": 64 << 20}, env=fault_env("corrupt_load"), multiprocessing=True
-    )
-    assert tokens(cold) == baseline(model, batch)
-    assert loaded(warm) == [SERVED] * 3, "the corrupted loads were not served"
-    changed = [a != b for a, b in zip(tokens(warm), tokens(cold), strict=True)]
-    assert all(changed), f"outputs survived corrupted loads: {changed}"
-
-
 def test_small_host_tier_evicts_and_stays_correct(model):
     batch = prompts(4, LENGTH, seed=2)
     steps = [{"op": "generate", "prompts": [p]} for p in batch]
@@ -141,22 +130,41 @@ def test_small_host_tier_evicts_and_stays_correct(model):
     assert state["blocks"] <= capacity == state["slots"]
 
 
-@pytest.mark.parametrize("multiprocessing", [False, True], ids=["mp0", "mp1"])
-def test_failed_loads_fall_back_to_recompute(model, multiprocessing):
-    """Loads fail (and leave noise in the blocks they wrote): vLLM must recompute."""
-    batch = prompts(2, LENGTH, seed=3)
-    more = [{"op": "metrics"}] + ([] if multiprocessing else [{"op": "kvhal_state"}])
-    result = warm_round(
+FAILING = prompts(2, LENGTH, seed=3)
+
+
+@functools.cache
+def failing_loads_run(model: str, multiprocessing: bool) -> list[dict]:
+    """Loads fail and leave noise in the blocks they wrote: cold -> reset -> warm -> metrics
+    (-> kvhal_state). Across processes the same engine goes on, its fault switched to loads
+    that succeed but leave noise (-> reset -> warm again): the negative control."""
+    modes = Path(tempfile.mkdtemp(prefix="kvhal-faults-")) / "modes"
+    more: list[dict] = [{"op": "metrics"}]
+    if multiprocessing:
+        more += [
+            {"op": "write_file", "path": str(modes), "text": "corrupt_load"},
+            {"op": "reset"},
+            {"op": "generate", "name": "corrupted", "prompts": FAILING},
+        ]
+    else:  # kvhal_state reads both halves in this process
+        more.append({"op": "kvhal_state"})
+    return warm_round(
         model,
-        batch,
+        FAILING,
         {"cpu_bytes_to_use": 64 << 20},
-        env=fault_env("load"),
+        env=fault_env("load", modes_file=modes),
         multiprocessing=multiprocessing,
         engine={"disable_log_stats": False},
         more_steps=more,
     )
+
+
+@pytest.mark.parametrize("multiprocessing", [False, True], ids=["mp0", "mp1"])
+def test_failed_loads_fall_back_to_recompute(model, multiprocessing):
+    """Loads fail (and leave noise in the blocks they wrote): vLLM must recompute."""
+    result = failing_loads_run(model, multiprocessing)
     cold, _, warm, metrics = result[:4]
-    expected = baseline(model, batch)
+    expected = baseline(model, FAILING)
     assert tokens(cold) == expected
     assert tokens(warm) == expected, "a failed load served wrong KV"
     assert loaded(warm) == [0, 0], "a failed load was counted as served"
@@ -166,6 +174,18 @@ def test_failed_loads_fall_back_to_recompute(model, multiprocessing):
         assert not state["scheduler_jobs_in_flight"] and state["worker_jobs_in_flight"] == 0
         assert state["storing"] == 0
         assert state["blocks"] == 2 * SERVED // BLOCK, "the failed loads lost the stored blocks"
+
+
+def test_negative_control_across_processes_corrupted_loads_change_outputs(model):
+    """The same proof with the engine core in its own process (VLLM_ENABLE_V1_MULTIPROCESSING=1):
+    loads report success but leave noise in the blocks they wrote; outputs must change (the
+    engine of the mp1 failed-loads test, after its fault was switched)."""
+    result = failing_loads_run(model, True)
+    cold, corrupted = result[0], result[-1]
+    assert tokens(cold) == baseline(model, FAILING)
+    assert loaded(corrupted) == [SERVED] * 2, "the corrupted loads were not served"
+    changed = [a != b for a, b in zip(tokens(corrupted), tokens(cold), strict=True)]
+    assert all(changed), f"outputs survived corrupted loads: {changed}"
 
 
 def test_failed_stores_never_become_loadable(model):

@@ -12,7 +12,9 @@ sleeps ``KVHAL_TEST_FAULT_DELAY_S`` seconds (default 1) before the copy reads
 its source, so a block rewritten while the copy is in flight is copied wrong.
 ``KVHAL_TEST_FAULT_RANKS`` (e.g. ``1``) limits every mode to those ranks of
 ``torch.distributed`` (a tensor-parallel engine's workers; an engine that has
-not set up ``torch.distributed`` is rank 0).
+not set up ``torch.distributed`` is rank 0). With ``KVHAL_TEST_FAULTS_FILE``, the
+modes are that file's contents, read at every copy: a test switches them between
+steps (the runner's ``write_file`` step), so that one engine shows two faults.
 """
 
 from __future__ import annotations
@@ -43,10 +45,18 @@ def failed_event() -> CPUEvent:
 
 class FaultInjector:
     def __init__(self) -> None:
-        self.modes = {m.strip() for m in os.environ.get("KVHAL_TEST_FAULTS", "").split(",") if m.strip()}
+        self._modes = {m.strip() for m in os.environ.get("KVHAL_TEST_FAULTS", "").split(",") if m.strip()}
+        self._modes_file = os.environ.get("KVHAL_TEST_FAULTS_FILE")
         self.host_buffers: list[tuple[int, int]] = []
         ranks = os.environ.get("KVHAL_TEST_FAULT_RANKS", "")
         self.ranks = {int(r) for r in ranks.split(",") if r.strip()} or None
+
+    @property
+    def modes(self) -> set[str]:
+        if self._modes_file is None:
+            return self._modes
+        with open(self._modes_file) as f:
+            return {m.strip() for m in f.read().split(",") if m.strip()}
 
     @staticmethod
     def _rank() -> int:
@@ -82,8 +92,9 @@ class FaultInjector:
         self._delay(plan, stream)
         event = yield
         kind = "store" if self._in_host_tier(plan.dst) else "load" if self._in_host_tier(plan.src) else None
-        corrupt = kind == "load" and "corrupt_load" in self.modes
-        if (kind not in self.modes and not corrupt) or not self._rank_selected():
+        modes = self.modes
+        corrupt = kind == "load" and "corrupt_load" in modes
+        if (kind not in modes and not corrupt) or not self._rank_selected():
             return event
         event.synchronize()
         # tests read this line from the engine's log to see which ranks were hit

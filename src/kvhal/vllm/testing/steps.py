@@ -78,6 +78,16 @@ def settle(llm: Any, step: dict) -> dict:
     return {"seconds": time.monotonic() - start, "steps": steps}
 
 
+def write_file(step: dict) -> dict:
+    """Write ``text`` to ``path`` whole (a temporary name, then renamed): a test's switch
+    that the engine's processes read (the e2e fault plugin's modes, say)."""
+    tmp = f"{step['path']}.tmp"
+    with open(tmp, "w") as f:
+        f.write(step["text"])
+    os.replace(tmp, step["path"])
+    return {}
+
+
 def corrupt_host(seed: int) -> dict:
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
