@@ -1,4 +1,8 @@
-"""Run a vLLM scenario in a fresh subprocess and get its JSON result (no vLLM import here).
+"""Run a vLLM scenario in a process of its own and get its JSON result (no vLLM import here).
+
+The process is a fresh interpreter, or (:func:`use_fork_server`, as the tests do) a fork of
+a server that imported torch, vLLM and kvhal once; :class:`ServedEngine` keeps one engine
+running for many jobs.
 
 A scenario is a dict: ``model`` (a folder), ``steps`` (see
 :mod:`kvhal.vllm.testing.runner`), ``kvhal`` (``kv_connector_extra_config``, or
@@ -53,7 +57,7 @@ def _exec_time(env: dict[str, str]) -> dict[str, str]:
 
 class ForkServer:
     """A :mod:`kvhal.vllm.testing.forkserver` process: imports torch, vLLM and kvhal once and
-    forks a fresh engine process per scenario (about 9 s saved per engine on these machines)."""
+    forks a fresh engine process per scenario (about 6 s saved per engine on these machines)."""
 
     def __init__(self, python: str | None = None) -> None:
         self.python = python or sys.executable

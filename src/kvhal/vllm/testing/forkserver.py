@@ -9,7 +9,7 @@ exactly as ``python -m kvhal.vllm.testing.runner`` would (same ``main``, same ex
 its own process; only the module imports are shared.
 
 The server itself starts no engine, runs no torch op (a forked libgomp thread pool
-would hang the child) and holds no thread but the main one. Variables a process reads
+would hang the child) and starts no thread of its own. Variables a process reads
 only when it starts (malloc tuning, ``PYTHONHASHSEED``, OpenMP's) cannot be changed after
 a fork: :mod:`kvhal.testing.scenario` sends such scenarios to a fresh process instead.
 
