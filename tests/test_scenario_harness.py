@@ -40,7 +40,7 @@ def test_a_served_engine_answers_job_after_job_and_stops(monkeypatch: pytest.Mon
         assert served.submit([{"op": "d", "x": 4}]) == [{"op": "d", "echo": 4}], "one failed job ends nothing"
     finally:
         served.close()
-    assert not served._thread.is_alive(), "stop did not end the engine's job loop"
+    assert not served.thread.is_alive(), "stop did not end the engine's job loop"
     assert not served.folder.exists()
 
 
@@ -49,7 +49,7 @@ def test_a_served_engine_that_ended_is_an_error_naming_why(monkeypatch: pytest.M
         raise ScenarioError("engine process exited with 1:\nno such model")
 
     monkeypatch.setattr(scenario, "run_scenario", dies)
-    with pytest.raises(ScenarioError, match=r"(?s)the served engine ended: .*no such model"):
+    with pytest.raises(ScenarioError, match=r"(?s)the engine ended before ready: .*no such model"):
         scenario.ServedEngine({"model": "m", "kvhal": None}, start_timeout=30)
 
 

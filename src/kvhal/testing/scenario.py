@@ -13,6 +13,7 @@ A scenario is a dict: ``model`` (a folder), ``steps`` (see
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import resource
@@ -239,57 +240,91 @@ def _run_scenario(
     return result
 
 
-class ServedEngine:
-    """One engine kept running for many jobs (the runner's ``serve`` step): tests that need
-    the same engine again (a baseline without kvhal, say) ask it instead of starting one.
+class JobEngine:
+    """An engine whose runner serves jobs handed over in files (the runner's ``serve`` and
+    ``chat_jobs`` steps: :func:`kvhal.vllm.testing.steps.serve_jobs`), run by
+    :func:`run_scenario` in a thread: hand it jobs, read their answers, stop it for its result.
 
-    ``submit(steps)`` hands a job over in a file and waits for its records; an engine that
-    died or a job past its deadline raises :class:`ScenarioError` with the engine's log.
+    Files are written whole (a temporary name, then renamed). An engine that ended raises
+    :class:`ScenarioError` (chained to why), a deadline passed :class:`TimeoutError`.
     """
 
-    def __init__(self, scenario: dict[str, Any], *, start_timeout: float = 600) -> None:
-        self.folder = Path(tempfile.mkdtemp(prefix="kvhal-served-"))
-        spec = {**scenario, "steps": [{"op": "serve", "folder": str(self.folder)}]}
+    def __init__(self, spec: dict[str, Any], folder: Path, timeout: float = 3600) -> None:
+        self.folder = folder
+        folder.mkdir(parents=True, exist_ok=True)
         self.jobs = 0
-        self._failure: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(spec,), daemon=True)
-        self._thread.start()
-        self._wait_for(self.folder / "ready", start_timeout)
+        self.result: dict[str, Any] | None = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(spec, timeout), daemon=True)
+        self.thread.start()
 
-    def _run(self, spec: dict[str, Any]) -> None:
+    def _run(self, spec: dict[str, Any], timeout: float) -> None:
         try:
-            run_scenario(spec, timeout=24 * 3600)
-        except BaseException as exc:  # reported by the next submit()
-            self._failure = exc
+            self.result = run_scenario(spec, timeout=timeout)
+        except BaseException as error:  # reported by _wait_for() and stop()
+            self.error = error
 
     def _wait_for(self, path: Path, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while not path.exists():
-            if not self._thread.is_alive():
-                raise ScenarioError(f"the served engine ended: {self._failure}")
+            if not self.thread.is_alive():
+                raise ScenarioError(f"the engine ended before {path.name}: {self.error}") from self.error
             if time.monotonic() > deadline:
-                raise ScenarioError(f"the served engine wrote no {path.name} within {timeout} s")
+                raise TimeoutError(f"no {path} after {timeout} s")
             time.sleep(0.005)
 
-    def _hand_over(self, job: dict[str, Any]) -> int:
-        number, self.jobs = self.jobs, self.jobs + 1
+    def ready(self, timeout: float = 900) -> None:
+        """Wait until the engine serves jobs."""
+        self._wait_for(self.folder / "ready", timeout)
+
+    def hand(self, job: dict[str, Any]) -> int:
+        """Write job file K whole (the engine reads it as soon as it exists); K."""
+        number = self.jobs
+        self.jobs += 1  # handed out, whether or not its answer ever comes
         tmp = self.folder / f".job-{number}.tmp"
         tmp.write_text(json.dumps(job))
         tmp.rename(self.folder / f"job-{number}.json")
         return number
 
+    def answer(self, job: dict[str, Any], timeout: float = 1800) -> dict[str, Any]:
+        """Hand ``job`` over and wait for its answer."""
+        done = self.folder / f"result-{self.hand(job)}.json"
+        self._wait_for(done, timeout)
+        return json.loads(done.read_text())
+
+    def stop(self, timeout: float = 300) -> dict[str, Any]:
+        """End the job loop; the scenario's result (the engine's error raised again)."""
+        if self.thread.is_alive():
+            with contextlib.suppress(OSError):
+                self.hand({"stop": True})
+            self.thread.join(timeout)
+            if self.thread.is_alive():
+                raise TimeoutError(f"the engine of {self.folder.name} did not stop within {timeout} s")
+        if self.error is not None:
+            raise self.error
+        assert self.result is not None
+        return self.result
+
+
+class ServedEngine(JobEngine):
+    """One engine kept running for many tests (the runner's ``serve`` step): tests that need
+    the same engine again (a baseline without kvhal, say) ask it instead of starting one."""
+
+    def __init__(self, scenario: dict[str, Any], *, start_timeout: float = 600) -> None:
+        folder = Path(tempfile.mkdtemp(prefix="kvhal-served-"))
+        super().__init__({**scenario, "steps": [{"op": "serve", "folder": str(folder)}]}, folder, 24 * 3600)
+        self.ready(start_timeout)
+
     def submit(self, steps: list[dict[str, Any]], timeout: float = 600) -> list[dict[str, Any]]:
         """Run ``steps`` on the engine; their records, as :func:`run_scenario`'s ``steps``."""
-        number = self._hand_over({"steps": steps})
-        path = self.folder / f"result-{number}.json"
-        self._wait_for(path, timeout)
-        answer = json.loads(path.read_text())
+        answer = self.answer({"steps": steps}, timeout)
         if "error" in answer:
             raise ScenarioError(f"a served job failed:\n{answer['error']}")
         return answer["steps"]
 
     def close(self) -> None:
-        if self._thread.is_alive():
-            self._hand_over({"stop": True})
-            self._thread.join(120)
+        """Stop the engine (at a session's end: whatever it failed with was reported already)."""
+        if self.thread.is_alive():
+            self.hand({"stop": True})
+            self.thread.join(120)
         shutil.rmtree(self.folder, ignore_errors=True)

@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import re
 import shutil
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -17,7 +15,7 @@ from typing import Any
 
 from kvhal.bench.chat.workload import DTYPE, TOP_LOGPROBS
 from kvhal.bench.e2e import SHARING_ENV
-from kvhal.testing.scenario import run_scenario
+from kvhal.testing.scenario import JobEngine, run_scenario
 
 KV_CACHE_LINE = re.compile(r"KV cache size: ([\d,]+) tokens")
 
@@ -173,63 +171,6 @@ def remote_store(kind: str) -> Iterator[str]:
             yield server.url
 
 
-class EngineProcess:
-    """An engine running the runner's ``chat_jobs`` op in a thread: hand it jobs, get results."""
-
-    def __init__(self, spec: dict, folder: Path) -> None:
-        self.folder = folder
-        folder.mkdir(parents=True)
-        self.jobs = 0
-        self.result: dict | None = None
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, args=(spec,), daemon=True)
-        self.thread.start()
-
-    def _run(self, spec: dict) -> None:
-        try:
-            self.result = run_scenario(spec, timeout=3600)
-        except BaseException as error:  # reported by stop() and _wait_for()
-            self.error = error
-
-    def _wait_for(self, path: Path, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while not path.exists():
-            if not self.thread.is_alive():
-                raise RuntimeError(f"the engine exited before {path.name}") from self.error
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no {path} after {timeout} s")
-            time.sleep(0.01)
-
-    def ready(self, timeout: float = 900) -> None:
-        self._wait_for(self.folder / "ready", timeout)
-
-    def _hand(self, job: dict) -> int:
-        """Write job file K whole (the engine reads it as soon as it exists); K."""
-        number = self.jobs
-        self.jobs += 1  # handed out, whether or not its result ever comes
-        tmp = self.folder / f".job-{number}.tmp"
-        tmp.write_text(json.dumps(job))
-        tmp.rename(self.folder / f"job-{number}.json")
-        return number
-
-    def submit(self, job: dict, timeout: float = 1800) -> dict:
-        done = self.folder / f"result-{self._hand(job)}.json"
-        self._wait_for(done, timeout)
-        return json.loads(done.read_text())
-
-    def stop(self, timeout: float = 300) -> dict:
-        if self.thread.is_alive():
-            with contextlib.suppress(OSError):
-                self._hand({"stop": True})
-            self.thread.join(timeout)
-            if self.thread.is_alive():
-                raise TimeoutError(f"the engine of {self.folder.name} did not stop within {timeout} s")
-        if self.error is not None:
-            raise self.error
-        assert self.result is not None
-        return self.result
-
-
 def shared_engines(
     model: str,
     work: dict,
@@ -255,7 +196,7 @@ def shared_engines(
             "engine": engine_args(size, size["small_device_tokens"]),
             "env": SHARING_ENV,
         }
-        engines.append(EngineProcess(spec, folder / f"engine-{e}"))
+        engines.append(JobEngine(spec, folder / f"engine-{e}"))
     try:
         for engine in engines:
             engine.ready()
@@ -281,7 +222,7 @@ def shared_engines(
                     "trace": args.trace,
                 }
                 job = {"chat": chat, "drain_prompt": work["drain"], "drain_tokens": 4, "settle": SETTLE}
-                out = engine.submit(job)
+                out = engine.answer(job)
                 for u, history in zip(users, out["histories"], strict=True):
                     histories[u] = history
                 (half,) = _rounds_of(out, engine="AB"[e])
