@@ -3,6 +3,8 @@ drained before release whatever their pin state."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -237,3 +239,28 @@ def test_boundaries_cover_only_live_multi_chunk_buffers():
     host.free(small)
     host.free(other)
     assert host.boundaries().tolist() == []
+
+
+def test_buffers_never_freed_are_unregistered_when_the_registrar_goes():
+    """A dropped plugin unmaps its buffers; each registration is undone first (drained
+    first too), or the next mapping at that address cannot be registered (error 712)."""
+    driver = FakeDriver()
+    host = registrar(driver)
+    kept = host.allocate(6 * PAGE)
+    freed = host.allocate(PAGE)
+    base = kept.data_ptr()
+    host.free(freed)
+    driver.calls.clear()
+    del host
+    gc.collect()
+    assert driver.calls == [("drain",), ("unregister", base), ("unregister", base + 4 * PAGE)]
+    kept.fill_(1)  # the caller's view still holds the mapping
+
+
+def test_a_registrar_with_nothing_registered_leaves_the_driver_alone():
+    driver = FakeDriver()
+    host = registrar(driver, PinMode.OFF)
+    host.allocate(PAGE)
+    del host
+    gc.collect()
+    assert driver.calls == []

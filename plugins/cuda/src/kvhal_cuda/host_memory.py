@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -110,6 +111,13 @@ class HostRegistrar:
         self._buffers: dict[int, _Buffer] = {}
         self._lock = threading.Lock()
         self._boundaries = np.zeros(0, dtype=np.int64)
+        # A buffer never freed is unmapped when the registrar goes (its records hold the
+        # mappings): unregister it first, or the driver keeps the range registered, the pages
+        # stay locked, and the next mapping at that address fails with "already registered"
+        # (error 712, seen on an H200 where each test built its own plugin).
+        self._finalizer = weakref.finalize(
+            self, _release_leftovers, self._buffers, unregister, before_unregister
+        )
 
     def _pin(self, address: int, nbytes: int) -> list[int]:
         """Register every chunk, or none: the registered addresses."""
@@ -134,10 +142,7 @@ class HostRegistrar:
         return done
 
     def _release(self, addresses: Iterable[int]) -> None:
-        for address in addresses:
-            code = int(self._unregister(address))
-            if code != 0:
-                log.warning("kvhal: unregistering host memory at %#x failed (error %d)", address, code)
+        _unregister_all(self._unregister, addresses)
 
     def _update_boundaries(self) -> None:
         # Where two registrations of one buffer meet: no copy descriptor may span one.
@@ -191,3 +196,28 @@ class HostRegistrar:
         self._release(record.registered)
         if len(record.registered) > 1:
             self._update_boundaries()
+
+
+def _unregister_all(unregister: Unregister, addresses: Iterable[int]) -> None:
+    for address in addresses:
+        code = int(unregister(address))
+        if code != 0:
+            log.warning("kvhal: unregistering host memory at %#x failed (error %d)", address, code)
+
+
+def _release_leftovers(
+    buffers: dict[int, _Buffer], unregister: Unregister, before_unregister: Callable[[], None] | None
+) -> None:
+    """The registrar's finalizer: unregister every buffer it still holds, before the
+    mappings can go (the dict is the last owner of the records)."""
+    leftovers = [record for record in buffers.values() if record.registered]
+    if not leftovers:
+        return
+    try:
+        if before_unregister is not None:
+            before_unregister()
+        for record in leftovers:
+            _unregister_all(unregister, record.registered)
+            record.registered = []
+    except Exception:  # a finalizer must not raise (it may run at interpreter exit)
+        log.warning("kvhal: unregistering leftover host buffers failed", exc_info=True)
