@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -13,7 +14,7 @@ from kvhal.cache import KVCache
 from kvhal.copyplan import CopyPlan
 from kvhal.device import Device
 from kvhal_conformance.clauses import violated
-from kvhal_conformance.copycase import CONTROL_BUSY_S, CopyCase, judge_query, synchronize_and_check
+from kvhal_conformance.copycase import BULK, CONTROL_BUSY_S, CopyCase, judge_query, synchronize_and_check
 from kvhal_conformance.settings import Sizes
 from kvhal_conformance.timing import Busy, poll, wait
 
@@ -142,18 +143,27 @@ class Rig:
         wait(device, after, f"{context} (an event recorded after it)")
 
     def blocks(self, call: Callable[[Any, Any], None]) -> tuple[int, int, float]:
-        """In :data:`TRIALS` trials, queue a large copy behind busy work, ``call(stream, event)``,
+        """In :data:`TRIALS` trials, queue a bulk copy behind busy work, ``call(stream, event)``,
         and see whether the copy had written all it was sampled for when kvhal_copy_blocks
         returned, and when ``call`` returned: (trials in which it had by the first, trials in
         which it had not by the first but had by the second, the busy work's length)."""
         done_at_submit = done_by_call = 0
         busy_s = 0.0
-        case = self.case("d2h", "large")
-        for trial in range(TRIALS):
-            if trial:
-                case.rewind()
+        # Few descriptors (see BULK): many would fill the device's queue, and then even an
+        # asynchronous plugin's call waits for the work ahead. Submitting may still take a
+        # while: the work queued ahead must outlast it, or the copy runs (and is seen done)
+        # before the call returns. An idle submission measures it.
+        case = self.case("d2h", BULK)
+        stream = self.new_stream()
+        start = time.perf_counter()
+        idle = case.submit(stream)
+        submit_s = time.perf_counter() - start
+        synchronize_and_check(self.device, idle, case, "copy.event", f"{case.what} on an idle stream")
+        seconds = max(self.sizes.busy_seconds, 3 * submit_s)
+        for _ in range(TRIALS):
+            case.rewind()
             stream = self.new_stream()
-            _, busy_s = self.busy.occupy(stream, self.sizes.busy_seconds)
+            _, busy_s = self.busy.occupy(stream, seconds)
             copied = case.submit(stream)
             before = len(case.missing())  # at once: the copy is still queued behind the busy work
             call(stream, copied)
