@@ -36,16 +36,17 @@ init_none_hash(sha256)
 HASHER = get_request_block_hasher(BS, sha256)
 
 
-def side(world_size: int = 1) -> SchedulerSide:
+def side(world_size: int = 1, load_mode: str = "auto", groups: int = 1) -> SchedulerSide:
     config = ConnectorConfig(
         cpu_bytes_to_use=64 * PAGE * world_size,
         device=None,
         eviction_policy="lru",
         offload_prompt_only=True,
         block_size=BS,
-        groups=(GroupInfo(0, ("l0",), PAGE, 8),),
+        groups=tuple(GroupInfo(g, (f"l{g}",), PAGE, 8) for g in range(groups)),
         world_size=world_size,
         layout="LBHNC",
+        load_mode=load_mode,
     )
     return SchedulerSide(config)
 
@@ -145,7 +146,7 @@ def test_a_finished_request_keeps_its_blocks_until_every_worker_stored_them(worl
         reported(scheduler, [job], sent={"a"} if last else set())
         assert scheduler.has_held_blocks() is not last
     assert not scheduler.has_jobs_in_flight()
-    assert scheduler.lookup(request("again"), 0) == (8, True)  # stored: loadable now
+    assert scheduler.lookup(request("again"), 0) == (8, False)  # stored: loadable now, in its step
 
 
 def test_a_request_whose_stores_were_reported_is_not_held():
@@ -170,7 +171,7 @@ def test_a_failed_store_still_releases_the_request():
 def test_a_request_finished_during_its_load_is_not_held():
     """vLLM frees those blocks when the load is reported (finished_recving); holding
     them for finished_sending as well would free them twice."""
-    scheduler = side()
+    scheduler = side(load_mode="async")
     a = request("a")
     reported(scheduler, store_ids(prefill(scheduler, a, [1, 2, 3])))
     scheduler.request_finished(a)
@@ -181,6 +182,58 @@ def test_a_request_finished_during_its_load_is_not_held():
     [load] = scheduler.build_meta(output()).loads
     assert load.groups == {0: ([7, 8], load.groups[0][1])}
     assert scheduler.request_finished(b) == (False, {LOADED_TOKENS: 8})  # aborted while loading
+
+
+# -- host hits load in the step that schedules them -----------------------------------
+
+
+def stored(scheduler: SchedulerSide) -> None:
+    """Request "a"'s three prompt blocks stored and reported: two are loadable hits."""
+    a = request("a")
+    reported(scheduler, store_ids(prefill(scheduler, a, [1, 2, 3])))
+    scheduler.request_finished(a)
+
+
+def load_of(scheduler: SchedulerSide, req: Request, answer: tuple[int, bool]):
+    scheduler.track(req)
+    assert scheduler.lookup(req, 0) == answer
+    scheduler.after_alloc(req, KVCacheBlocks(([KVCacheBlock(7), KVCacheBlock(8)],)), 8)
+    [load] = scheduler.build_meta(output()).loads
+    return load
+
+
+def test_a_host_hit_is_a_synchronous_load():
+    """(8, False): vLLM runs the request in this step, and the workers load before its forward."""
+    scheduler = side()
+    stored(scheduler)
+    load = load_of(scheduler, request("b"), (8, False))
+    assert load.sync and load.groups[0][0] == [7, 8]
+    assert scheduler.stats.data["sync_hit_tokens"] == 8
+
+
+def test_hits_stay_asynchronous_where_asked():
+    scheduler = side(load_mode="async")
+    stored(scheduler)
+    assert load_of(scheduler, request("b"), (8, True)).sync is False
+    assert "sync_hit_tokens" not in scheduler.stats.data
+
+
+def test_hybrid_models_keep_asynchronous_loads():
+    """vLLM raises on block-level load errors with several KV cache groups: hybrid models
+    keep the parked (asynchronous) path, whose failures it recomputes per request."""
+    assert side(groups=2).config.sync_host_loads is False
+    assert side(groups=1).config.sync_host_loads is True
+
+
+def test_a_failed_synchronous_load_is_never_offered_again_and_reports_nothing_loaded():
+    scheduler = side()
+    stored(scheduler)
+    b = request("b")
+    load = load_of(scheduler, b, (8, False))
+    reported(scheduler, [load.job_id], ok=False)
+    assert scheduler.stats.data["failed_loads"] == 1
+    assert scheduler.lookup(b, 0) == (0, False)  # vLLM recomputes; the same hit would fail again
+    assert scheduler.request_finished(b) == (False, {LOADED_TOKENS: 0})
 
 
 # -- fences: only stores whose blocks are about to be rewritten ----------------------
@@ -215,7 +268,7 @@ def test_a_step_that_reallocates_a_block_being_stored_fences_that_store(how):
         reported(scheduler, [job, other])
         [job] = store_ids(prefill(scheduler, request("e", list(range(200, 212))), [13, 14, 15]))
         scheduler.track(c := request("again"))
-        assert scheduler.lookup(c, 0) == (8, True)
+        assert scheduler.lookup(c, 0) == (8, False)
         scheduler.after_alloc(c, KVCacheBlocks(([KVCacheBlock(14), KVCacheBlock(20)],)), 8)
         out = output()
     else:

@@ -304,6 +304,54 @@ def test_a_failed_load_is_reported_as_finished_and_failed(gate):
     worker.shutdown()
 
 
+# -- synchronous loads: the forward waits for them ----------------------------------
+
+
+def sync_load(job_id: int, req_id: str, block_ids: list[int], slots: list[int]) -> TransferJob:
+    job = load(job_id, req_id, block_ids, slots)
+    job.sync = True
+    return job
+
+
+def test_a_synchronous_load_holds_the_forward_and_is_not_reported_as_received(gate):
+    """vLLM runs the request in this step: start_load_kv returns once the copy is done (on
+    the CPU the compute stream is the thread), and vLLM waits for no finished_recving."""
+    worker, caches = registered()
+    step(worker, stores=[store(0, "a", [3], [0])])
+    settle(worker)
+    meta = KVHALMetadata(loads=[sync_load(1, "b", [9], [0])])
+    assert not finishes_while_gate_closed(gate, lambda: worker.start_loads(meta))
+    assert all(same(block(caches, 9), block(caches, 3)))  # in place before the forward
+    assert worker.collect() == (set(), set(), set())
+    assert worker.take_load_errors() == set() and worker.jobs_in_flight == 0
+    assert worker.worker_meta().succeeded == {0: 1, 1: 1}
+    worker.shutdown()
+
+
+def test_an_asynchronous_load_does_not_hold_the_forward(gate):
+    """Negative control of the test above: the same load, asynchronous, returns at once."""
+    worker, _ = registered()
+    step(worker, stores=[store(0, "a", [3], [0])])
+    settle(worker)
+    meta = KVHALMetadata(loads=[load(1, "b", [9], [0])])
+    assert finishes_while_gate_closed(gate, lambda: worker.start_loads(meta))
+    settle(worker)
+    worker.shutdown()
+
+
+def test_a_failed_synchronous_load_reports_its_blocks_as_load_errors(gate):
+    """vLLM recomputes the blocks get_block_ids_with_load_errors names, in that step."""
+    worker, _ = registered()
+    step(worker, stores=[store(0, "a", [3, 4], [0, 1])])
+    settle(worker)
+    gate.fail = True
+    assert step(worker, loads=[sync_load(1, "b", [9, 10], [0, 1])]) == (set(), set(), set())
+    assert worker.take_load_errors() == {9, 10}
+    assert worker.take_load_errors() == set()  # reported once
+    assert worker.worker_meta().failed == {1: 1}
+    worker.shutdown()
+
+
 # -- stores overlap the next steps ------------------------------------------------
 
 

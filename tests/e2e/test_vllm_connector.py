@@ -216,7 +216,10 @@ def test_concurrent_requests_with_chunked_prefill(model):
     expected = baseline(model, batch, engine)
     assert tokens(cold) == expected
     assert tokens(warm) == expected
-    assert loaded(warm) == [128] * 4  # (160 - 1) // 32 full blocks each
+    # (160 - 1) // 32 = 4 full blocks each. The first request's load is synchronous: its blocks,
+    # the shared 96-token prefix among them, are in vLLM's own prefix cache in the step that
+    # schedules it, so the others take those 3 blocks from there and load only their fourth.
+    assert loaded(warm) == [128, 32, 32, 32]
 
 
 def test_hybrid_model_sliding_window_and_full_attention(hybrid_model):

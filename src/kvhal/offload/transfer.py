@@ -167,6 +167,18 @@ class TransferEngine:
                 count += 1
         return count
 
+    def order_after(self, stream: Any, job_ids: Iterable[int]) -> int:
+        """Make work submitted to ``stream`` from now on wait for the jobs ``job_ids``
+        (loads or stores): a forward that reads the blocks a load writes. Without blocking
+        the caller where the device has real streams; ids no longer pending are skipped.
+
+        :return: how many pending jobs the stream now waits for.
+        """
+        jobs = [self._jobs[i] for i in dict.fromkeys(job_ids) if i in self._jobs]
+        for job in jobs:
+            self.device.stream_wait_event(stream, job.event)
+        return len(jobs)
+
     def poll(self) -> list[TransferResult]:
         """The jobs finished since the last call, in submission order, without blocking."""
         results = []

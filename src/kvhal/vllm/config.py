@@ -25,10 +25,13 @@ KNOWN_KEYS = {
     "device",
     "eviction_policy",
     "offload_prompt_only",
+    "load_mode",
     "disk_path",
     "disk_bytes_to_use",
     "disk_write",
     "disk_eviction_policy",
+    "lower_tier_wait_ms",
+    "lower_tier_prefetch_blocks",
     "tier_backend",
     "tier_options",
     "remote_url",
@@ -37,6 +40,8 @@ KNOWN_KEYS = {
     "remote_load_timeout_ms",
     "remote_max_inflight_blocks",
 }
+#: ``load_mode``'s values (see :class:`ConnectorConfig`).
+LOAD_MODES = ("auto", "async")
 #: The keys that configure the remote tier besides ``remote_url``.
 REMOTE_KEYS = (
     "remote_strict",
@@ -57,6 +62,12 @@ class LowerTierConfig:
     :param write: ``"through"`` (default) or ``"back"``.
     :param eviction_policy: the lower tier's policy (default ``"clock"``: one byte a block).
     :param config_keys: backend option -> the user's key, to name it in errors.
+    :param wait_ms: how long a request waits for its blocks to be read from the lower tier
+        into host memory (a prefetch, started at lookup); past it, the part already in host
+        memory is loaded and the rest recomputed. ``None``: the prefetch is off, and such a
+        hit is one asynchronous load that reads, then copies.
+    :param prefetch_blocks: blocks being read by prefetches at most (every group's); a hit
+        past the budget is loaded asynchronously, as with the prefetch off.
     """
 
     backend: str
@@ -64,6 +75,8 @@ class LowerTierConfig:
     write: str
     eviction_policy: str
     config_keys: dict[str, str] = field(default_factory=dict)
+    wait_ms: int | None = 1000
+    prefetch_blocks: int | None = None  # None: half the host tier's slots
 
 
 @dataclass(frozen=True)
@@ -117,6 +130,10 @@ class ConnectorConfig:
     :param device: a kvhal device plugin to use instead of the auto-selected one.
     :param eviction_policy: ``"lru"`` (default), ``"s3fifo"``, or a plugin's.
     :param offload_prompt_only: store prompt blocks only (vLLM's default), not decode ones.
+    :param load_mode: ``"auto"`` (default): a hit held whole in the host tier is loaded in the
+        step that schedules it (a synchronous load), where vLLM can recompute a failed one
+        block by block (one KV cache group); other hits asynchronously. ``"async"``: every
+        hit asynchronously (vLLM parks the request for a step).
     """
 
     cpu_bytes_to_use: int
@@ -129,6 +146,7 @@ class ConnectorConfig:
     layout: str
     lower_tier: LowerTierConfig | None = None
     remote_tier: RemoteTierConfig | None = None
+    load_mode: str = "auto"
     #: what the KV is, for the tiers below (see :func:`kv_fingerprint`)
     fingerprint: dict[str, Any] = field(default_factory=dict)
 
@@ -148,6 +166,12 @@ class ConnectorConfig:
             rank=rank,
             world_size=self.world_size,
         )
+
+    @property
+    def sync_host_loads(self) -> bool:
+        """Whether host hits load in the step that schedules them: vLLM reports a failed
+        synchronous load by block ids, which it refuses with more than one KV cache group."""
+        return self.load_mode == "auto" and len(self.groups) == 1
 
     @property
     def num_slots(self) -> int:
@@ -222,6 +246,11 @@ class ConnectorConfig:
                 "kv_connector_extra_config.offload_prompt_only",
                 f"must be a JSON boolean (true or false), got {offload_prompt_only!r}",
             )
+        load_mode = extra.get("load_mode", "auto")
+        if load_mode not in LOAD_MODES:
+            raise ValidationError(
+                "kv_connector_extra_config.load_mode", f"must be one of {list(LOAD_MODES)}, got {load_mode!r}"
+            )
         layout = kv_cache_config.kv_cache_layout or "LBHNC"
         lower_tier = _lower_tier(extra)
         remote_tier = _remote_tier(extra)
@@ -237,6 +266,7 @@ class ConnectorConfig:
             layout=layout,
             lower_tier=lower_tier,
             remote_tier=remote_tier,
+            load_mode=load_mode,
             fingerprint=kv_fingerprint(vllm_config, tuple(groups), layout, block_size)
             if lower_tier or remote_tier
             else {},
@@ -256,7 +286,7 @@ def _lower_tier(extra: dict[str, Any]) -> LowerTierConfig | None:
         key for key in ("disk_path", "disk_bytes_to_use", "tier_backend", "tier_options") if key in extra
     ]
     if not asked:
-        for key in ("disk_write", "disk_eviction_policy"):
+        for key in ("disk_write", "disk_eviction_policy", "lower_tier_wait_ms", "lower_tier_prefetch_blocks"):
             if key in extra:
                 raise ValidationError(prefix + key, "configures a lower tier, but none is set (disk_path)")
         return None
@@ -292,7 +322,18 @@ def _lower_tier(extra: dict[str, Any]) -> LowerTierConfig | None:
         raise ValidationError(
             prefix + "disk_eviction_policy", f"must be an eviction policy's name (a str), got {policy!r}"
         )
-    return LowerTierConfig(backend, options, write, policy, config_keys)
+    wait_ms = extra.get("lower_tier_wait_ms", 1000)
+    if wait_ms is not None and (isinstance(wait_ms, bool) or not isinstance(wait_ms, int) or wait_ms < 0):
+        raise ValidationError(
+            prefix + "lower_tier_wait_ms",
+            f"must be a number of milliseconds (0 or more), or null for no prefetch, got {wait_ms!r}",
+        )
+    budget = extra.get("lower_tier_prefetch_blocks")
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0):
+        raise ValidationError(
+            prefix + "lower_tier_prefetch_blocks", f"must be a positive number of blocks, got {budget!r}"
+        )
+    return LowerTierConfig(backend, options, write, policy, config_keys, wait_ms, budget)
 
 
 def _remote_tier(extra: dict[str, Any]) -> RemoteTierConfig | None:

@@ -95,7 +95,9 @@ class KVHALConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker().start_loads(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return None  # loads are asynchronous: their requests are parked until reported
+        # synchronous loads: the compute stream waits for them (start_load_kv); asynchronous
+        # ones: their requests are parked until reported
+        return None
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
@@ -112,6 +114,10 @@ class KVHALConnector(KVConnectorBase_V1, SupportsHMA):
         return KVConnectorTransferResults(
             finished_sending=sent, finished_recving=finished, failed_recving=failed
         )
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        # a failed synchronous load: vLLM recomputes these blocks
+        return self.worker_side.take_load_errors() if self.worker_side is not None else set()
 
     def build_connector_worker_meta(self) -> KVHALWorkerMetadata | None:
         return self.worker_side.worker_meta() if self.worker_side is not None else None

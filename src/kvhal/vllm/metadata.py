@@ -47,6 +47,12 @@ class TransferJob:
     remote_reads: TierReads | None = None
     #: for a store, its write-through to the remote tier, run once the store's copy is done
     remote_write: TierWrite | None = None
+    #: a load vLLM scheduled in this step: the forward waits for its copy, and a failure is
+    #: reported as invalid blocks (``get_block_ids_with_load_errors``), not in ``finished_recving``
+    sync: bool = False
+    #: a load with no copy to the device: ``reads`` into host slots, started at the step's
+    #: beginning for a request that waits (unscheduled) until they are in host memory
+    prefetch: bool = False
 
     @property
     def num_blocks(self) -> int:
@@ -66,10 +72,13 @@ class KVHALMetadata(KVConnectorMetadata):
     :param held: finished requests whose blocks vLLM keeps until every worker
         reports them in ``finished_sending``, once their store jobs finished there.
     :param writes: copies of host slots into the lower tier.
+    :param prefetches: reads from the lower tier into host slots, started before the step's
+        forward (they overlap it); reported in the worker metadata, never to vLLM.
     """
 
     loads: list[TransferJob] = field(default_factory=list)
     stores: list[TransferJob] = field(default_factory=list)
+    prefetches: list[TransferJob] = field(default_factory=list)
     fence: list[int] = field(default_factory=list)
     held: list[str] = field(default_factory=list)
     writes: list[TierWrite] = field(default_factory=list)

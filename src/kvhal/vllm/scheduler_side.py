@@ -2,11 +2,15 @@
 
 It owns the :class:`~kvhal.offload.manager.OffloadingManager` and never touches KV
 bytes. Per step: lookups (``get_num_new_matched_tokens``) find the longest
-prefix of a request's blocks that every offloaded KV cache group holds;
-hits are loaded asynchronously (vLLM parks the request until the worker
-reports the load), which is the one path on which vLLM recomputes a failed
-load for hybrid models too; blocks that become full during a step are stored
-by the workers right after it. Job results come back through the workers'
+prefix of a request's blocks that every offloaded KV cache group holds. A
+hit held whole in the host tier is loaded synchronously: vLLM schedules the
+request in the same step, the workers copy before the forward and the forward
+waits for the copy, and a failed copy is reported as invalid blocks that vLLM
+recomputes. Other hits (promoted from a tier below, fetched from the store,
+or any hit of a model with several KV cache groups, whose failed loads vLLM
+can recompute only when they are asynchronous) are loaded asynchronously:
+vLLM parks the request until the workers report the load. Blocks that become
+full during a step are stored by the workers right after it. Job results come back through the workers'
 metadata and complete the manager's loads and stores.
 
 Stores run while later steps compute. A store's source blocks must not be
@@ -92,11 +96,21 @@ class _Probe:
 
 
 @dataclass
+class _Prefetch:
+    """Blocks of a request being read from the lower tier into host slots at its lookup."""
+
+    job_id: int
+    deadline: float
+    done: bool = False
+
+
+@dataclass
 class _RequestState:
     request: Request
     stored_upto: int = 0  # blocks [0, stored_upto) were considered for storing
     hit_start: int = 0  # the last lookup's hit, in blocks
     hit_blocks: int = 0
+    hit_sync: bool = False  # the last lookup's hit is loaded in the step that schedules it
     loaded_tokens: int = 0
     load_failed: bool = False
     loading: int | None = None  # the load job in flight, if any
@@ -104,6 +118,9 @@ class _RequestState:
     store_jobs: set[int] = field(default_factory=set)
     probe: _Probe | None = None  # the last remote lookup
     fetch: set[bytes] = field(default_factory=set)  # keys the remote tier holds, per the probe
+    prefetch: _Prefetch | None = None  # the read from the lower tier it waits for, if any
+    prefetched: bool = False  # one prefetch per request: a hit lost again loads as before
+    from_below: set[bytes] = field(default_factory=set)  # keys its prefetch read from below
 
 
 @dataclass
@@ -116,6 +133,7 @@ class _Job:
     ok: bool = True
     plan: LoadPlan | WritePlan | None = None  # a load's or a write's plan in the tier chain
     remote: WritePlan | None = None  # a store's write-through to the remote tier
+    prefetch: bool = False  # a load that only reads the lower tier into host slots
 
 
 @dataclass
@@ -137,6 +155,8 @@ class SchedulerSide:
         self._jobs: dict[int, _Job] = {}
         self._storing: set[bytes] = set()
         self._pending_loads: list[TransferJob] = []
+        self._pending_prefetches: list[TransferJob] = []
+        self._prefetching = 0  # blocks being read by prefetches
         self._next_job = 0
         # block id -> store jobs in flight reading it (ids are shared by every
         # group's layers in vLLM's one block pool, so groups are not told apart)
@@ -183,26 +203,69 @@ class SchedulerSide:
         state = self.track(request)
         if state.load_failed:  # offering the same hit again would loop (the load failed)
             return 0, False
+        if state.prefetch is not None:
+            if not state.prefetch.done and time.monotonic() < state.prefetch.deadline:
+                return None, False  # the request holds no device blocks meanwhile
+            if not state.prefetch.done:  # past the wait: what is in host memory now is the hit
+                self.stats.add("prefetch_timeouts", 1)
+            state.prefetch = None
         bs = self.config.block_size
         start = num_computed_tokens // bs
         end = min(len(request.block_hashes), (request.num_tokens - 1) // bs)
         hashes = list(request.block_hashes[start:end])
         hit = len(hashes)
+        below = False  # part of the hit must be read from a tier below first
         for group in self.config.groups:
             if hit == 0:
                 break
             keys = self._keys(hashes[:hit], group.group_id)
-            found, _ = self.chain.lookup(keys)
+            found, promoted = self.chain.lookup(keys)
             if found < hit and keys[found] in self._storing:
                 return None, False
             hit = found
+            below |= promoted > 0
+        if below and self._start_prefetch(state, hashes[:hit]):
+            return None, False
         if self.remote is not None and hit < len(hashes):
             more = self._remote_lookup(state, start, hashes, hit)
             if more is None:
                 return None, False
             hit += more
+            below |= more > 0
         state.hit_start, state.hit_blocks = start, hit
-        return hit * bs, hit > 0
+        state.hit_sync = hit > 0 and not below and self.config.sync_host_loads
+        return hit * bs, hit > 0 and not state.hit_sync
+
+    def _start_prefetch(self, state: _RequestState, hashes: list[bytes]) -> bool:
+        """Read the blocks of ``hashes`` that only the lower tier holds into host slots now,
+        for the request to wait for (``None`` answers) and then load as a host hit. False
+        (the hit loads asynchronously, reading then copying) when the prefetch is off, over
+        its budget, was tried for this request already, or the host tier has no room."""
+        lower = self.config.lower_tier
+        if lower is None or lower.wait_ms is None or state.prefetched:
+            return False
+        # The hit's host blocks are pinned with it (as a load's are), or the promotion's new
+        # slots could evict them, the oldest, and the hit would be lost again.
+        keys = [offload_key(h, g.group_id) for h in hashes for g in self.config.groups]
+        below = [key for key in keys if self.manager.state(key) is not BlockState.READY]
+        budget = lower.prefetch_blocks or max(1, self.config.num_slots // 2)
+        if self._prefetching + len(below) > budget:
+            self.stats.add("prefetch_skipped_blocks", len(below))
+            return False
+        plan = self.chain.prepare_load(keys)
+        if plan is None:
+            self.stats.add("prefetch_skipped_blocks", len(below))
+            return False
+        job = self._new_job(JobKind.LOAD, state.request.request_id, plan.promoted, {}, plan=plan)
+        job.reads = TierReads(plan.promoted, plan.lower_slots, plan.promoted_host_slots)
+        job.prefetch = self._jobs[job.job_id].prefetch = True
+        self._pending_prefetches.append(job)
+        self._prefetching += len(plan.promoted)
+        state.prefetch = _Prefetch(job.job_id, time.monotonic() + lower.wait_ms / 1000)
+        state.prefetched = True
+        state.from_below = set(plan.promoted)
+        self.stats.add("prefetched_blocks", len(plan.promoted))
+        return True
 
     def _remote_lookup(self, state: _RequestState, start: int, hashes: list[bytes], hit: int) -> int | None:
         """How many blocks after the local hit the remote tier holds (for every group),
@@ -280,6 +343,10 @@ class SchedulerSide:
             slots = iter(plan.host_slots)
             groups = {gid: (ids, [next(slots) for _ in ids]) for gid, ids in group_ids.items()}
             self.manager.touch(keys)
+            prefetched = {block_of[k] for k in keys if k in state.from_below}
+            if prefetched:  # a hit from the lower tier, read into host memory at its lookup
+                self.stats.add("tier_hit_tokens", len(prefetched) * bs)
+                state.from_below = set()
             if plan.promoted:
                 reads = TierReads(plan.promoted, plan.lower_slots, plan.promoted_host_slots)
                 self.stats.add("tier_hit_tokens", len({block_of[k] for k in plan.promoted}) * bs)
@@ -287,6 +354,9 @@ class SchedulerSide:
                 remote_reads = TierReads(plan.fetched, [], plan.fetched_host_slots)
                 self.stats.add("remote_hit_tokens", len({block_of[k] for k in plan.fetched}) * bs)
         job = self._new_job(JobKind.LOAD, request.request_id, keys, groups, plan=plan)
+        job.sync = state.hit_sync
+        if job.sync:
+            self.stats.add("sync_hit_tokens", num_external_tokens)
         job.reads = reads
         job.remote_reads = remote_reads
         job.doomed = plan is None
@@ -407,13 +477,14 @@ class SchedulerSide:
         fence = self._fence(scheduler_output)
         stores = self._plan_stores(scheduler_output)
         meta = KVHALMetadata(
+            prefetches=self._pending_prefetches,
             loads=self._pending_loads,
             stores=stores,
             fence=fence,
             held=self._held,
             writes=self._plan_writes(),  # after the stores: write-back snapshots their evictions
         )
-        self._pending_loads, self._held = [], []
+        self._pending_loads, self._held, self._pending_prefetches = [], [], []
         self._load_blocks = set()
         return meta
 
@@ -489,6 +560,16 @@ class SchedulerSide:
                 self.stats.add("failed_stores", 1)
             elif job.keys:  # once per block, however many workers copied a share of it
                 self.stats.add("stored_blocks", len(job.keys))
+        elif job.prefetch:
+            assert isinstance(job.plan, LoadPlan)
+            self._prefetching -= len(job.keys)
+            self.chain.complete_load(job.plan, success=job.ok)  # ready in host, or forgotten below
+            if job.ok:
+                self.stats.add("tier_loaded_blocks", len(job.keys))
+            else:
+                self.stats.add("tier_failed_loads", 1)
+            if state is not None and state.prefetch is not None and state.prefetch.job_id == job_id:
+                state.prefetch.done = True
         else:
             if state is not None and state.loading == job_id:
                 state.loading = None
@@ -506,6 +587,9 @@ class SchedulerSide:
                         self.stats.add("remote_failed_loads", 1)
             if not job.ok:
                 self.stats.add("failed_loads", 1)
+                if state is not None:  # a synchronous load's request learns it here
+                    state.load_failed = True
+                    state.loaded_tokens = 0
             elif job.keys:
                 self.stats.add("loaded_blocks", len(job.keys))
 

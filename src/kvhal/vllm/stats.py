@@ -17,6 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 COUNTERS = {
     "lookup_tokens": "Prompt tokens kvhal was asked about (beyond the local prefix cache).",
     "hit_tokens": "Prompt tokens kvhal offered to load from its host tier.",
+    "sync_hit_tokens": "Prompt tokens loaded in the step that scheduled them (host hits, no parked step).",
     "loaded_blocks": "Blocks copied from kvhal's host tier into the KV cache.",
     "loaded_bytes": "Bytes copied from kvhal's host tier into the KV cache.",
     "stored_blocks": "Blocks copied from the KV cache into kvhal's host tier.",
@@ -31,6 +32,9 @@ COUNTERS = {
     # the tier below host memory (disk, or a plugin's backend)
     "tier_recovered_blocks": "Blocks a starting engine found in the lower tier (a warm restart).",
     "tier_hit_tokens": "Prompt tokens kvhal offered to load that were read from the lower tier first.",
+    "prefetched_blocks": "Blocks read from the lower tier into host memory at lookup, for a waiting request.",
+    "prefetch_timeouts": "Requests that stopped waiting for a prefetch (past lower_tier_wait_ms).",
+    "prefetch_skipped_blocks": "Blocks not prefetched (budget or host room): loaded asynchronously instead.",
     "tier_loaded_blocks": "Blocks read from the lower tier into the host tier for a load.",
     "tier_failed_loads": "Load jobs whose reads from the lower tier failed (their tokens were recomputed).",
     "tier_written_blocks": "Blocks written from the host tier to the lower tier.",

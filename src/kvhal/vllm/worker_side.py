@@ -7,9 +7,12 @@ vllm-ascend passes) as a :class:`~kvhal.cache.KVCache` and lays the same group
 geometry over one pinned host buffer.
 
 Nothing here waits for a copy on the engine's thread except a fence the
-scheduler asked for. Loads are submitted once the forward is launched and
-polled: a request parked for its load is reported in the step its load is
-found done. Stores are submitted after the forward, ordered after its compute
+scheduler asked for and a synchronous load: a host hit vLLM scheduled in this
+step is submitted before the forward, and the compute stream waits for it (on
+a device with streams the thread does not; on the CPU it waits for the copy).
+A failed one is reported as invalid blocks, which vLLM recomputes.
+Asynchronous loads are polled: a request parked for its load is reported in
+the step its load is found done. Stores are submitted after the forward, ordered after its compute
 by the device facade, and overlap the following steps; the compute stream
 waits only for the stores the step's metadata names (their blocks may be
 rewritten), and a finished request the scheduler held is reported in
@@ -119,6 +122,8 @@ class WorkerSide:
         self._failed: dict[int, int] = {}
         self._finished_loads: set[str] = set()
         self._failed_loads: set[str] = set()
+        self._load_errors: set[int] = set()  # device blocks synchronous loads failed to fill
+        self._sync_jobs: set[int] = set()  # synchronous loads not yet reported
         self._stores_of: dict[str, set[int]] = {}  # request -> its store jobs running here
         self._held: set[str] = set()  # held by the scheduler until their stores finish
         self._finished_sending: set[str] = set()
@@ -197,6 +202,8 @@ class WorkerSide:
             self.engine.fence(self.device.current_stream(), engine_jobs)
         for write in meta.writes:  # first: a write-back snapshots slots this step reuses
             self._start_write(write)
+        for job in meta.prefetches:  # before the forward: the reads overlap it
+            self._start_reads(job)
         for req_id in meta.held:
             if self._stores_of.get(req_id):
                 self._held.add(req_id)
@@ -206,8 +213,12 @@ class WorkerSide:
     @_on_engine_thread
     def start_loads(self, meta: KVHALMetadata) -> None:
         """Submit this step's loads (host tier -> KV cache), reading promoted blocks from
-        the lower tier first; :meth:`collect` reports them."""
+        the lower tier first; :meth:`collect` reports them. The compute stream waits for
+        the synchronous ones: vLLM runs their requests in this step's forward."""
+        sync_copies: list[int] = []
         for job in meta.loads:
+            if job.sync:
+                self._sync_jobs.add(job.job_id)
             if job.doomed:
                 self._running[job.job_id] = _Running(job, set(), ok=False)
                 self._finish(job.job_id)
@@ -215,6 +226,12 @@ class WorkerSide:
                 self._start_reads(job)
             else:
                 self._submit(job)
+                running = self._running.get(job.job_id)
+                if job.sync and running is not None:
+                    sync_copies.extend(running.engine_jobs)
+        if sync_copies:
+            assert self.engine is not None and self.device is not None
+            self.engine.order_after(self.device.current_stream(), sync_copies)
 
     def _start_reads(self, job: TransferJob) -> None:
         reading = _Reading(job, [])
@@ -291,11 +308,18 @@ class WorkerSide:
         # Bytes are counted where they move: each tensor-parallel worker copies its own
         # share, and vLLM sums the workers' stats. Blocks are counted once, scheduler-side.
         nbytes = job.num_blocks * self.config.slot_bytes  # one slot per (group, block)
-        if job.kind is JobKind.LOAD:
-            self._finished_loads.add(job.req_id)
-            if not running.ok:
-                self._failed_loads.add(job.req_id)
-            elif job.num_blocks:
+        if job.kind is JobKind.LOAD and job.prefetch:
+            pass  # no device copy, no request waiting in vLLM: the scheduler side hears of it
+        elif job.kind is JobKind.LOAD:
+            if job.job_id in self._sync_jobs:  # vLLM is not waiting for it in finished_recving
+                self._sync_jobs.discard(job.job_id)
+                if not running.ok:
+                    self._load_errors.update(b for ids, _ in job.groups.values() for b in ids)
+            else:
+                self._finished_loads.add(job.req_id)
+                if not running.ok:
+                    self._failed_loads.add(job.req_id)
+            if running.ok and job.num_blocks:
                 self.stats.add("loaded_bytes", nbytes)
         else:
             if running.ok:
@@ -319,6 +343,11 @@ class WorkerSide:
         assert self.engine is not None or not self._running
         self._poll_tier()
         if self.engine is not None:
+            # A synchronous load is reported in its own step: the forward waited for its
+            # copy, so this wait is for an event already complete (or failed).
+            pending = [e for j in self._sync_jobs if j in self._running for e in self._running[j].engine_jobs]
+            for result in self.engine.wait(pending) if pending else ():
+                self._on_result(result)
             for result in self.engine.poll():
                 self._on_result(result)
         finished, failed, sent = self._finished_loads, self._failed_loads, self._finished_sending
@@ -397,9 +426,16 @@ class WorkerSide:
             self._running[job_id] = _Running(job, set(), ok=False)
             self._finish(job_id)
 
+    def take_load_errors(self) -> set[int]:
+        """Device blocks synchronous loads failed to fill since the last call (vLLM recomputes)."""
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
     def _give_up(self, job: TransferJob) -> None:
         """Report ``job``'s load failed to vLLM now (its request is recomputed); the job
         itself ends later, in :meth:`_poll_tier`, once its reads into host slots end."""
+        if job.prefetch:
+            return  # vLLM waits for no prefetch: the scheduler side hears of it
         self._finished_loads.add(job.req_id)
         self._failed_loads.add(job.req_id)
 
