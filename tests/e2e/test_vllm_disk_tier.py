@@ -162,6 +162,44 @@ def test_disk_full_or_io_errors_fail_cleanly_and_recompute(model, tmp_path, faul
     assert loaded(warm[-1])[0] == SERVED
 
 
+def test_a_stalled_disk_costs_a_request_its_wait_then_recompute(model, tmp_path):
+    """Reads that take 2 s: a request waits lower_tier_wait_ms (200) for its prefetch, then
+    recomputes what is not in host memory; the reads still end, and nothing leaks."""
+    batch = prompts(4, LENGTH, seed=26)
+    steps = [*one_by_one(batch), {"op": "reset"}, *one_by_one(batch[::-1]), {"op": "settle"}]
+    steps += [{"op": "metrics"}, {"op": "kvhal_state"}]
+    kvhal = disk(tmp_path, tier_backend="disk-faults", lower_tier_wait_ms=200, lower_tier_prefetch_blocks=8)
+    result = engine(model, kvhal, steps, fault_env("disk_stall"))
+    expected = baseline(model, batch)
+    warm = result[5:9][::-1]
+    assert [tokens(s)[0] for s in warm] == expected, "outputs changed behind a stalled disk"
+    found = metrics(result[10])
+    assert found["prefetch_timeouts"] >= 2, found  # the two oldest prompts were on disk only
+    assert loaded(warm[0])[0] < SERVED, "the oldest prompt waited out the stall instead of recomputing"
+    assert loaded(warm[-1])[0] == SERVED, "the newest prompt is a host hit, stall or not"
+    state = result[11]
+    assert state["storing"] == 0 and not state["scheduler_jobs_in_flight"], f"a read never ended: {state}"
+
+
+def test_hits_read_from_disk_are_prefetched_and_loaded_in_their_step(model, tmp_path):
+    """The disk's hits take the prefetch path (read into host memory at lookup, then a
+    synchronous host load); the same hits without a prefetch (lower_tier_wait_ms: null)
+    load asynchronously, read then copy: same outputs, other counters."""
+    batch = prompts(4, LENGTH, seed=27)
+    steps = [*one_by_one(batch), {"op": "reset"}, *one_by_one(batch[::-1]), {"op": "metrics"}]
+    counters = {}
+    for wait in (1000, None):
+        kvhal = disk(tmp_path / str(wait), lower_tier_wait_ms=wait, lower_tier_prefetch_blocks=8)
+        result = engine(model, kvhal, steps)
+        assert [tokens(s)[0] for s in result[5:9][::-1]] == baseline(model, batch)
+        counters[wait] = metrics(result[9])
+    on, off = counters[1000], counters[None]
+    assert on["prefetched_blocks"] >= 2 * BLOCKS_PER_PROMPT and on["tier_hit_tokens"] >= 2 * SERVED, on
+    assert on["sync_hit_tokens"] >= 4 * SERVED, on  # every hit, disk ones included, in its step
+    assert off.get("prefetched_blocks", 0) == 0 and off["tier_hit_tokens"] >= 2 * SERVED, off
+    assert off["sync_hit_tokens"] < on["sync_hit_tokens"], off  # disk hits parked a step
+
+
 def test_second_engine_on_the_same_disk_path_is_refused(model, tmp_path):
     """A process holds the disk tier as a running engine's scheduler does; an engine
     started on the same path must fail, naming the reason, and leave the tier alone."""

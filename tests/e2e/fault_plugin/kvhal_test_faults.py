@@ -110,6 +110,7 @@ class FaultInjector:
 
 #: ``tier_backend`` the tests name to get the disk tier with faults (``KVHAL_TEST_FAULTS``):
 #: ``disk_full`` (payload writes fail with ENOSPC), ``disk_eio`` (payload reads fail with EIO),
+#: ``disk_stall`` (payload reads take ``KVHAL_TEST_STALL_S`` seconds, default 2, then succeed),
 #: ``torn_write`` (after ``KVHAL_TEST_TORN_AFTER`` payload writes, each writes half its bytes
 #: and hangs: kill the engine then, and its slots hold torn blocks under their old records).
 FAULTY_DISK = "disk-faults"
@@ -145,6 +146,9 @@ def _faulty_disk(spec):
             super()._pwritev(fd, buffers, offset)
 
         def _preadv(self, fd, buffers, offset):
+            if fd != self._index_fd and "disk_stall" in modes:
+                print(f"{INJECTED} disk_stall", file=sys.stderr, flush=True)
+                time.sleep(float(os.environ.get("KVHAL_TEST_STALL_S", "2")))
             if fd != self._index_fd and "disk_eio" in modes:
                 print(f"{INJECTED} disk_eio", file=sys.stderr, flush=True)
                 raise OSError(errno.EIO, "Input/output error (injected)")

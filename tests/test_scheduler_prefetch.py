@@ -1,0 +1,140 @@
+"""Hits below the host tier are prefetched at lookup: the request is asked again (``None``,
+holding no device blocks) while its blocks are read from the disk tier into host slots, and
+then loads them as a host hit in the step that schedules it. Past ``lower_tier_wait_ms`` the
+part in host memory is the hit; past the budget, or with the prefetch off, the hit loads
+asynchronously (read, then copy) as before. The scheduler side runs over a real disk tier
+(its index; the workers' reads are reported as vLLM's aggregator would)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm")
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+from kvhal.vllm.config import ConnectorConfig, GroupInfo, LowerTierConfig
+from kvhal.vllm.metadata import KVHALMetadata
+from kvhal.vllm.scheduler_side import SchedulerSide
+from tests.test_scheduler_side import BS, PAGE, output, prefill, reported, request
+
+SLOTS = 4
+
+
+def tiered(tmp_path, wait_ms: int | None = 60_000, budget: int | None = SLOTS) -> SchedulerSide:
+    lower = LowerTierConfig(
+        "disk",
+        {"path": str(tmp_path / "disk"), "bytes_to_use": 64 * PAGE},
+        "through",
+        "clock",
+        wait_ms=wait_ms,
+        prefetch_blocks=budget,
+    )
+    config = ConnectorConfig(
+        cpu_bytes_to_use=SLOTS * PAGE,
+        device=None,
+        eviction_policy="lru",
+        offload_prompt_only=True,
+        block_size=BS,
+        groups=(GroupInfo(0, ("l0",), PAGE, 8),),
+        world_size=1,
+        layout="LBHNC",
+        lower_tier=lower,
+    )
+    return SchedulerSide(config)
+
+
+def finish_stores(scheduler: SchedulerSide, meta: KVHALMetadata) -> None:
+    """The workers stored every block of ``meta`` and wrote it through to the disk."""
+    reported(scheduler, [job.job_id for job in meta.stores])
+    reported(scheduler, [job.write.job_id for job in meta.stores if job.write is not None])
+
+
+def only_on_disk(scheduler: SchedulerSide) -> None:
+    """Request "a"'s prompt blocks are on the disk tier and evicted from the host tier."""
+    a = request("a")
+    finish_stores(scheduler, prefill(scheduler, a, [1, 2, 3]))
+    scheduler.request_finished(a)
+    for i, first in enumerate((100, 200)):  # two more prompts fill the four host slots
+        other = request(f"x{i}", list(range(first, first + 12)))
+        finish_stores(scheduler, prefill(scheduler, other, [10 + 3 * i, 11 + 3 * i, 12 + 3 * i]))
+        scheduler.request_finished(other)
+    assert scheduler.manager.lookup(scheduler._keys(a.block_hashes[:2], 0)) == 0
+    assert scheduler.chain.lower.lookup(scheduler._keys(a.block_hashes[:2], 0)) == 2
+
+
+def test_a_disk_hit_is_read_into_host_memory_while_the_request_waits_then_loads_in_its_step(tmp_path):
+    scheduler = tiered(tmp_path)
+    only_on_disk(scheduler)
+    b = request("b")
+    scheduler.track(b)
+    assert scheduler.lookup(b, 0) == (None, False)  # reading: ask again
+    [prefetch] = scheduler.build_meta(output()).prefetches
+    assert prefetch.prefetch and prefetch.groups == {} and len(prefetch.reads.keys) == 2
+    assert scheduler.lookup(b, 0) == (None, False)  # still reading
+    assert scheduler.build_meta(output()).prefetches == []  # one read per request
+    reported(scheduler, [prefetch.job_id])
+    assert scheduler.lookup(b, 0) == (8, False)  # in host memory: a synchronous host hit
+    scheduler.after_alloc(b, KVCacheBlocks(([KVCacheBlock(7), KVCacheBlock(8)],)), 8)
+    [load] = scheduler.build_meta(output()).loads
+    assert load.sync and load.reads is None
+    assert scheduler.stats.data["prefetched_blocks"] == 2
+    assert scheduler.stats.data["tier_hit_tokens"] == 8  # the disk's share of the hit
+    assert scheduler.stats.data["tier_loaded_blocks"] == 2
+
+
+def test_past_the_wait_the_host_part_is_the_hit_and_the_read_still_lands(tmp_path):
+    scheduler = tiered(tmp_path, wait_ms=0)
+    only_on_disk(scheduler)
+    b = request("b")
+    scheduler.track(b)
+    assert scheduler.lookup(b, 0) == (None, False)
+    [prefetch] = scheduler.build_meta(output()).prefetches
+    assert scheduler.lookup(b, 0) == (0, False)  # nothing in host yet: recompute
+    assert scheduler.stats.data["prefetch_timeouts"] == 1
+    reported(scheduler, [prefetch.job_id])  # the read ends later, for the next request
+    c = request("c")
+    scheduler.track(c)
+    assert scheduler.lookup(c, 0) == (8, False)
+
+
+def test_a_failed_read_leaves_nothing_to_load(tmp_path):
+    scheduler = tiered(tmp_path)
+    only_on_disk(scheduler)
+    b = request("b")
+    scheduler.track(b)
+    assert scheduler.lookup(b, 0) == (None, False)
+    [prefetch] = scheduler.build_meta(output()).prefetches
+    reported(scheduler, [prefetch.job_id], ok=False)
+    assert scheduler.lookup(b, 0) == (0, False)  # forgotten in both tiers (it may be corrupt)
+    assert scheduler.stats.data["tier_failed_loads"] == 1
+    assert scheduler._prefetching == 0 and not scheduler.has_jobs_in_flight()
+
+
+@pytest.mark.parametrize("how", ["over budget", "prefetch off"])
+def test_without_a_prefetch_the_hit_loads_asynchronously(tmp_path, how):
+    scheduler = tiered(tmp_path, budget=1) if how == "over budget" else tiered(tmp_path, wait_ms=None)
+    only_on_disk(scheduler)
+    b = request("b")
+    scheduler.track(b)
+    assert scheduler.lookup(b, 0) == (8, True)  # read, then copy: vLLM parks the request
+    scheduler.after_alloc(b, KVCacheBlocks(([KVCacheBlock(7), KVCacheBlock(8)],)), 8)
+    [load] = scheduler.build_meta(output()).loads
+    assert not load.sync and len(load.reads.keys) == 2
+    assert ("prefetch_skipped_blocks" in scheduler.stats.data) is (how == "over budget")
+
+
+def test_an_aborted_request_leaves_its_read_to_finish(tmp_path):
+    """The read cannot be stopped mid-flight; it ends, is reported, and its blocks serve others."""
+    scheduler = tiered(tmp_path)
+    only_on_disk(scheduler)
+    b = request("b")
+    scheduler.track(b)
+    assert scheduler.lookup(b, 0) == (None, False)
+    [prefetch] = scheduler.build_meta(output()).prefetches
+    assert scheduler.request_finished(b)[0] is False  # nothing to hold: it has no blocks
+    reported(scheduler, [prefetch.job_id])
+    assert not scheduler.has_jobs_in_flight() and scheduler._prefetching == 0
+    c = request("c")
+    scheduler.track(c)
+    assert scheduler.lookup(c, 0) == (8, False)

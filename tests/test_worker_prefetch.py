@@ -1,0 +1,65 @@
+"""The worker side's prefetches: reads from the disk tier into host slots, started before the
+step's forward, reported to the scheduler side only (vLLM waits for none of them); a host
+hit then loads them in the step that schedules it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from kvhal.vllm.config import LowerTierConfig
+from kvhal.vllm.metadata import JobKind, TierReads, TierWrite, TransferJob
+from kvhal.vllm.worker_side import WorkerSide
+from tests.test_worker_side import block, connector_config, kv_caches, load, same, settle, step, store
+
+KEYS = [b"block-a" + bytes(29), b"block-b" + bytes(29)]
+
+
+def disk_worker(tmp_path) -> tuple[WorkerSide, dict]:
+    base = connector_config(slots=8)
+    lower = LowerTierConfig(
+        "disk", {"path": str(tmp_path / "disk"), "bytes_to_use": 1 << 20}, "through", "clock"
+    )
+    config = dataclasses.replace(base, lower_tier=lower, fingerprint={"model": "worker-prefetch"})
+    caches = kv_caches(split=False, seed=1)
+    side = WorkerSide(config)
+    side.register(caches)
+    return side, caches
+
+
+def prefetch(job_id: int) -> TransferJob:
+    return TransferJob(job_id, JobKind.LOAD, "s", {}, reads=TierReads(KEYS, [0, 1], [4, 6]), prefetch=True)
+
+
+def test_a_prefetch_reads_the_disk_into_host_slots_and_a_sync_load_copies_them(tmp_path):
+    worker, caches = disk_worker(tmp_path)
+    job = store(0, "r", [3, 5], [0, 1])
+    job.write = TierWrite(1, KEYS, [0, 1], [0, 1], snapshot=False)
+    step(worker, stores=[job])
+    settle(worker)
+    # the prefetch starts at the step's beginning (handle_preemptions), before any load
+    step(worker, prefetches=[prefetch(2)])
+    finished, failed, _ = settle(worker)
+    assert not finished and not failed  # vLLM waits for no prefetch
+    assert worker.worker_meta().succeeded == {0: 1, 1: 1, 2: 1}
+    assert worker.stats.data["tier_read_bytes"] == 2 * worker.config.slot_bytes
+    before = [block(caches, i) for i in (7, 9)]
+    sync = load(3, "s", [7, 9], [4, 6])
+    sync.sync = True
+    step(worker, loads=[sync])
+    assert worker.take_load_errors() == set()
+    assert all(same(block(caches, 7), block(caches, 3))) and all(same(block(caches, 9), block(caches, 5)))
+    assert not any(same(before[0], block(caches, 3))), "negative control: the blocks differed before"
+    worker.shutdown()
+
+
+def test_a_prefetch_of_blocks_the_disk_does_not_hold_fails_to_the_scheduler_side_only(tmp_path):
+    worker, _ = disk_worker(tmp_path)
+    step(worker, prefetches=[prefetch(2)])
+    finished, failed, _ = settle(worker)
+    assert not finished and not failed
+    assert worker.worker_meta().failed == {2: 1}
+    worker.shutdown()
