@@ -114,7 +114,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     """vLLM serving with kvhal on the auto-selected device: the TTFT table."""
     from kvhal.bench import e2e
+    from kvhal.bench.common import native_dtype
 
+    if args.dtype == "auto":
+        args.dtype = native_dtype()
     e2e.run_bench(args, e2e.DEMO_MODEL, "demo")
     return 0
 
@@ -169,13 +172,18 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--repeats", type=int, default=2)
     demo.add_argument("--models", type=Path, default=Path.home() / ".cache" / "kvhal-bench-models")
     demo.add_argument("--out", type=Path, default=Path("bench-results"))
+    demo.add_argument(
+        "--dtype",
+        choices=("auto", "bfloat16", "float32"),
+        default="auto",
+        help="the engines' dtype (auto: bfloat16 where the CPU has AVX512-BF16 or AMX, else float32)",
+    )
     demo.set_defaults(
         func=cmd_demo,
         no_throughput=True,
         rounds=0,
         malloc_default=False,
         env=[],
-        dtype="bfloat16",
         print_targets=False,
     )
 

@@ -48,6 +48,31 @@ def machine_info() -> dict:
     return info
 
 
+#: CPU flags (``/proc/cpuinfo``) under which torch computes bf16 natively on the CPU.
+NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def cpu_flags(cpuinfo: str | None = None) -> set[str]:
+    """The CPU's feature flags, from ``/proc/cpuinfo`` (empty where it cannot be read)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return set()
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            return set(line.partition(":")[2].split())
+    return set()
+
+
+def native_dtype(flags: set[str] | None = None) -> str:
+    """The dtype a CPU engine computes fastest: bf16 where the CPU has bf16 instructions
+    (AVX512-BF16, AMX), else float32 (bf16 emulated runs about 30x slower, and compute
+    would drown every difference a benchmark exists to show)."""
+    flags = cpu_flags() if flags is None else flags
+    return "bfloat16" if any(flag in flags for flag in NATIVE_BF16_FLAGS) else "float32"
+
+
 def write_outputs(folder: Path, name: str, result: dict) -> tuple[Path, Path]:
     """Write ``result`` as ``folder/name.json``; return it and the PNG path beside it."""
     folder.mkdir(parents=True, exist_ok=True)

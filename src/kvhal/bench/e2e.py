@@ -343,7 +343,7 @@ def run_bench(args: argparse.Namespace, recipe: TinyLlama, name: str) -> dict[st
     device = timing["kvhal_device"] or {}
     title = (
         f"TTFT, {args.prompt_len}-token prompt, {recipe.parameters / 1e6:.0f}M-parameter model, "
-        f"kvhal device {device.get('plugin', '?')}"
+        f"{args.dtype}, kvhal device {device.get('plugin', '?')}"
     )
     print_ttft(console, title, timing["rows"])
     checks = check_targets(timing["rows"], rate["overhead"] if rate else None)
