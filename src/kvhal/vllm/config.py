@@ -147,6 +147,8 @@ class ConnectorConfig:
     lower_tier: LowerTierConfig | None = None
     remote_tier: RemoteTierConfig | None = None
     load_mode: str = "auto"
+    #: vLLM's id of the engine (its scheduler and workers share it)
+    engine_id: str | None = None
     #: what the KV is, for the tiers below (see :func:`kv_fingerprint`)
     fingerprint: dict[str, Any] = field(default_factory=dict)
 
@@ -267,6 +269,7 @@ class ConnectorConfig:
             lower_tier=lower_tier,
             remote_tier=remote_tier,
             load_mode=load_mode,
+            engine_id=getattr(vllm_config.kv_transfer_config, "engine_id", None),
             fingerprint=kv_fingerprint(vllm_config, tuple(groups), layout, block_size)
             if lower_tier or remote_tier
             else {},

@@ -39,6 +39,7 @@ are being written already or the store is down: then it is dropped, counted.
 from __future__ import annotations
 
 import time
+from concurrent import futures
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,10 +53,11 @@ from vllm.v1.request import Request
 
 from kvhal.errors import ValidationError
 from kvhal.offload.manager import BlockState, OffloadingManager
-from kvhal.tiers.backend import TierBackend
+from kvhal.tiers.backend import OK, TierBackend
 from kvhal.tiers.chain import LoadPlan, TierChain, WritePlan
 from kvhal.tiers.index import TierIndex
 from kvhal.tiers.remote.tier import RemoteTier
+from kvhal.vllm import local
 from kvhal.vllm.config import ConnectorConfig
 from kvhal.vllm.keys import offload_key, split_offload_key
 from kvhal.vllm.lower_tier import open_lower_tier
@@ -68,10 +70,17 @@ from kvhal.vllm.metadata import (
     TransferJob,
 )
 from kvhal.vllm.remote import open_remote_tier
-from kvhal.vllm.stats import KVHALStats
+from kvhal.vllm.stats import TIER_READ_COUNTERS, KVHALStats
 
 logger = init_logger("vllm." + __name__)  # under "vllm": its handlers and level
 
+#: How long a lookup waits for a read of the in-process worker's tier: a returning user's
+#: blocks (about 10 MiB) take a few milliseconds from a disk of 2.7 GB/s, an engine step of
+#: the others' decode about 65 ms (the CPU benchmarks); a read not done by then is waited
+#: for as a prefetch (``None`` answers) until ``lower_tier_wait_ms``.
+LOCAL_READ_WAIT_S = 0.02
+#: :meth:`SchedulerSide._start_prefetch`'s answer for a read made and ended in the lookup.
+READ_NOW = object()
 #: The medium kvhal's host tier appears as in vLLM's KV events.
 MEDIUM = "CPU"
 #: The key of ``RequestOutput.kv_transfer_params`` that says how many prompt
@@ -99,9 +108,18 @@ class _Probe:
 class _Prefetch:
     """Blocks of a request being read from the lower tier into host slots at its lookup."""
 
-    job_id: int
+    job_id: int  # the workers' job, or -1 for a read of the in-process worker's tier (``local``)
     deadline: float
     done: bool = False
+
+
+@dataclass
+class _LocalRead:
+    """A read the scheduler side made through the in-process worker's tier (``local``)."""
+
+    plan: LoadPlan
+    future: Future[list[str | None]]
+    state: _RequestState
 
 
 @dataclass
@@ -157,6 +175,7 @@ class SchedulerSide:
         self._pending_loads: list[TransferJob] = []
         self._pending_prefetches: list[TransferJob] = []
         self._prefetching = 0  # blocks being read by prefetches
+        self._local_reads: list[_LocalRead] = []
         self._next_job = 0
         # block id -> store jobs in flight reading it (ids are shared by every
         # group's layers in vLLM's one block pool, so groups are not told apart)
@@ -203,6 +222,7 @@ class SchedulerSide:
         state = self.track(request)
         if state.load_failed:  # offering the same hit again would loop (the load failed)
             return 0, False
+        self._poll_local_reads()
         if state.prefetch is not None:
             if not state.prefetch.done and time.monotonic() < state.prefetch.deadline:
                 return None, False  # the request holds no device blocks meanwhile
@@ -224,8 +244,12 @@ class SchedulerSide:
                 return None, False
             hit = found
             below |= promoted > 0
-        if below and self._start_prefetch(state, hashes[:hit]):
-            return None, False
+        if below:
+            started = self._start_prefetch(state, hashes[:hit])
+            if started is READ_NOW:  # read in this lookup: the blocks are host blocks now
+                return self.lookup(request, num_computed_tokens)
+            if started:
+                return None, False
         if self.remote is not None and hit < len(hashes):
             more = self._remote_lookup(state, start, hashes, hit)
             if more is None:
@@ -236,11 +260,13 @@ class SchedulerSide:
         state.hit_sync = hit > 0 and not below and self.config.sync_host_loads
         return hit * bs, hit > 0 and not state.hit_sync
 
-    def _start_prefetch(self, state: _RequestState, hashes: list[bytes]) -> bool:
+    def _start_prefetch(self, state: _RequestState, hashes: list[bytes]) -> bool | object:
         """Read the blocks of ``hashes`` that only the lower tier holds into host slots now,
         for the request to wait for (``None`` answers) and then load as a host hit. False
         (the hit loads asynchronously, reading then copying) when the prefetch is off, over
-        its budget, was tried for this request already, or the host tier has no room."""
+        its budget, was tried for this request already, or the host tier has no room.
+        :data:`READ_NOW` when the read was made and ended in this call (the in-process
+        worker's tier, :mod:`kvhal.vllm.local`)."""
         lower = self.config.lower_tier
         if lower is None or lower.wait_ms is None or state.prefetched:
             return False
@@ -256,16 +282,52 @@ class SchedulerSide:
         if plan is None:
             self.stats.add("prefetch_skipped_blocks", len(below))
             return False
+        self._prefetching += len(plan.promoted)
+        state.prefetched = True
+        state.from_below = set(plan.promoted)
+        self.stats.add("prefetched_blocks", len(plan.promoted))
+        deadline = time.monotonic() + lower.wait_ms / 1000
+        worker = local.find(self.config.engine_id) if self.config.world_size == 1 else None
+        tier_io = worker.tier_io if worker is not None else None
+        if tier_io is not None:  # the worker is in this process: read now, wait a little
+            future = tier_io.read(plan.promoted, plan.lower_slots, plan.promoted_host_slots)
+            read = _LocalRead(plan, future, state)
+            self._local_reads.append(read)
+            futures.wait([read.future], timeout=min(lower.wait_ms / 1000, LOCAL_READ_WAIT_S))
+            self._poll_local_reads()
+            if read.future.done():
+                return READ_NOW
+            state.prefetch = _Prefetch(-1, deadline)
+            return True
         job = self._new_job(JobKind.LOAD, state.request.request_id, plan.promoted, {}, plan=plan)
         job.reads = TierReads(plan.promoted, plan.lower_slots, plan.promoted_host_slots)
         job.prefetch = self._jobs[job.job_id].prefetch = True
         self._pending_prefetches.append(job)
-        self._prefetching += len(plan.promoted)
-        state.prefetch = _Prefetch(job.job_id, time.monotonic() + lower.wait_ms / 1000)
-        state.prefetched = True
-        state.from_below = set(plan.promoted)
-        self.stats.add("prefetched_blocks", len(plan.promoted))
+        state.prefetch = _Prefetch(job.job_id, deadline)
         return True
+
+    def _poll_local_reads(self) -> None:
+        """End the reads made through the in-process worker's tier that finished."""
+        for read in [r for r in self._local_reads if r.future.done()]:
+            self._local_reads.remove(read)
+            try:
+                outcomes = read.future.result()
+            except Exception:
+                logger.exception("kvhal: a read of the lower tier raised")
+                outcomes = ["io_error"] * len(read.plan.promoted)
+            failed = [outcome for outcome in outcomes if outcome is not OK]
+            for outcome in failed:
+                self.stats.add(TIER_READ_COUNTERS.get(outcome, TIER_READ_COUNTERS["io_error"]), 1)
+            good = len(outcomes) - len(failed)
+            self.stats.add("tier_read_bytes", good * self.config.slot_bytes)
+            self._prefetching -= len(read.plan.promoted)
+            self.chain.complete_load(read.plan, success=not failed)  # host blocks, or forgotten below
+            if failed:
+                self.stats.add("tier_failed_loads", 1)
+            else:
+                self.stats.add("tier_loaded_blocks", len(read.plan.promoted))
+            if read.state.prefetch is not None and read.state.prefetch.job_id == -1:
+                read.state.prefetch.done = True
 
     def _remote_lookup(self, state: _RequestState, start: int, hashes: list[bytes], hit: int) -> int | None:
         """How many blocks after the local hit the remote tier holds (for every group),
@@ -473,6 +535,7 @@ class SchedulerSide:
         return sorted(jobs)
 
     def build_meta(self, scheduler_output: SchedulerOutput) -> KVHALMetadata:
+        self._poll_local_reads()  # an aborted request's read ends here
         # fences first: this step's own stores are ordered after its compute anyway
         fence = self._fence(scheduler_output)
         stores = self._plan_stores(scheduler_output)
@@ -639,7 +702,8 @@ class SchedulerSide:
         return events
 
     def has_jobs_in_flight(self) -> bool:
-        return bool(self._jobs)
+        self._poll_local_reads()
+        return bool(self._jobs or self._local_reads)
 
     def has_held_blocks(self) -> bool:
         """Whether finished requests' blocks will be freed once their stores finish."""

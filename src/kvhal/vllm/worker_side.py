@@ -53,6 +53,7 @@ from kvhal.registry import select_device
 from kvhal.tiers.backend import OK, TierBackend
 from kvhal.tiers.io import TierIO
 from kvhal.tiers.remote.tier import RemoteTier
+from kvhal.vllm import local
 from kvhal.vllm.config import ConnectorConfig
 from kvhal.vllm.lower_tier import open_lower_tier
 from kvhal.vllm.metadata import (
@@ -178,6 +179,8 @@ class WorkerSide:
         if self.config.lower_tier is not None:
             self.lower_backend = open_lower_tier(self.config, role="io", rank=_tensor_parallel_rank())
             self.tier_io = TierIO(self.host_tier, self.lower_backend)
+            if self.config.world_size == 1 and self.config.engine_id is not None:
+                local.publish(self.config.engine_id, self)  # the scheduler reads at lookup
         if self.config.remote_tier is not None:
             rank = _tensor_parallel_rank()
             self.remote = open_remote_tier(self.config, "io", rank, self.stats, host=self.host_tier)
@@ -458,6 +461,8 @@ class WorkerSide:
             for result in self.engine.wait():
                 self._on_result(result)  # a finished store starts its write-through
         self._poll_tier(wait=True)
+        if self.config.engine_id is not None:
+            local.withdraw(self.config.engine_id, self)
         if self.lower_backend is not None:
             self.lower_backend.close()
             self.lower_backend = self.tier_io = None
