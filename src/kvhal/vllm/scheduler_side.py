@@ -6,11 +6,12 @@ prefix of a request's blocks that every offloaded KV cache group holds. A
 hit held whole in the host tier is loaded synchronously: vLLM schedules the
 request in the same step, the workers copy before the forward and the forward
 waits for the copy, and a failed copy is reported as invalid blocks that vLLM
-recomputes. Other hits (promoted from a tier below, fetched from the store,
-or any hit of a model with several KV cache groups, whose failed loads vLLM
-can recompute only when they are asynchronous) are loaded asynchronously:
-vLLM parks the request until the workers report the load. Blocks that become
-full during a step are stored by the workers right after it. Job results come back through the workers'
+recomputes. Other hits (fetched from the store, read from a tier below
+without a prefetch, or any hit of a model with several KV cache groups, whose
+failed loads vLLM can recompute only when they are asynchronous) are loaded
+asynchronously: vLLM parks the request until the workers report the load.
+Blocks that become full during a step are stored by the workers right after
+it. Job results come back through the workers'
 metadata and complete the manager's loads and stores.
 
 Stores run while later steps compute. A store's source blocks must not be
@@ -22,10 +23,12 @@ or a block was allocated again, as sliding-window blocks are while their
 request runs) for the workers to fence. No other store delays a step.
 
 With a tier below host memory (``disk_path``, or a plugin's backend), a
-:class:`~kvhal.tiers.chain.TierChain` holds both tiers' indexes: a hit found only
-below is promoted into host slots by the load job itself (the request stays
-parked meanwhile, so no scheduler step waits), and stores cascade into the
-lower tier as write jobs the workers run off the engine's thread.
+:class:`~kvhal.tiers.chain.TierChain` holds both tiers' indexes: a hit found
+below is prefetched at lookup (read into host slots while vLLM is answered
+``None``; by the lookup itself, waiting up to :data:`LOCAL_READ_WAIT_S`, where
+the one worker shares this process), then loaded as a host hit; without a
+prefetch the load job itself reads, then copies. Stores cascade into the lower
+tier as write jobs the workers run off the engine's thread.
 
 With a remote tier shared by a fleet (``remote_url``), a lookup that the
 local tiers end short asks the store whether it holds the following blocks;
@@ -711,7 +714,7 @@ class SchedulerSide:
 
     def reset(self) -> bool:
         """Forget everything the host tier holds; refused (False) while jobs are in flight."""
-        if self._jobs:
+        if self.has_jobs_in_flight():
             return False
         self.manager, self.chain = self._new_chain()
         for state in self._requests.values():
