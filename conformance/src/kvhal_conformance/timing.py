@@ -262,7 +262,10 @@ class Busy:
         """
         start = time.perf_counter()
         count, event, ahead = 0, None, 0.0
-        while count < MAX_BUSY_COPIES:
+        # At most twice the copies the time asks for: where submitting is slower than copying
+        # (a loaded 2-core machine), more would only pile up work the next checks wait behind.
+        limit = min(MAX_BUSY_COPIES, 2 * max(1, math.ceil(seconds / self.copy_seconds)))
+        while count < limit:
             event = self.device.submit(self.plan, stream, after_compute=False)
             count += 1
             ahead = count * self.copy_seconds - (time.perf_counter() - start)
