@@ -13,10 +13,10 @@ pytest.importorskip("vllm")
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
-from kvhal.vllm.config import ConnectorConfig, GroupInfo, LowerTierConfig
+from kvhal.vllm.config import LowerTierConfig
 from kvhal.vllm.metadata import KVHALMetadata
 from kvhal.vllm.scheduler_side import SchedulerSide
-from tests.test_scheduler_side import BS, PAGE, output, prefill, reported, request
+from tests.test_scheduler_side import PAGE, output, prefill, reported, request, scheduler_config
 
 SLOTS = 4
 
@@ -30,18 +30,7 @@ def tiered(tmp_path, wait_ms: int | None = 60_000, budget: int | None = SLOTS) -
         wait_ms=wait_ms,
         prefetch_blocks=budget,
     )
-    config = ConnectorConfig(
-        cpu_bytes_to_use=SLOTS * PAGE,
-        device=None,
-        eviction_policy="lru",
-        offload_prompt_only=True,
-        block_size=BS,
-        groups=(GroupInfo(0, ("l0",), PAGE, 8),),
-        world_size=1,
-        layout="LBHNC",
-        lower_tier=lower,
-    )
-    return SchedulerSide(config)
+    return SchedulerSide(scheduler_config(slots=SLOTS, lower_tier=lower))
 
 
 def finish_stores(scheduler: SchedulerSide, meta: KVHALMetadata) -> None:
@@ -63,13 +52,19 @@ def only_on_disk(scheduler: SchedulerSide) -> None:
     assert scheduler.chain.lower.lookup(scheduler._keys(a.block_hashes[:2], 0)) == 2
 
 
-def test_a_disk_hit_is_read_into_host_memory_while_the_request_waits_then_loads_in_its_step(tmp_path):
-    scheduler = tiered(tmp_path)
-    only_on_disk(scheduler)
+def waiting(scheduler: SchedulerSide):
+    """Request "b" (the prompt "a" stored) asked for: its prefetch is sent, it waits (``None``)."""
     b = request("b")
     scheduler.track(b)
     assert scheduler.lookup(b, 0) == (None, False)  # reading: ask again
     [prefetch] = scheduler.build_meta(output()).prefetches
+    return b, prefetch
+
+
+def test_a_disk_hit_is_read_into_host_memory_while_the_request_waits_then_loads_in_its_step(tmp_path):
+    scheduler = tiered(tmp_path)
+    only_on_disk(scheduler)
+    b, prefetch = waiting(scheduler)
     assert prefetch.prefetch and prefetch.groups == {} and len(prefetch.reads.keys) == 2
     assert scheduler.lookup(b, 0) == (None, False)  # still reading
     assert scheduler.build_meta(output()).prefetches == []  # one read per request
@@ -86,10 +81,7 @@ def test_a_disk_hit_is_read_into_host_memory_while_the_request_waits_then_loads_
 def test_past_the_wait_the_host_part_is_the_hit_and_the_read_still_lands(tmp_path):
     scheduler = tiered(tmp_path, wait_ms=0)
     only_on_disk(scheduler)
-    b = request("b")
-    scheduler.track(b)
-    assert scheduler.lookup(b, 0) == (None, False)
-    [prefetch] = scheduler.build_meta(output()).prefetches
+    b, prefetch = waiting(scheduler)
     assert scheduler.lookup(b, 0) == (0, False)  # nothing in host yet: recompute
     assert scheduler.stats.data["prefetch_timeouts"] == 1
     reported(scheduler, [prefetch.job_id])  # the read ends later, for the next request
@@ -101,10 +93,7 @@ def test_past_the_wait_the_host_part_is_the_hit_and_the_read_still_lands(tmp_pat
 def test_a_failed_read_leaves_nothing_to_load(tmp_path):
     scheduler = tiered(tmp_path)
     only_on_disk(scheduler)
-    b = request("b")
-    scheduler.track(b)
-    assert scheduler.lookup(b, 0) == (None, False)
-    [prefetch] = scheduler.build_meta(output()).prefetches
+    b, prefetch = waiting(scheduler)
     reported(scheduler, [prefetch.job_id], ok=False)
     assert scheduler.lookup(b, 0) == (0, False)  # forgotten in both tiers (it may be corrupt)
     assert scheduler.stats.data["tier_failed_loads"] == 1
@@ -128,10 +117,7 @@ def test_an_aborted_request_leaves_its_read_to_finish(tmp_path):
     """The read cannot be stopped mid-flight; it ends, is reported, and its blocks serve others."""
     scheduler = tiered(tmp_path)
     only_on_disk(scheduler)
-    b = request("b")
-    scheduler.track(b)
-    assert scheduler.lookup(b, 0) == (None, False)
-    [prefetch] = scheduler.build_meta(output()).prefetches
+    b, prefetch = waiting(scheduler)
     assert scheduler.request_finished(b)[0] is False  # nothing to hold: it has no blocks
     reported(scheduler, [prefetch.job_id])
     assert not scheduler.has_jobs_in_flight() and scheduler._prefetching == 0

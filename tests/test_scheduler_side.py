@@ -36,9 +36,11 @@ init_none_hash(sha256)
 HASHER = get_request_block_hasher(BS, sha256)
 
 
-def side(world_size: int = 1, load_mode: str = "auto", groups: int = 1) -> SchedulerSide:
-    config = ConnectorConfig(
-        cpu_bytes_to_use=64 * PAGE * world_size,
+def scheduler_config(slots: int = 64, world_size: int = 1, groups: int = 1, **more) -> ConnectorConfig:
+    """The scheduler tests' connector config: ``slots`` host slots per worker, one group of one
+    layer per KV cache group; ``more`` sets any other field (a lower or remote tier, say)."""
+    return ConnectorConfig(
+        cpu_bytes_to_use=slots * PAGE * world_size,
         device=None,
         eviction_policy="lru",
         offload_prompt_only=True,
@@ -46,9 +48,12 @@ def side(world_size: int = 1, load_mode: str = "auto", groups: int = 1) -> Sched
         groups=tuple(GroupInfo(g, (f"l{g}",), PAGE, 8) for g in range(groups)),
         world_size=world_size,
         layout="LBHNC",
-        load_mode=load_mode,
+        **more,
     )
-    return SchedulerSide(config)
+
+
+def side(world_size: int = 1, load_mode: str = "auto", groups: int = 1) -> SchedulerSide:
+    return SchedulerSide(scheduler_config(world_size=world_size, groups=groups, load_mode=load_mode))
 
 
 def request(req_id: str, tokens: list[int] = PROMPT) -> Request:
