@@ -340,7 +340,10 @@ def test_importing_the_stores_does_not_load_mooncake():
 
 def test_close_is_idempotent_and_later_calls_are_unavailable(cluster):
     client = MooncakeStore.from_url(cluster.url)
-    client.register(memoryview(bytearray(4096)))
+    # kept alive until close: freed registered memory can come back as the staging area,
+    # which Mooncake then refuses as an overlapping region
+    registered = bytearray(4096)
+    client.register(memoryview(registered))
     (name,) = fresh("closing", 1)
     assert client.put([name], [[memoryview(b"x" * 10)]]) == [True]
     client.close()

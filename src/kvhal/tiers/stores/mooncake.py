@@ -348,6 +348,8 @@ class MooncakeStore(RemoteStore):
     def register(self, memory: memoryview) -> None:
         """Register ``memory`` with Mooncake's transfer engine for zero-copy puts and gets.
 
+        ``memory`` must stay allocated until :meth:`close`: it stays registered, and freed
+        memory handed out again (e.g. as a staging area) would overlap it.
         Memory already inside a registered range is left as it is. If Mooncake refuses it
         (e.g. it overlaps a registered range), a warning is logged and parts in it are copied
         through the staging area.
