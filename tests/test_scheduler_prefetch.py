@@ -100,6 +100,24 @@ def test_a_failed_read_leaves_nothing_to_load(tmp_path):
     assert scheduler._prefetching == 0 and not scheduler.has_jobs_in_flight()
 
 
+@pytest.mark.parametrize("slow", [True, False])
+def test_a_tier_measured_slower_than_recompute_is_not_read(tmp_path, slow):
+    scheduler = tiered(tmp_path)
+    only_on_disk(scheduler)
+    scheduler.wait_policy.observe_step(1000, 0.1)  # 8 tokens: recomputed in 0.8 ms
+    scheduler.wait_policy.observe_step(2000, 0.2)
+    scheduler.wait_policy.observe_read(PAGE, 1.0 if slow else 1e-9)
+    b = request("b")
+    scheduler.track(b)
+    if slow:
+        assert scheduler.lookup(b, 0) == (0, False)  # recompute at once: no wait, no read
+        assert scheduler.build_meta(output()).prefetches == []
+        assert scheduler.stats.data["prefetch_slow_tier_blocks"] == 2
+    else:  # the negative control: a fast tier is read as before
+        assert scheduler.lookup(b, 0) == (None, False)
+        assert len(scheduler.build_meta(output()).prefetches) == 1
+
+
 @pytest.mark.parametrize("how", ["over budget", "prefetch off"])
 def test_without_a_prefetch_the_hit_loads_asynchronously(tmp_path, how):
     scheduler = tiered(tmp_path, budget=1) if how == "over budget" else tiered(tmp_path, wait_ms=None)

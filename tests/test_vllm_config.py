@@ -132,6 +132,13 @@ def test_disk_keys_become_the_disk_backends_options() -> None:
         "clock",
     )
     assert tier.config_keys["path"] == "kv_connector_extra_config.disk_path"
+    assert (tier.wait_ms, tier.wait_policy) == (1000, "auto")
+    assert (
+        disk_config(
+            {"disk_path": "/d", "disk_bytes_to_use": 1, "lower_tier_wait_policy": "timeout"}
+        ).lower_tier.wait_policy
+        == "timeout"
+    )
     assert config.fingerprint["model"] == "/m" and config.fingerprint["hash_seed"] == "vllm-default"
     assert disk_config({}).lower_tier is None
 
@@ -147,6 +154,16 @@ def test_disk_keys_become_the_disk_backends_options() -> None:
         ({"disk_path": "/d", "disk_bytes_to_use": 1 << 30, "disk_write": "later"}, "disk_write"),
         ({"disk_path": "/d", "disk_bytes_to_use": 1, "disk_eviction_policy": 3}, "disk_eviction_policy"),
         ({"disk_write": "back"}, "disk_write"),
+        ({"lower_tier_wait_policy": "auto"}, "lower_tier_wait_policy"),
+        (
+            {"disk_path": "/d", "disk_bytes_to_use": 1, "lower_tier_wait_policy": "eager"},
+            "lower_tier_wait_policy",
+        ),
+        ({"disk_path": "/d", "disk_bytes_to_use": 1, "lower_tier_wait_ms": -1}, "lower_tier_wait_ms"),
+        (
+            {"disk_path": "/d", "disk_bytes_to_use": 1, "lower_tier_prefetch_blocks": 0},
+            "lower_tier_prefetch_blocks",
+        ),
         ({"tier_backend": "s3", "tier_options": []}, "tier_options"),
         ({"tier_backend": ""}, "tier_backend"),
     ],

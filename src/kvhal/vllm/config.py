@@ -17,6 +17,7 @@ from vllm.config import VllmConfig
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
 from kvhal.errors import ValidationError
+from kvhal.offload.wait_policy import POLICIES as WAIT_POLICIES
 from kvhal.tiers.backend import TierSpec
 
 #: The keys a user may put in ``kv_connector_extra_config``.
@@ -32,6 +33,7 @@ KNOWN_KEYS = {
     "disk_eviction_policy",
     "lower_tier_wait_ms",
     "lower_tier_prefetch_blocks",
+    "lower_tier_wait_policy",
     "tier_backend",
     "tier_options",
     "remote_url",
@@ -68,6 +70,9 @@ class LowerTierConfig:
         hit is one asynchronous load that reads, then copies.
     :param prefetch_blocks: blocks being read by prefetches at most (every group's); a hit
         past the budget is loaded asynchronously, as with the prefetch off.
+    :param wait_policy: ``"auto"`` (default): a request waits at most about as long as
+        recomputing its blocks would take, and a tier measured slower than recomputing is
+        not read (:mod:`kvhal.offload.wait_policy`); ``"timeout"``: always up to ``wait_ms``.
     """
 
     backend: str
@@ -77,6 +82,7 @@ class LowerTierConfig:
     config_keys: dict[str, str] = field(default_factory=dict)
     wait_ms: int | None = 1000
     prefetch_blocks: int | None = None  # None: half the host tier's slots
+    wait_policy: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -289,7 +295,12 @@ def _lower_tier(extra: dict[str, Any]) -> LowerTierConfig | None:
         key for key in ("disk_path", "disk_bytes_to_use", "tier_backend", "tier_options") if key in extra
     ]
     if not asked:
-        for key in ("disk_write", "disk_eviction_policy", "lower_tier_wait_ms", "lower_tier_prefetch_blocks"):
+        lower_keys = (
+            "disk_write",
+            "disk_eviction_policy",
+            *(k for k in KNOWN_KEYS if k.startswith("lower_tier_")),
+        )
+        for key in sorted(lower_keys):
             if key in extra:
                 raise ValidationError(prefix + key, "configures a lower tier, but none is set (disk_path)")
         return None
@@ -336,7 +347,13 @@ def _lower_tier(extra: dict[str, Any]) -> LowerTierConfig | None:
         raise ValidationError(
             prefix + "lower_tier_prefetch_blocks", f"must be a positive number of blocks, got {budget!r}"
         )
-    return LowerTierConfig(backend, options, write, policy, config_keys, wait_ms, budget)
+    wait_policy = extra.get("lower_tier_wait_policy", "auto")
+    if wait_policy not in WAIT_POLICIES:
+        raise ValidationError(
+            prefix + "lower_tier_wait_policy",
+            f"must be one of {', '.join(WAIT_POLICIES)}, got {wait_policy!r}",
+        )
+    return LowerTierConfig(backend, options, write, policy, config_keys, wait_ms, budget, wait_policy)
 
 
 def _remote_tier(extra: dict[str, Any]) -> RemoteTierConfig | None:

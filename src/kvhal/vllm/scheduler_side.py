@@ -56,6 +56,7 @@ from vllm.v1.request import Request
 
 from kvhal.errors import ValidationError
 from kvhal.offload.manager import BlockState, OffloadingManager
+from kvhal.offload.wait_policy import WaitPolicy
 from kvhal.tiers.backend import OK, TierBackend
 from kvhal.tiers.chain import LoadPlan, TierChain, WritePlan
 from kvhal.tiers.index import TierIndex
@@ -84,6 +85,8 @@ logger = init_logger("vllm." + __name__)  # under "vllm": its handlers and level
 LOCAL_READ_WAIT_S = 0.02
 #: :meth:`SchedulerSide._start_prefetch`'s answer for a read made and ended in the lookup.
 READ_NOW = object()
+#: :meth:`SchedulerSide._start_prefetch`'s answer when reading would be slower than recomputing.
+RECOMPUTE = object()
 #: The medium kvhal's host tier appears as in vLLM's KV events.
 MEDIUM = "CPU"
 #: The key of ``RequestOutput.kv_transfer_params`` that says how many prompt
@@ -114,6 +117,7 @@ class _Prefetch:
     job_id: int  # the workers' job, or -1 for a read of the in-process worker's tier (``local``)
     deadline: float
     done: bool = False
+    started: float = 0.0
 
 
 @dataclass
@@ -123,6 +127,14 @@ class _LocalRead:
     plan: LoadPlan
     future: Future[list[str | None]]
     state: _RequestState
+    started: float
+    ended: float | None = None  # set by the future's callback, on the reading thread
+
+    def __post_init__(self) -> None:
+        self.future.add_done_callback(self._end)
+
+    def _end(self, _: Future[list[str | None]]) -> None:
+        self.ended = time.monotonic()
 
 
 @dataclass
@@ -155,6 +167,7 @@ class _Job:
     plan: LoadPlan | WritePlan | None = None  # a load's or a write's plan in the tier chain
     remote: WritePlan | None = None  # a store's write-through to the remote tier
     prefetch: bool = False  # a load that only reads the lower tier into host slots
+    started: float = 0.0  # a prefetch's start (its read's time, to the step that reports it)
 
 
 @dataclass
@@ -179,6 +192,13 @@ class SchedulerSide:
         self._pending_prefetches: list[TransferJob] = []
         self._prefetching = 0  # blocks being read by prefetches
         self._local_reads: list[_LocalRead] = []
+        lower = self.config.lower_tier
+        self.wait_policy = (
+            WaitPolicy(lower.wait_ms, lower.wait_policy)
+            if lower is not None and lower.wait_ms is not None
+            else None
+        )
+        self._last_step: tuple[float, int] | None = None  # the last step's start, its tokens
         self._next_job = 0
         # block id -> store jobs in flight reading it (ids are shared by every
         # group's layers in vLLM's one block pool, so groups are not told apart)
@@ -251,7 +271,9 @@ class SchedulerSide:
             started = self._start_prefetch(state, hashes[:hit])
             if started is READ_NOW:  # read in this lookup: the blocks are host blocks now
                 return self.lookup(request, num_computed_tokens)
-            if started:
+            if started is RECOMPUTE:  # the host tier's part of the hit, loaded as a host hit
+                hit, below = self._host_prefix(hashes[:hit]), False
+            elif started:
                 return None, False
         if self.remote is not None and hit < len(hashes):
             more = self._remote_lookup(state, start, hashes, hit)
@@ -271,12 +293,19 @@ class SchedulerSide:
         :data:`READ_NOW` when the read was made and ended in this call (the in-process
         worker's tier, :mod:`kvhal.vllm.local`)."""
         lower = self.config.lower_tier
-        if lower is None or lower.wait_ms is None or state.prefetched:
+        if lower is None or self.wait_policy is None or state.prefetched:
             return False
         # The hit's host blocks are pinned with it (as a load's are), or the promotion's new
         # slots could evict them, the oldest, and the hit would be lost again.
         keys = [offload_key(h, g.group_id) for h in hashes for g in self.config.groups]
         below = [key for key in keys if self.manager.state(key) is not BlockState.READY]
+        host = self._host_prefix(hashes)
+        wait = self.wait_policy.wait_for(
+            (len(hashes) - host) * self.config.block_size, len(below) * self.config.slot_bytes
+        )
+        if wait is None:  # the tier reads slower than the engine computes
+            self.stats.add("prefetch_slow_tier_blocks", len(below))
+            return RECOMPUTE
         budget = lower.prefetch_blocks or max(1, self.config.num_slots // 2)
         if self._prefetching + len(below) > budget:
             self.stats.add("prefetch_skipped_blocks", len(below))
@@ -289,25 +318,37 @@ class SchedulerSide:
         state.prefetched = True
         state.from_below = set(plan.promoted)
         self.stats.add("prefetched_blocks", len(plan.promoted))
-        deadline = time.monotonic() + lower.wait_ms / 1000
+        now = time.monotonic()
+        deadline = now + wait
         worker = local.find(self.config.engine_id) if self.config.world_size == 1 else None
         tier_io = worker.tier_io if worker is not None else None
         if tier_io is not None:  # the worker is in this process: read now, wait a little
             future = tier_io.read(plan.promoted, plan.lower_slots, plan.promoted_host_slots)
-            read = _LocalRead(plan, future, state)
+            read = _LocalRead(plan, future, state, now)
             self._local_reads.append(read)
-            futures.wait([read.future], timeout=min(lower.wait_ms / 1000, LOCAL_READ_WAIT_S))
+            futures.wait([read.future], timeout=min(wait, LOCAL_READ_WAIT_S))
             self._poll_local_reads()
             if read.future.done():
                 return READ_NOW
-            state.prefetch = _Prefetch(-1, deadline)
+            state.prefetch = _Prefetch(-1, deadline, started=now)
             return True
         job = self._new_job(JobKind.LOAD, state.request.request_id, plan.promoted, {}, plan=plan)
         job.reads = TierReads(plan.promoted, plan.lower_slots, plan.promoted_host_slots)
         job.prefetch = self._jobs[job.job_id].prefetch = True
+        self._jobs[job.job_id].started = now
         self._pending_prefetches.append(job)
-        state.prefetch = _Prefetch(job.job_id, deadline)
+        state.prefetch = _Prefetch(job.job_id, deadline, started=now)
         return True
+
+    def _host_prefix(self, hashes: list[bytes]) -> int:
+        """How many of ``hashes``, from the first, the host tier holds ready (every group's)."""
+        for i, block_hash in enumerate(hashes):
+            if any(
+                self.manager.state(offload_key(block_hash, g.group_id)) is not BlockState.READY
+                for g in self.config.groups
+            ):
+                return i
+        return len(hashes)
 
     def _poll_local_reads(self) -> None:
         """End the reads made through the in-process worker's tier that finished."""
@@ -329,6 +370,9 @@ class SchedulerSide:
                 self.stats.add("tier_failed_loads", 1)
             else:
                 self.stats.add("tier_loaded_blocks", len(read.plan.promoted))
+                if self.wait_policy is not None and read.ended is not None:
+                    nbytes = len(read.plan.promoted) * self.config.slot_bytes
+                    self.wait_policy.observe_read(nbytes, read.ended - read.started)
             if read.state.prefetch is not None and read.state.prefetch.job_id == -1:
                 read.state.prefetch.done = True
 
@@ -539,6 +583,7 @@ class SchedulerSide:
 
     def build_meta(self, scheduler_output: SchedulerOutput) -> KVHALMetadata:
         self._poll_local_reads()  # an aborted request's read ends here
+        self._time_steps(scheduler_output.total_num_scheduled_tokens)
         # fences first: this step's own stores are ordered after its compute anyway
         fence = self._fence(scheduler_output)
         stores = self._plan_stores(scheduler_output)
@@ -553,6 +598,15 @@ class SchedulerSide:
         self._pending_loads, self._held, self._pending_prefetches = [], [], []
         self._load_blocks = set()
         return meta
+
+    def _time_steps(self, tokens: int) -> None:
+        """The engine's compute rate for the wait policy: a step's tokens over the time to the
+        next step's schedule, while the engine is busy (an idle gap is not compute)."""
+        now = time.monotonic()
+        if self.wait_policy is not None and self._last_step is not None and tokens > 0:
+            started, computed = self._last_step
+            self.wait_policy.observe_step(computed, now - started)
+        self._last_step = (now, tokens) if tokens > 0 else None
 
     def _admit_remote_write(self, blocks: int) -> bool:
         """Whether ``blocks`` more may be written to the remote tier now (else dropped, counted)."""
@@ -632,6 +686,9 @@ class SchedulerSide:
             self.chain.complete_load(job.plan, success=job.ok)  # ready in host, or forgotten below
             if job.ok:
                 self.stats.add("tier_loaded_blocks", len(job.keys))
+                if self.wait_policy is not None:  # to the step that reports it: an upper bound
+                    nbytes = len(job.keys) * self.config.slot_bytes
+                    self.wait_policy.observe_read(nbytes, time.monotonic() - job.started)
             else:
                 self.stats.add("tier_failed_loads", 1)
             if state is not None and state.prefetch is not None and state.prefetch.job_id == job_id:

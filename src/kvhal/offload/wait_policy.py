@@ -1,0 +1,139 @@
+"""How long a request waits for its blocks to be read from a tier below the host tier.
+
+A read from below is worth waiting for only while it is faster than computing the same
+tokens again. :class:`WaitPolicy` learns both speeds as the engine runs (the lower tier's
+read bandwidth from the reads it ends, the time an engine step takes for its tokens) and,
+per hit, answers how long the request may wait for its read, or that it should not read
+at all and recompute (policy ``"auto"``); policy ``"timeout"`` always waits the configured
+deadline. The figures are moving averages: a tier that slows down is noticed after a few
+reads, and one skipped as slow is read again now and then (``PROBE_S``), so that it is
+noticed when it recovers.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+__all__ = ["POLICIES", "PROBE_S", "Rate", "StepTimes", "WaitPolicy"]
+
+#: ``lower_tier_wait_policy``'s values.
+POLICIES = ("auto", "timeout")
+#: Seconds after its last read ends before a tier skipped as slow is read once more.
+PROBE_S = 20.0
+#: A read predicted to take less than this share of the recompute is waited for up to
+#: the recompute's predicted time times ``1 / WAIT_SHARE``: predictions are rough.
+WAIT_SHARE = 0.8
+#: A step this many times slower than the line through the others is not fitted.
+SLOW_STEP = 2.0
+#: The least a request waits for a read it started (a deadline of a few milliseconds
+#: would time out reads of a healthy tier on a busy machine).
+MIN_WAIT_S = 0.05
+
+
+@dataclass
+class Rate:
+    """An exponential moving average of a rate (units per second)."""
+
+    weight: float = 0.3  # of the newest sample
+    value: float | None = None
+
+    def add(self, units: float, seconds: float) -> None:
+        if units <= 0 or seconds <= 0:
+            return
+        sample = units / seconds
+        self.value = sample if self.value is None else self.value + self.weight * (sample - self.value)
+
+    def seconds(self, units: float) -> float | None:
+        """Predicted seconds for ``units``; ``None`` before the first sample."""
+        return None if self.value is None else units / self.value
+
+
+class StepTimes:
+    """An engine step's seconds as ``fixed + per_token * tokens``: a least-squares line through
+    the last :attr:`window` steps, refitted without the steps far slower than it (an engine's
+    first steps compile kernels, a step may wait on the machine): decode steps, mostly fixed cost,
+    and prefill steps, mostly per token, both inform it."""
+
+    def __init__(self, window: int = 64) -> None:
+        self.window = window
+        self._steps: collections.deque[tuple[int, float]] = collections.deque(maxlen=window)
+        self._line: tuple[float, float] | None = None  # (fixed, per_token), until a new step
+
+    def add(self, tokens: int, seconds: float) -> None:
+        if tokens > 0 and seconds > 0:
+            self._steps.append((tokens, seconds))
+            self._line = None
+
+    def seconds(self, tokens: int) -> float | None:
+        """Predicted seconds of a step of ``tokens``; ``None`` until steps of two sizes were seen."""
+        if self._line is None:
+            steps = list(self._steps)
+            for _ in range(3):  # fit, drop the steps far slower than the line, fit again
+                line = _fit(steps)
+                if line is None:
+                    return None
+                kept = [(t, s) for t, s in steps if s <= SLOW_STEP * (line[0] + line[1] * t) + 1e-3]
+                if len(kept) == len(steps) or _fit(kept) is None:
+                    break
+                steps = kept
+            self._line = line
+        fixed, per_token = self._line
+        return fixed + per_token * tokens
+
+
+def _fit(steps: list[tuple[int, float]]) -> tuple[float, float] | None:
+    """Least squares ``seconds = fixed + per_token * tokens`` (both at least 0)."""
+    n = len(steps)
+    if n < 2:
+        return None
+    mx = sum(t for t, _ in steps) / n
+    my = sum(s for _, s in steps) / n
+    var = sum((t - mx) ** 2 for t, _ in steps)
+    if var <= 0:  # one size only: no slope to fit
+        return None
+    slope = max(0.0, sum((t - mx) * (s - my) for t, s in steps) / var)
+    return max(0.0, my - slope * mx), slope
+
+
+class WaitPolicy:
+    """Whether and how long a request waits for a read from below (see the module)."""
+
+    def __init__(
+        self, wait_ms: int, policy: str = "auto", clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"wait policy must be one of {POLICIES}, got {policy!r}")
+        self.wait_s = wait_ms / 1000
+        self.policy = policy
+        self.clock = clock
+        self.read = Rate()  # bytes per second from the lower tier into host memory
+        self.steps = StepTimes()  # what recomputing tokens costs
+        self._last_read = clock()  # when the last read ended (or the policy started)
+
+    def observe_step(self, tokens: int, seconds: float) -> None:
+        """An engine step computed ``tokens`` in ``seconds``."""
+        self.steps.add(tokens, seconds)
+
+    def observe_read(self, nbytes: int, seconds: float) -> None:
+        """A read of ``nbytes`` from below took ``seconds`` from its start to its end."""
+        self.read.add(nbytes, seconds)
+        self._last_read = self.clock()
+
+    def wait_for(self, tokens: int, nbytes: int) -> float | None:
+        """Seconds a request may wait for a read of ``nbytes`` holding ``tokens`` of its
+        prompt; ``None``: do not read, recompute (the tier is slower than the engine)."""
+        if self.policy == "timeout":
+            return self.wait_s
+        recompute = self.steps.seconds(tokens)
+        if recompute is None:
+            return self.wait_s
+        wait = min(self.wait_s, max(MIN_WAIT_S, recompute / WAIT_SHARE))
+        read = self.read.seconds(nbytes)
+        if read is not None and read > WAIT_SHARE * recompute:
+            if self.clock() - self._last_read < PROBE_S:
+                return None
+            self._last_read = self.clock()  # one probe at a time: the next waits PROBE_S again
+        return wait

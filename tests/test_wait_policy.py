@@ -1,0 +1,110 @@
+"""The wait policy: a request waits for a read from below only while reading beats
+recomputing, learnt from the reads and steps the engine makes (a fake clock here)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvhal.offload.wait_policy import MIN_WAIT_S, PROBE_S, WAIT_SHARE, Rate, StepTimes, WaitPolicy
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def policy(name: str = "auto", wait_ms: int = 1000) -> tuple[WaitPolicy, Clock]:
+    clock = Clock()
+    return WaitPolicy(wait_ms, name, clock=clock), clock
+
+
+def ten_thousand_tokens_a_second(wait: WaitPolicy) -> None:
+    wait.observe_step(1000, 0.1)
+    wait.observe_step(3000, 0.3)
+
+
+def test_a_rate_is_a_moving_average_that_ignores_empty_samples():
+    rate = Rate(weight=0.5)
+    assert rate.seconds(10) is None
+    rate.add(100, 1.0)
+    rate.add(0, 1.0)
+    rate.add(100, 0.0)
+    assert rate.value == 100
+    rate.add(300, 1.0)
+    assert rate.value == 200 and rate.seconds(400) == 2.0
+
+
+def test_before_anything_is_measured_the_configured_wait_holds():
+    wait, _ = policy()
+    assert wait.wait_for(tokens=1000, nbytes=10 << 20) == 1.0
+
+
+def test_the_wait_is_about_the_recompute_time():
+    wait, _ = policy()
+    ten_thousand_tokens_a_second(wait)
+    assert wait.wait_for(tokens=2000, nbytes=1) == pytest.approx(0.2 / WAIT_SHARE)
+    assert wait.wait_for(tokens=16, nbytes=1) == MIN_WAIT_S  # a tiny hit still gets a chance
+    assert wait.wait_for(tokens=100_000, nbytes=1) == 1.0  # never past the configured wait
+
+
+def test_step_times_are_a_fixed_cost_plus_a_cost_per_token():
+    steps = StepTimes()
+    steps.add(4, 0.03)
+    assert steps.seconds(100) is None  # one step: no line yet
+    steps.add(4, 0.03)
+    assert steps.seconds(100) is None  # one size only: no slope
+    steps.add(1004, 0.13)  # a prefill: 0.1 ms a token over the 30 ms decode step
+    assert steps.seconds(2004) == pytest.approx(0.23)
+    steps.add(0, 1.0)  # an idle step says nothing
+    assert steps.seconds(2004) == pytest.approx(0.23)
+    for _ in range(400):  # the engine slowed down: old steps leave the window
+        steps.add(4, 0.06)
+        steps.add(1004, 0.26)
+    assert steps.seconds(2004) == pytest.approx(0.46)
+
+
+def test_a_step_far_off_the_line_does_not_bend_it():
+    """An engine's first step compiles kernels: 2.2 s for 160 tokens (the chat bench's log)."""
+    steps = StepTimes()
+    steps.add(160, 2.2)
+    for i in range(30):
+        steps.add(1, 0.009 + 0.0001 * (i % 3))
+        if i % 10 == 0:
+            steps.add(160, 0.035)
+    assert steps.seconds(128) == pytest.approx(0.0305, abs=0.003)
+
+
+def test_a_tier_slower_than_recompute_is_skipped_then_probed_now_and_then():
+    wait, clock = policy()
+    ten_thousand_tokens_a_second(wait)
+    wait.observe_read(1 << 20, 1.0)  # 1 MiB/s: 10 MiB take 10 s, recomputing 1000 tokens 0.1 s
+    assert wait.wait_for(tokens=1000, nbytes=10 << 20) is None
+    clock.now += PROBE_S
+    assert wait.wait_for(tokens=1000, nbytes=10 << 20) == pytest.approx(0.1 / WAIT_SHARE)  # a probe
+    assert wait.wait_for(tokens=1000, nbytes=10 << 20) is None  # one probe at a time
+    wait.observe_read(10 << 20, 0.01)  # the tier recovered: 1 GiB/s reads pull the average up
+    for _ in range(20):
+        wait.observe_read(10 << 20, 0.01)
+    assert wait.wait_for(tokens=1000, nbytes=10 << 20) == pytest.approx(0.1 / WAIT_SHARE)
+
+
+def test_a_tier_faster_than_recompute_is_read():
+    wait, _ = policy()
+    ten_thousand_tokens_a_second(wait)
+    wait.observe_read(1 << 30, 1.0)
+    assert wait.wait_for(tokens=1000, nbytes=10 << 20) == pytest.approx(0.1 / WAIT_SHARE)
+
+
+def test_the_timeout_policy_always_waits_its_deadline():
+    wait, _ = policy("timeout", wait_ms=300)
+    ten_thousand_tokens_a_second(wait)
+    wait.observe_read(1, 1.0)
+    assert wait.wait_for(tokens=1000, nbytes=10 << 20) == 0.3
+
+
+def test_an_unknown_policy_is_refused():
+    with pytest.raises(ValueError, match="auto"):
+        WaitPolicy(1000, "eager")
