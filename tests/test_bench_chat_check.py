@@ -201,3 +201,25 @@ def test_a_count_below_one_is_refused_before_anything_runs(flag, tmp_path):
             ["bench", "chat", flag, "0", "--models", str(tmp_path / "models"), "--out", str(tmp_path / "out")]
         )
     assert not (tmp_path / "models").exists(), "the model was built before the arguments were checked"
+
+
+def test_slow_tier_and_cold_targets_compare_with_vllm_alone():
+    numbers = summary({"vllm": 1.0, "slow": 1.02}, {})
+    numbers["cold-vllm"] = {"ttft_later": None, "ttft_round1": {"mean": 0.5}, "output_tokens_per_s": 100.0}
+    numbers["cold-host"] = {"ttft_later": None, "ttft_round1": {"mean": 0.52}, "output_tokens_per_s": 98.0}
+    by = {c["target"]: c for c in checks.check_targets(numbers)}
+    slow = next(c for t, c in by.items() if t.startswith("slow"))
+    assert slow["value"] == pytest.approx(1.02) and slow["met"]
+    ttft = next(c for t, c in by.items() if t.startswith("cold: mean TTFT"))
+    assert ttft["value"] == pytest.approx(1.04) and not ttft["met"]
+    rate = next(c for t, c in by.items() if t.startswith("cold: output"))
+    assert rate["value"] == pytest.approx(0.98) and rate["met"]
+
+
+def test_the_cold_workload_has_only_new_users_of_the_chats_lengths():
+    work = workload.workload(4, 3, (64, 128), 20, workload.CHAT_MODEL.vocab_size, seed=0)
+    cold = workload.cold_workload(work, workload.CHAT_MODEL.vocab_size, seed=0)
+    assert len(cold["turns"]) == 1 and len(cold["contexts"]) == len(cold["turns"][0]) == 12
+    assert sorted(len(c) for c in cold["contexts"]) == sorted(len(c) for c in work["contexts"] * 3)
+    starts = {tuple(c[:16]) for c in cold["contexts"] + work["contexts"]}
+    assert len(starts) == 16, "a cold prompt shares a prefix with another prompt"

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from kvhal.bench.chat.slow_tier import READ_BYTES_PER_S, SLOW_TIER, install
 from kvhal.bench.chat.workload import DTYPE, TOP_LOGPROBS
 from kvhal.bench.e2e import SHARING_ENV
 from kvhal.testing.scenario import JobEngine, run_scenario
@@ -124,8 +125,9 @@ def single_engine(
     device: int,
     args: argparse.Namespace,
     answers: list[list[list[int]]] | None,
+    env: dict[str, str] | None = None,
 ) -> dict:
-    """One engine serves the whole workload (``floor``, ``vllm``, ``host``, ``disk``)."""
+    """One engine serves the whole workload (every configuration but ``shared``)."""
     users = list(range(len(work["contexts"])))
     steps = [
         warm_up(work, 0, args),
@@ -149,7 +151,7 @@ def single_engine(
             "kvhal": kvhal,
             "steps": steps,
             "engine": engine_args(size, device),
-            "env": SHARING_ENV,
+            "env": {**SHARING_ENV, **(env or {})},
         },
         timeout=3600,
     )
@@ -287,7 +289,8 @@ def run_config(
     else:
         device = size["big_device_tokens"] if name == "floor" else size["small_device_tokens"]
         kvhal: dict | None = None
-        if name == "host":
+        env: dict[str, str] = {}
+        if name in ("host", "cold-host"):
             kvhal = {"cpu_bytes_to_use": size["host_tokens"] * per_token, **CHAT_KVHAL}
         elif name == "disk":
             kvhal = {
@@ -296,8 +299,24 @@ def run_config(
                 "disk_path": str(scratch / f"disk-{repeat}"),
                 "disk_bytes_to_use": size["disk_tokens"] * per_token,
             }
+        elif name == "slow":
+            kvhal = {
+                "cpu_bytes_to_use": size["small_host_tokens"] * per_token,
+                **CHAT_KVHAL,
+                "tier_backend": SLOW_TIER,
+                "tier_options": {
+                    "path": str(scratch / f"disk-{repeat}"),
+                    "bytes_to_use": size["disk_tokens"] * per_token,
+                    "read_bytes_per_s": READ_BYTES_PER_S,
+                },
+            }
+            env = {
+                "PYTHONPATH": os.pathsep.join(
+                    filter(None, [str(install(scratch / "plugins")), os.environ.get("PYTHONPATH")])
+                )
+            }
         try:
-            run = single_engine(name, model, work, size, kvhal, device, args, answers)
+            run = single_engine(name, model, work, size, kvhal, device, args, answers, env)
         finally:
             shutil.rmtree(scratch / f"disk-{repeat}", ignore_errors=True)
         advance(f"{name}: done")

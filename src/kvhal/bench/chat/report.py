@@ -66,37 +66,39 @@ def print_report(console: Console, result: dict) -> None:
                 console.print(
                     f"[yellow]{name}: {total:,.0f} {what.replace('_', ' ')} (mean per run)[/yellow]"
                 )
-    outputs = result["outputs"]
-    ref = outputs["reference"]
-    for c in outputs["comparisons"]:
-        line = (
-            f"outputs {c['config']} (run {c['repeat'] + 1}) vs {ref['config']} (run {ref['repeat'] + 1}): "
-            f"{c['equal']}/{c['compared']} equal"
-        )
-        if c["numerics"]:
-            line += f", {c['numerics']} near-tie (numerics)"
-        if c["not_comparable"]:
-            line += f", {c['not_comparable']} later turns with other prompts"
-        if c["unexplained"]:
-            line = f"[red]{line}, {c['unexplained']} UNEXPLAINED[/red]"
-        console.print(line)
-        for m in c["mismatches"]:
-            margins = (
-                f"margins {m['reference_margin']:.3f} / {m['margin']:.3f} nats, logprobs moved "
-                f"{m['logprob_moved']:.3f}"
-                if m["logprob_moved"] is not None
-                else f"not both in both runs' top {TOP_LOGPROBS}"
+    # the cold workload's runs against their own reference, then the chat's
+    for outputs in filter(None, (result.get("outputs_cold"), result["outputs"])):
+        ref = outputs["reference"]
+        for c in outputs["comparisons"]:
+            line = (
+                f"outputs {c['config']} (run {c['repeat'] + 1}) vs {ref['config']} "
+                f"(run {ref['repeat'] + 1}): "
+                f"{c['equal']}/{c['compared']} equal"
             )
-            console.print(
-                f"  user {m['user']} round {m['round']} token {m['position']}: {m['reference_token']} -> "
-                f"{m['token']}, {margins}, {m['logprob_drift_before']:.3f} before -> "
-                + ("numerics" if m["numerics"] else "[red]UNEXPLAINED[/red]")
-            )
-        for d in c["equal_but_drifted"]:
-            console.print(
-                f"  [red]user {d['user']} round {d['round']}: equal tokens, logprobs differ by "
-                f"{d['logprob_drift']:.4f} nats: UNEXPLAINED[/red]"
-            )
+            if c["numerics"]:
+                line += f", {c['numerics']} near-tie (numerics)"
+            if c["not_comparable"]:
+                line += f", {c['not_comparable']} later turns with other prompts"
+            if c["unexplained"]:
+                line = f"[red]{line}, {c['unexplained']} UNEXPLAINED[/red]"
+            console.print(line)
+            for m in c["mismatches"]:
+                margins = (
+                    f"margins {m['reference_margin']:.3f} / {m['margin']:.3f} nats, logprobs moved "
+                    f"{m['logprob_moved']:.3f}"
+                    if m["logprob_moved"] is not None
+                    else f"not both in both runs' top {TOP_LOGPROBS}"
+                )
+                console.print(
+                    f"  user {m['user']} round {m['round']} token {m['position']}: {m['reference_token']} -> "
+                    f"{m['token']}, {margins}, {m['logprob_drift_before']:.3f} before -> "
+                    + ("numerics" if m["numerics"] else "[red]UNEXPLAINED[/red]")
+                )
+            for d in c["equal_but_drifted"]:
+                console.print(
+                    f"  [red]user {d['user']} round {d['round']}: equal tokens, logprobs differ by "
+                    f"{d['logprob_drift']:.4f} nats: UNEXPLAINED[/red]"
+                )
     gap = result["margins"]
     if gap:
         console.print(
@@ -122,6 +124,12 @@ def print_report(console: Console, result: dict) -> None:
         console.print(
             "[bold red]outputs check FAILED: outputs differ where logprobs do not explain it[/bold red]"
         )
+    cold = result.get("outputs_cold")
+    if cold and cold["comparisons"]:
+        verdict = "all equal" if cold["all_equal"] else "differences are numerics (near ties)"
+        if not cold["passed"]:
+            verdict = "[bold red]FAILED: outputs differ where logprobs do not explain it[/bold red]"
+        console.print(f"outputs check, cold workload (against cold-vllm): {verdict}")
     for check in result["targets"]:
         verdict = "met" if check["met"] else "[red]MISSED[/red]"
         console.print(f"target {check['target']}: {verdict} ({check['value']:.3f})")
@@ -134,7 +142,16 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     summary = result["summary"]
-    colors = {"floor": "C2", "vllm": "C3", "host": "C0", "disk": "C1", "shared": "C4"}
+    colors = {
+        "floor": "C2",
+        "vllm": "C3",
+        "host": "C0",
+        "disk": "C1",
+        "shared": "C4",
+        "slow": "C5",
+        "cold-vllm": "C7",
+        "cold-host": "C9",
+    }
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2), gridspec_kw={"width_ratios": [3, 2]})
     for name, s in summary.items():
         xs = [row["round"] for row in s["rounds"]]

@@ -18,7 +18,26 @@ CONFIGS = {
     "host": "kvhal host tier",
     "disk": "kvhal small host + disk",
     "shared": "kvhal, 2 engines, shared remote",
+    "slow": "kvhal small host + a tier slower than recompute",
+    "cold-vllm": "vLLM alone, no returning users",
+    "cold-host": "kvhal host tier, no returning users",
 }
+#: The configurations that serve the cold workload (every prompt new) instead of the chat.
+COLD = ("cold-vllm", "cold-host")
+
+
+def cold_workload(work: dict, vocab: int, seed: int) -> dict:
+    """As many users as the chat has turns, each with one turn of a context of the chat's
+    lengths: nothing returns, so kvhal only stores (its overhead against vLLM alone)."""
+    rng = random.Random(seed + 1)
+    users = len(work["contexts"]) * len(work["turns"])
+    lengths = [len(c) for c in work["contexts"]] * len(work["turns"])
+    turns = [t[u] for t in work["turns"] for u in range(len(work["contexts"]))]
+    return {
+        **work,
+        "contexts": [[rng.randrange(1, vocab) for _ in range(n)] for n in lengths[:users]],
+        "turns": [turns],
+    }
 
 
 #: Logprobs kept per generated token: a near tie of three tokens still shows both runs' choices.
