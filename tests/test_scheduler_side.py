@@ -302,3 +302,16 @@ def test_reset_is_refused_while_stores_are_in_flight():
     assert scheduler.reset() is False
     reported(scheduler, jobs)
     assert scheduler.reset() is True and scheduler.lookup(request("again"), 0) == (0, False)
+
+
+def test_a_step_is_idle_only_when_nothing_computes_and_no_request_is_known():
+    """An idle step lets the workers wait a little for jobs in flight (vLLM steps an idle
+    engine every millisecond while kvhal has any): never while a request may need them."""
+    scheduler = side()
+    assert scheduler.build_meta(output()).idle
+    a = request("a")
+    meta = prefill(scheduler, a, [1, 2, 3])
+    assert not meta.idle  # it computes
+    assert not scheduler.build_meta(output()).idle  # "a" is known: it may be scheduled next
+    scheduler.request_finished(a)
+    assert scheduler.build_meta(output()).idle  # its stores may still be in flight: wait for them

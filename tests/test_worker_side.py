@@ -463,3 +463,39 @@ def test_with_two_workers_a_held_request_is_finished_when_both_reported(gate, mo
     assert sent == {"a"}
     slow.shutdown()
     fast.shutdown()
+
+
+# -- an idle engine ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("idle", [True, False])
+def test_an_idle_step_waits_for_a_job_in_flight_to_end(gate, idle, monkeypatch):
+    """vLLM steps an idle engine every millisecond while kvhal has jobs in flight: an idle
+    step's collect waits for one to end and reports it in that step; a step with work never
+    waits (the negative control)."""
+    monkeypatch.setattr(worker_side, "IDLE_WAIT_S", 10.0)  # far longer than the copy's hold
+    worker, _ = registered()
+    gate.open.clear()
+    step(worker, stores=[store(0, "a", [3], [0])])
+    threading.Timer(0.2, gate.open.set).start()
+    step(worker, idle=idle)
+    meta = worker.worker_meta()
+    if idle:
+        assert meta is not None and meta.succeeded == {0: 1}
+    else:
+        assert meta is None, "a step with work waited for a copy"
+    settle(worker)
+    worker.shutdown()
+
+
+def test_an_idle_steps_wait_has_a_deadline(gate, monkeypatch):
+    monkeypatch.setattr(worker_side, "IDLE_WAIT_S", 0.05)
+    worker, _ = registered()
+    gate.open.clear()
+    step(worker, stores=[store(0, "a", [3], [0])])
+    start = time.monotonic()
+    step(worker, idle=True)  # the copy is held past the deadline
+    assert 0.05 <= time.monotonic() - start < 5 and worker.worker_meta() is None
+    gate.open.set()
+    settle(worker)
+    worker.shutdown()

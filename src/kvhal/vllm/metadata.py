@@ -74,6 +74,9 @@ class KVHALMetadata(KVConnectorMetadata):
     :param writes: copies of host slots into the lower tier.
     :param prefetches: reads from the lower tier into host slots, started before the step's
         forward (they overlap it); reported in the worker metadata, never to vLLM.
+    :param idle: nothing computes in this step and no request is known to kvhal: vLLM steps
+        an idle engine about every millisecond while kvhal has jobs in flight, so the workers
+        wait a little for one of them to end before they answer.
     """
 
     loads: list[TransferJob] = field(default_factory=list)
@@ -82,6 +85,7 @@ class KVHALMetadata(KVConnectorMetadata):
     fence: list[int] = field(default_factory=list)
     held: list[str] = field(default_factory=list)
     writes: list[TierWrite] = field(default_factory=list)
+    idle: bool = False
 
 
 @dataclass

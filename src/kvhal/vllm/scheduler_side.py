@@ -594,6 +594,7 @@ class SchedulerSide:
             fence=fence,
             held=self._held,
             writes=self._plan_writes(),  # after the stores: write-back snapshots their evictions
+            idle=scheduler_output.total_num_scheduled_tokens == 0 and not self._requests,
         )
         self._pending_loads, self._held, self._pending_prefetches = [], [], []
         self._load_blocks = set()

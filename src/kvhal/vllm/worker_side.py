@@ -70,6 +70,13 @@ from kvhal.vllm.stats import REMOTE_READ_COUNTERS, TIER_READ_COUNTERS, KVHALStat
 logger = init_logger("vllm." + __name__)  # under "vllm": its handlers and level
 F = TypeVar("F", bound=Callable[..., Any])
 
+#: How long an idle step's :meth:`WorkerSide.collect` waits for a job in flight to end, and
+#: how often it looks: vLLM steps an engine with no request about every millisecond while
+#: kvhal has jobs in flight (writes to the tiers below outlive their requests), and a new
+#: request arriving meanwhile waits at most this.
+IDLE_WAIT_S = 0.02
+IDLE_POLL_S = 0.002
+
 
 def _on_engine_thread(method: F) -> F:
     """Count the time a step spends in kvhal: what it can add to the engine's critical path."""
@@ -125,6 +132,7 @@ class WorkerSide:
         self._failed_loads: set[str] = set()
         self._load_errors: set[int] = set()  # device blocks synchronous loads failed to fill
         self._sync_jobs: set[int] = set()  # synchronous loads not yet reported
+        self._idle = False  # this step computes nothing and no request waits (KVHALMetadata.idle)
         self._stores_of: dict[str, set[int]] = {}  # request -> its store jobs running here
         self._held: set[str] = set()  # held by the scheduler until their stores finish
         self._finished_sending: set[str] = set()
@@ -207,6 +215,7 @@ class WorkerSide:
             self._start_write(write)
         for job in meta.prefetches:  # before the forward: the reads overlap it
             self._start_reads(job)
+        self._idle = meta.idle
         for req_id in meta.held:
             if self._stores_of.get(req_id):
                 self._held.add(req_id)
@@ -342,8 +351,20 @@ class WorkerSide:
     @_on_engine_thread
     def collect(self) -> tuple[set[str], set[str], set[str]]:
         """Requests whose loads finished, whose loads failed (a subset), and whose
-        held blocks the stores read no more; polls, never waits for a copy."""
+        held blocks the stores read no more; polls, never waits for a copy (but in an idle
+        step, up to :data:`IDLE_WAIT_S` for one of its jobs to end)."""
         assert self.engine is not None or not self._running
+        self._poll()
+        if self._idle and self.jobs_in_flight:
+            deadline = time.monotonic() + IDLE_WAIT_S
+            while not self._has_news() and self.jobs_in_flight and time.monotonic() < deadline:
+                time.sleep(IDLE_POLL_S)
+                self._poll()
+        finished, failed, sent = self._finished_loads, self._failed_loads, self._finished_sending
+        self._finished_loads, self._failed_loads, self._finished_sending = set(), set(), set()
+        return finished, failed, sent
+
+    def _poll(self) -> None:
         self._poll_tier()
         if self.engine is not None:
             # A synchronous load is reported in its own step: the forward waited for its
@@ -353,9 +374,10 @@ class WorkerSide:
                 self._on_result(result)
             for result in self.engine.poll():
                 self._on_result(result)
-        finished, failed, sent = self._finished_loads, self._failed_loads, self._finished_sending
-        self._finished_loads, self._failed_loads, self._finished_sending = set(), set(), set()
-        return finished, failed, sent
+
+    def _has_news(self) -> bool:
+        """Whether a job ended since the last report (to vLLM or to the scheduler side)."""
+        return bool(self._finished_loads or self._finished_sending or self._succeeded or self._failed)
 
     def _start_write(self, write: TierWrite, stored: bool = True) -> None:
         """Submit a write to the lower tier; a write-through whose store failed fails unrun."""
