@@ -26,8 +26,13 @@ from tests.test_worker_side import block, connector_config, kv_caches, same, set
 
 def engine(tmp_path, engine_id: str | None = "engine-1") -> tuple[SchedulerSide, WorkerSide, dict]:
     base = connector_config(slots=4)
+    # the timeout policy: these tests wait for their reads (the auto policy's probes: below)
     lower = LowerTierConfig(
-        "disk", {"path": str(tmp_path / "disk"), "bytes_to_use": 1 << 20}, "through", "clock"
+        "disk",
+        {"path": str(tmp_path / "disk"), "bytes_to_use": 1 << 20},
+        "through",
+        "clock",
+        wait_policy="timeout",
     )
     config = dataclasses.replace(base, lower_tier=lower, fingerprint={"model": "local"}, engine_id=engine_id)
     worker = WorkerSide(config)

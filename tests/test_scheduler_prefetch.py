@@ -7,12 +7,15 @@ asynchronously (read, then copy) as before. The scheduler side runs over a real 
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 pytest.importorskip("vllm")
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
+from kvhal.offload.wait_policy import PROBE_S
 from kvhal.vllm.config import LowerTierConfig
 from kvhal.vllm.metadata import KVHALMetadata
 from kvhal.vllm.scheduler_side import SchedulerSide
@@ -21,7 +24,11 @@ from tests.test_scheduler_side import PAGE, output, prefill, reported, request, 
 SLOTS = 4
 
 
-def tiered(tmp_path, wait_ms: int | None = 60_000, budget: int | None = SLOTS) -> SchedulerSide:
+def tiered(
+    tmp_path, wait_ms: int | None = 60_000, budget: int | None = SLOTS, policy: str = "timeout"
+) -> SchedulerSide:
+    """A scheduler side over a disk tier; by default every prefetch is waited for (the
+    ``timeout`` policy: these tests are about the prefetch itself; ``auto``'s are below)."""
     lower = LowerTierConfig(
         "disk",
         {"path": str(tmp_path / "disk"), "bytes_to_use": 64 * PAGE},
@@ -29,6 +36,7 @@ def tiered(tmp_path, wait_ms: int | None = 60_000, budget: int | None = SLOTS) -
         "clock",
         wait_ms=wait_ms,
         prefetch_blocks=budget,
+        wait_policy=policy,
     )
     return SchedulerSide(scheduler_config(slots=SLOTS, lower_tier=lower))
 
@@ -102,7 +110,7 @@ def test_a_failed_read_leaves_nothing_to_load(tmp_path):
 
 @pytest.mark.parametrize("slow", [True, False])
 def test_a_tier_measured_slower_than_recompute_is_not_read(tmp_path, slow):
-    scheduler = tiered(tmp_path)
+    scheduler = tiered(tmp_path, policy="auto")
     only_on_disk(scheduler)
     scheduler.wait_policy.observe_step(1000, 0.1)  # 8 tokens: recomputed in 0.8 ms
     scheduler.wait_policy.observe_step(2000, 0.2)
@@ -116,6 +124,32 @@ def test_a_tier_measured_slower_than_recompute_is_not_read(tmp_path, slow):
     else:  # the negative control: a fast tier is read as before
         assert scheduler.lookup(b, 0) == (None, False)
         assert len(scheduler.build_meta(output()).prefetches) == 1
+
+
+def test_a_slow_tier_is_probed_now_and_then_while_its_request_recomputes(tmp_path, monkeypatch):
+    """PROBE_S after a slow tier's last read, one read checks whether it recovered: it is
+    made, no request waits for it (its request recomputes), and once it lands its blocks
+    serve the next request."""
+    scheduler = tiered(tmp_path, policy="auto")
+    only_on_disk(scheduler)
+    policy = scheduler.wait_policy
+    policy.observe_step(1000, 0.1)
+    policy.observe_step(2000, 0.2)
+    policy.observe_read(PAGE, 1.0)  # slow
+    monkeypatch.setattr(policy, "clock", lambda: time.monotonic() + PROBE_S)
+    b, c = request("b"), request("c")
+    scheduler.track(b)
+    assert scheduler.lookup(b, 0) == (0, False)  # recompute now
+    assert scheduler.lookup(b, 0) == (0, False)  # asked again: still no wait, no second read
+    [probe] = scheduler.build_meta(output()).prefetches
+    assert scheduler.stats.data["prefetch_probes"] == 1
+    scheduler.track(c)
+    assert scheduler.lookup(c, 0) == (0, False)  # slow, and the probe has not landed
+    assert scheduler.build_meta(output()).prefetches == []
+    reported(scheduler, [probe.job_id])
+    d = request("d")
+    scheduler.track(d)
+    assert scheduler.lookup(d, 0) == (8, False)  # a host hit now
 
 
 @pytest.mark.parametrize("how", ["over budget", "prefetch off"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvhal.offload.wait_policy import MIN_WAIT_S, PROBE_S, WAIT_SHARE, Rate, StepTimes, WaitPolicy
+from kvhal.offload.wait_policy import MIN_WAIT_S, PROBE, PROBE_S, WAIT_SHARE, Rate, StepTimes, WaitPolicy
 
 
 class Clock:
@@ -37,9 +37,17 @@ def test_a_rate_is_a_moving_average_that_ignores_empty_samples():
     assert rate.value == 200 and rate.seconds(400) == 2.0
 
 
-def test_before_anything_is_measured_the_configured_wait_holds():
+def test_before_the_engine_is_measured_the_configured_wait_holds():
     wait, _ = policy()
     assert wait.wait_for(tokens=1000, nbytes=10 << 20) == 1.0
+    wait.observe_read(1, 1.0)  # a slow tier, but no recompute time to compare it with
+    assert wait.wait_for(tokens=1000, nbytes=10 << 20) == 1.0
+
+
+def test_a_tier_not_measured_yet_is_waited_for_about_the_recompute_time():
+    wait, _ = policy()
+    ten_thousand_tokens_a_second(wait)
+    assert wait.wait_for(tokens=1000, nbytes=10 << 20) == pytest.approx(0.1 / WAIT_SHARE)
 
 
 def test_the_wait_is_about_the_recompute_time():
@@ -83,7 +91,7 @@ def test_a_tier_slower_than_recompute_is_skipped_then_probed_now_and_then():
     wait.observe_read(1 << 20, 1.0)  # 1 MiB/s: 10 MiB take 10 s, recomputing 1000 tokens 0.1 s
     assert wait.wait_for(tokens=1000, nbytes=10 << 20) is None
     clock.now += PROBE_S
-    assert wait.wait_for(tokens=1000, nbytes=10 << 20) == pytest.approx(0.1 / WAIT_SHARE)  # a probe
+    assert wait.wait_for(tokens=1000, nbytes=10 << 20) == PROBE
     assert wait.wait_for(tokens=1000, nbytes=10 << 20) is None  # one probe at a time
     wait.observe_read(10 << 20, 0.01)  # the tier recovered: 1 GiB/s reads pull the average up
     for _ in range(20):
@@ -108,3 +116,14 @@ def test_the_timeout_policy_always_waits_its_deadline():
 def test_an_unknown_policy_is_refused():
     with pytest.raises(ValueError, match="auto"):
         WaitPolicy(1000, "eager")
+
+
+def test_a_read_learnt_of_steps_later_is_waited_for_those_steps_too():
+    """The workers' reads are reported in a step's output: a step or two after they end."""
+    wait, _ = policy()
+    wait.observe_step(1, 0.03)  # a decode step: 30 ms
+    wait.observe_step(1001, 0.13)  # 0.1 ms a token
+    recompute, step = 0.0299 + 1000 * 1e-4, 0.03  # the line: 29.9 ms + 0.1 ms a token
+    assert wait.wait_for(tokens=1000, nbytes=1, steps_to_see=2) == pytest.approx(
+        recompute / WAIT_SHARE + 2 * step
+    )

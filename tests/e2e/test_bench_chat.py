@@ -66,3 +66,34 @@ def test_chat_bench_floor_host_disk_and_shared(tmp_path, vllm_installed):
     again = {q["user"]: q["engine"] for q in runs["shared"]["rounds"][1]["requests"]}
     assert all(by_user[u] != again[u] for u in by_user), "a returning turn stayed on its engine"
     assert {t["target"].split(":")[0] for t in result["targets"]} == {"host", "disk", "shared"}
+
+
+@pytest.mark.timeout(600)
+def test_chat_bench_slow_tier_and_cold_workload(tmp_path, vllm_installed):
+    """The slow configuration's engine finds the bench's tier through its entry point and,
+    once it has measured it slower than recomputing, recomputes instead of reading; the cold
+    workload's runs are checked against their own reference, and kvhal stored but served
+    nothing there (no prompt returns)."""
+    out = tmp_path / "out"
+    argv = ["bench", "chat", "--users", "4", "--rounds", "3", "--context", "96", "160"]
+    argv += ["--turn", "32", "--max-tokens", "8", "--inflight", "1", "--repeats", "1"]
+    argv += ["--configs", "vllm", "slow", "cold-vllm", "cold-host", "--slow-tier-mb-s", "2"]
+    argv += ["--models", str(MODEL_CACHE), "--out", str(out)]
+    assert main(argv) == 0, "an outputs check failed"
+    result = json.loads((out / "chat.json").read_text())
+    runs = {run["config"]: run for run in result["runs"]}
+
+    slow = runs["slow"]["metrics"]
+    assert slow["vllm:kvhal_tier_written_blocks"] > 0, "nothing reached the slow tier"
+    assert slow["vllm:kvhal_prefetch_slow_tier_blocks"] > 0, "the slow tier was read every time"
+
+    cold = result["outputs_cold"]
+    assert cold["reference"]["config"] == "cold-vllm" and cold["passed"]
+    [compared] = cold["comparisons"]
+    assert compared["config"] == "cold-host" and compared["compared"] == 12 == compared["equal"]
+    assert [c["config"] for c in result["outputs"]["comparisons"]] == ["slow"]
+    [round1] = result["summary"]["cold-host"]["rounds"]
+    assert round1["ttft"]["n"] == 12 and round1["tiers"]["kvhal"] == 0
+    assert runs["cold-host"]["metrics"]["vllm:kvhal_stored_blocks"] > 0
+    targets = {t["target"].split(":")[0] for t in result["targets"]}
+    assert targets == {"slow", "cold"}

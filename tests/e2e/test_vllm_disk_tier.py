@@ -30,7 +30,16 @@ ENGINE = {"disable_log_stats": False}
 
 
 def disk(path: Path, **more) -> dict:
-    return {"cpu_bytes_to_use": SMALL_HOST, "disk_path": str(path), "disk_bytes_to_use": AMPLE_DISK, **more}
+    """The timeout policy: every disk hit is read (auto recomputes hits it measures slower to
+    read than to recompute, and the tiny model recomputes 192 tokens in about a disk read's
+    time: tests/test_wait_policy.py and the chat bench's slow configuration cover auto)."""
+    return {
+        "cpu_bytes_to_use": SMALL_HOST,
+        "disk_path": str(path),
+        "disk_bytes_to_use": AMPLE_DISK,
+        "lower_tier_wait_policy": "timeout",
+        **more,
+    }
 
 
 def roomy(path: Path, **more) -> dict:

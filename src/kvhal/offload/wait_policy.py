@@ -5,24 +5,30 @@ tokens again. :class:`WaitPolicy` learns both speeds as the engine runs (the low
 read bandwidth from the reads it ends, the time an engine step takes for its tokens) and,
 per hit, answers how long the request may wait for its read, or that it should not read
 at all and recompute (policy ``"auto"``); policy ``"timeout"`` always waits the configured
-deadline. The figures are moving averages: a tier that slows down is noticed after a few
-reads, and one skipped as slow is read again now and then (``PROBE_S``), so that it is
-noticed when it recovers.
+deadline. A tier not measured yet is waited for as one faster than recomputing (its first
+reads measure it). One measured slower than recomputing is not read, but probed now and
+then (``PROBE_S``): one read made while its request recomputes, waited for by no one, so
+that a tier that recovers is noticed.
 """
 
 from __future__ import annotations
 
 import collections
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["POLICIES", "PROBE_S", "Rate", "StepTimes", "WaitPolicy"]
+__all__ = ["POLICIES", "PROBE", "PROBE_S", "Rate", "StepTimes", "WaitPolicy"]
 
 #: ``lower_tier_wait_policy``'s values.
 POLICIES = ("auto", "timeout")
-#: Seconds after its last read ends before a tier skipped as slow is read once more.
+#: Seconds after its last read ends (or its last probe starts) before a tier skipped as slow
+#: is read once more.
 PROBE_S = 20.0
+#: :meth:`WaitPolicy.wait_for`'s answer for a read that measures the tier: made, not waited
+#: for (a wait of 0 is a timeout policy's own).
+PROBE = -1.0
 #: A read predicted to take less than this share of the recompute is waited for up to
 #: the recompute's predicted time times ``1 / WAIT_SHARE``: predictions are rough.
 WAIT_SHARE = 0.8
@@ -111,7 +117,7 @@ class WaitPolicy:
         self.clock = clock
         self.read = Rate()  # bytes per second from the lower tier into host memory
         self.steps = StepTimes()  # what recomputing tokens costs
-        self._last_read = clock()  # when the last read ended (or the policy started)
+        self._last = -math.inf  # when the last read ended or the last probe started
 
     def observe_step(self, tokens: int, seconds: float) -> None:
         """An engine step computed ``tokens`` in ``seconds``."""
@@ -120,20 +126,26 @@ class WaitPolicy:
     def observe_read(self, nbytes: int, seconds: float) -> None:
         """A read of ``nbytes`` from below took ``seconds`` from its start to its end."""
         self.read.add(nbytes, seconds)
-        self._last_read = self.clock()
+        self._last = self.clock()
 
-    def wait_for(self, tokens: int, nbytes: int) -> float | None:
+    def wait_for(self, tokens: int, nbytes: int, steps_to_see: int = 0) -> float | None:
         """Seconds a request may wait for a read of ``nbytes`` holding ``tokens`` of its
-        prompt; ``None``: do not read, recompute (the tier is slower than the engine)."""
+        prompt, learnt of ``steps_to_see`` engine steps after it ends (the workers' reads are
+        reported in a step's output); ``None``: do not read, recompute (the tier is slower
+        than the engine).
+        :data:`PROBE`: read, to see whether the tier is still slow, but recompute rather than
+        wait for it (:data:`PROBE_S` after the tier's last read ended)."""
         if self.policy == "timeout":
             return self.wait_s
+        read = self.read.seconds(nbytes)
         recompute = self.steps.seconds(tokens)
         if recompute is None:
             return self.wait_s
-        wait = min(self.wait_s, max(MIN_WAIT_S, recompute / WAIT_SHARE))
-        read = self.read.seconds(nbytes)
         if read is not None and read > WAIT_SHARE * recompute:
-            if self.clock() - self._last_read < PROBE_S:
+            if self.clock() - self._last < PROBE_S:
                 return None
-            self._last_read = self.clock()  # one probe at a time: the next waits PROBE_S again
-        return wait
+            self._last = self.clock()  # one probe at a time: the next one PROBE_S later
+            return PROBE
+        # a tier not measured yet is waited for as one that reads faster than recomputing
+        step = self.steps.seconds(1) or 0.0  # a step that computes next to nothing
+        return min(self.wait_s, max(MIN_WAIT_S, recompute / WAIT_SHARE + steps_to_see * step))

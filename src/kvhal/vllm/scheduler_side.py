@@ -56,7 +56,7 @@ from vllm.v1.request import Request
 
 from kvhal.errors import ValidationError
 from kvhal.offload.manager import BlockState, OffloadingManager
-from kvhal.offload.wait_policy import WaitPolicy
+from kvhal.offload.wait_policy import PROBE, WaitPolicy
 from kvhal.tiers.backend import OK, TierBackend
 from kvhal.tiers.chain import LoadPlan, TierChain, WritePlan
 from kvhal.tiers.index import TierIndex
@@ -83,6 +83,9 @@ logger = init_logger("vllm." + __name__)  # under "vllm": its handlers and level
 #: the others' decode about 65 ms (the CPU benchmarks); a read not done by then is waited
 #: for as a prefetch (``None`` answers) until ``lower_tier_wait_ms``.
 LOCAL_READ_WAIT_S = 0.02
+#: Steps after its read ends that the scheduler side learns of a workers' prefetch: it
+#: starts at the next step, and ends in that step's output or the one after.
+WORKER_READ_STEPS = 2
 #: :meth:`SchedulerSide._start_prefetch`'s answer for a read made and ended in the lookup.
 READ_NOW = object()
 #: :meth:`SchedulerSide._start_prefetch`'s answer when reading would be slower than recomputing.
@@ -153,6 +156,7 @@ class _RequestState:
     fetch: set[bytes] = field(default_factory=set)  # keys the remote tier holds, per the probe
     prefetch: _Prefetch | None = None  # the read from the lower tier it waits for, if any
     prefetched: bool = False  # one prefetch per request: a hit lost again loads as before
+    recompute_below: bool = False  # the wait policy chose to recompute what is below the host tier
     from_below: set[bytes] = field(default_factory=set)  # keys its prefetch read from below
 
 
@@ -268,10 +272,11 @@ class SchedulerSide:
             hit = found
             below |= promoted > 0
         if below:
-            started = self._start_prefetch(state, hashes[:hit])
+            started = RECOMPUTE if state.recompute_below else self._start_prefetch(state, hashes[:hit])
             if started is READ_NOW:  # read in this lookup: the blocks are host blocks now
                 return self.lookup(request, num_computed_tokens)
             if started is RECOMPUTE:  # the host tier's part of the hit, loaded as a host hit
+                state.recompute_below = True
                 hit, below = self._host_prefix(hashes[:hit]), False
             elif started:
                 return None, False
@@ -291,7 +296,9 @@ class SchedulerSide:
         (the hit loads asynchronously, reading then copying) when the prefetch is off, over
         its budget, was tried for this request already, or the host tier has no room.
         :data:`READ_NOW` when the read was made and ended in this call (the in-process
-        worker's tier, :mod:`kvhal.vllm.local`)."""
+        worker's tier, :mod:`kvhal.vllm.local`). :data:`RECOMPUTE` when the wait policy says
+        the tier is slower than recomputing, or reads it only to measure it (a probe, which
+        no request waits for)."""
         lower = self.config.lower_tier
         if lower is None or self.wait_policy is None or state.prefetched:
             return False
@@ -300,36 +307,39 @@ class SchedulerSide:
         keys = [offload_key(h, g.group_id) for h in hashes for g in self.config.groups]
         below = [key for key in keys if self.manager.state(key) is not BlockState.READY]
         host = self._host_prefix(hashes)
+        worker = local.find(self.config.engine_id) if self.config.world_size == 1 else None
+        tier_io = worker.tier_io if worker is not None else None
         wait = self.wait_policy.wait_for(
-            (len(hashes) - host) * self.config.block_size, len(below) * self.config.slot_bytes
+            (len(hashes) - host) * self.config.block_size,
+            len(below) * self.config.slot_bytes,
+            steps_to_see=0 if tier_io is not None else WORKER_READ_STEPS,
         )
         if wait is None:  # the tier reads slower than the engine computes
             self.stats.add("prefetch_slow_tier_blocks", len(below))
             return RECOMPUTE
+        probe = wait == PROBE
         budget = lower.prefetch_blocks or max(1, self.config.num_slots // 2)
-        if self._prefetching + len(below) > budget:
+        plan = self.chain.prepare_load(keys) if self._prefetching + len(below) <= budget else None
+        if plan is None:  # over the budget, or no room in the host tier
             self.stats.add("prefetch_skipped_blocks", len(below))
-            return False
-        plan = self.chain.prepare_load(keys)
-        if plan is None:
-            self.stats.add("prefetch_skipped_blocks", len(below))
-            return False
+            return RECOMPUTE if probe else False  # a tier of unknown speed is not waited for
         self._prefetching += len(plan.promoted)
         state.prefetched = True
         state.from_below = set(plan.promoted)
         self.stats.add("prefetched_blocks", len(plan.promoted))
         now = time.monotonic()
         deadline = now + wait
-        worker = local.find(self.config.engine_id) if self.config.world_size == 1 else None
-        tier_io = worker.tier_io if worker is not None else None
         if tier_io is not None:  # the worker is in this process: read now, wait a little
             future = tier_io.read(plan.promoted, plan.lower_slots, plan.promoted_host_slots)
             read = _LocalRead(plan, future, state, now)
             self._local_reads.append(read)
-            futures.wait([read.future], timeout=min(wait, LOCAL_READ_WAIT_S))
+            futures.wait([read.future], timeout=LOCAL_READ_WAIT_S if probe else min(wait, LOCAL_READ_WAIT_S))
             self._poll_local_reads()
             if read.future.done():
                 return READ_NOW
+            if probe:  # it goes on, measured, waited for by no one
+                self.stats.add("prefetch_probes", 1)
+                return RECOMPUTE
             state.prefetch = _Prefetch(-1, deadline, started=now)
             return True
         job = self._new_job(JobKind.LOAD, state.request.request_id, plan.promoted, {}, plan=plan)
@@ -337,6 +347,9 @@ class SchedulerSide:
         job.prefetch = self._jobs[job.job_id].prefetch = True
         self._jobs[job.job_id].started = now
         self._pending_prefetches.append(job)
+        if probe:
+            self.stats.add("prefetch_probes", 1)
+            return RECOMPUTE
         state.prefetch = _Prefetch(job.job_id, deadline, started=now)
         return True
 

@@ -35,6 +35,7 @@ COUNTERS = {
     "prefetched_blocks": "Blocks read from the lower tier into host memory at lookup, for a waiting request.",
     "prefetch_timeouts": "Requests that stopped waiting for a prefetch (past its deadline).",
     "prefetch_skipped_blocks": "Blocks not prefetched (budget or host room): loaded asynchronously instead.",
+    "prefetch_probes": "Reads from the lower tier made to measure it while their request recomputed.",
     "prefetch_slow_tier_blocks": "Blocks recomputed, not read: the lower tier is slower than the engine.",
     "tier_loaded_blocks": "Blocks read from the lower tier into the host tier for a load.",
     "tier_failed_loads": "Load jobs whose reads from the lower tier failed (their tokens were recomputed).",

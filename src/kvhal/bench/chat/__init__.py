@@ -80,6 +80,7 @@ from kvhal.bench.chat.checks import (
 )
 from kvhal.bench.chat.engines import run_config
 from kvhal.bench.chat.report import plot, print_report
+from kvhal.bench.chat.slow_tier import READ_BYTES_PER_S
 from kvhal.bench.chat.workload import CHAT_MODEL, COLD, CONFIGS, cold_workload, sizing
 from kvhal.bench.chat.workload import workload as make_workload
 from kvhal.bench.common import console as make_console
@@ -117,6 +118,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="runs of each configuration, order reversed each time (default 2)",
     )
     parser.add_argument("--store", choices=("redis", "mooncake"), default="redis", help="the shared store")
+    parser.add_argument(
+        "--slow-tier-mb-s",
+        type=float,
+        default=READ_BYTES_PER_S / 1e6,
+        help=f"read bandwidth of the slow configuration's tier, MB/s (default {READ_BYTES_PER_S / 1e6:.0f})",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the workload's tokens")
     parser.add_argument(
         "--no-trace", dest="trace", action="store_false", help="do not record every engine step's time"
@@ -131,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
     context = (args.context[0], args.context[-1])
     if len(args.context) > 2 or context[0] > context[1] or context[0] < 1:
         raise SystemExit("--context takes MIN MAX (or one length), MIN <= MAX")
-    for flag in ("users", "rounds", "repeats", "inflight", "max_tokens"):
+    for flag in ("users", "rounds", "repeats", "inflight", "max_tokens", "slow_tier_mb_s"):
         if getattr(args, flag) < 1:
             raise SystemExit(f"--{flag.replace('_', '-')} must be at least 1")
     with console.status("building the model"):
@@ -186,6 +193,7 @@ def run(args: argparse.Namespace) -> int:
             "max_tokens": args.max_tokens,
             "inflight": args.inflight,
             "seed": args.seed,
+            "slow_tier_bytes_per_s": args.slow_tier_mb_s * 1e6,
             "repeats": args.repeats,
             "order": order,
         },

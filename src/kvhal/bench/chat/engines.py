@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from kvhal.bench.chat.slow_tier import READ_BYTES_PER_S, SLOW_TIER, install
+from kvhal.bench.chat.slow_tier import SLOW_TIER, install
 from kvhal.bench.chat.workload import DTYPE, TOP_LOGPROBS
 from kvhal.bench.e2e import SHARING_ENV
 from kvhal.testing.scenario import JobEngine, run_scenario
@@ -307,7 +307,7 @@ def run_config(
                 "tier_options": {
                     "path": str(scratch / f"disk-{repeat}"),
                     "bytes_to_use": size["disk_tokens"] * per_token,
-                    "read_bytes_per_s": READ_BYTES_PER_S,
+                    "read_bytes_per_s": args.slow_tier_mb_s * 1e6,
                 },
             }
             env = {
