@@ -65,7 +65,7 @@ def test_pipeline_parallelism_is_refused_by_name() -> None:
         ("eviction_policy", None, "must be an eviction policy's name"),
         ("device", 0, "must be a device plugin's name"),
         ("device", ["cpu"], "must be a device plugin's name"),
-        ("load_mode", "sync", "must be one of \\['auto', 'async'\\]"),
+        ("load_mode", "eager", "must be one of \\['auto', 'sync', 'layerwise', 'async'\\]"),
         ("load_mode", True, "must be one of"),
     ],
 )

@@ -10,6 +10,7 @@ derived from the views' real strides.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -240,6 +241,12 @@ class KVCache:
     def num_blocks(self) -> int:
         """Blocks in the cache: valid block ids are ``0 .. num_blocks - 1``."""
         return self.geometry.num_blocks
+
+    def of_layers(self, indices: Sequence[int]) -> KVCache:
+        """The cache's layers ``indices`` only: views over the same memory, e.g. to copy a
+        block layer by layer."""
+        geometry = dataclasses.replace(self.geometry, num_layers=len(indices))
+        return KVCache(geometry, self.layout, tuple(self.layers[i] for i in indices), self.storage)
 
     def layer(self, index: int) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """Layer ``index``'s logical ``[B, H, N, C]`` view, or its (K, V) pair."""

@@ -131,3 +131,29 @@ def test_a_load_in_flight_does_not_delay_other_requests(model, multiprocessing, 
         else:
             assert waited >= DELAY * 0.9, f"a synchronous load's step waited only {waited:.2f} s"
         assert by_name["after"]["worker_jobs_in_flight"] == 0
+
+
+@pytest.mark.parametrize("corrupt", [False, True], ids=["layerwise", "layerwise-corrupted"])
+def test_layer_by_layer_loads_serve_the_same_outputs(model, corrupt):
+    """vLLM waits for each layer's load (wait_for_layer_load on every attention layer), so
+    after the engine's first forward host hits are copied layer by layer (load_mode:
+    layerwise: every synchronous load): same outputs, counted. The negative control: the
+    same loads leave noise in the blocks they wrote (corrupt_load), and outputs change, so
+    the layer-by-layer copies are what the forward read."""
+    batch = prompts(2, LENGTH, seed=31)
+    steps = [
+        {"op": "generate", "name": "cold", "prompts": batch},
+        {"op": "reset", "name": "reset"},
+        {"op": "generate", "name": "warm", "prompts": batch},
+        {"op": "metrics", "name": "metrics"},
+    ]
+    env = fault_env("corrupt_load") if corrupt else {}
+    by_name = run(model, steps, env, kvhal={"load_mode": "layerwise"}, engine={"disable_log_stats": False})
+    expected = baseline(model, batch)
+    assert tokens(by_name["cold"]) == expected
+    assert by_name["metrics"]["metrics"]["vllm:kvhal_layerwise_loads"] >= 1
+    assert loaded(by_name["warm"]) == [SERVED, SERVED]
+    if corrupt:
+        assert tokens(by_name["warm"]) != expected, "noise in every loaded block changed nothing"
+    else:
+        assert tokens(by_name["warm"]) == expected

@@ -43,7 +43,7 @@ KNOWN_KEYS = {
     "remote_max_inflight_blocks",
 }
 #: ``load_mode``'s values (see :class:`ConnectorConfig`).
-LOAD_MODES = ("auto", "async")
+LOAD_MODES = ("auto", "sync", "layerwise", "async")
 #: The keys that configure the remote tier besides ``remote_url``.
 REMOTE_KEYS = (
     "remote_strict",
@@ -138,8 +138,11 @@ class ConnectorConfig:
     :param offload_prompt_only: store prompt blocks only (vLLM's default), not decode ones.
     :param load_mode: ``"auto"`` (default): a hit held whole in the host tier is loaded in the
         step that schedules it (a synchronous load), where vLLM can recompute a failed one
-        block by block (one KV cache group); other hits asynchronously. ``"async"``: every
-        hit asynchronously (vLLM parks the request for a step).
+        block by block (one KV cache group); other hits asynchronously. A large synchronous
+        load is copied layer by layer where vLLM waits per layer (each layer's attention waits
+        for its own copy). ``"sync"``: as ``"auto"``, every synchronous load copied whole;
+        ``"layerwise"``: every one layer by layer. ``"async"``: every hit asynchronously (vLLM
+        parks the request for a step).
     """
 
     cpu_bytes_to_use: int
@@ -179,7 +182,7 @@ class ConnectorConfig:
     def sync_host_loads(self) -> bool:
         """Whether host hits load in the step that schedules them: vLLM reports a failed
         synchronous load by block ids, which it refuses with more than one KV cache group."""
-        return self.load_mode == "auto" and len(self.groups) == 1
+        return self.load_mode != "async" and len(self.groups) == 1
 
     @property
     def num_slots(self) -> int:

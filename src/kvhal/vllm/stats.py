@@ -18,6 +18,7 @@ COUNTERS = {
     "lookup_tokens": "Prompt tokens kvhal was asked about (beyond the local prefix cache).",
     "hit_tokens": "Prompt tokens kvhal offered to load from its host tier.",
     "sync_hit_tokens": "Prompt tokens loaded in the step that scheduled them (host hits, no parked step).",
+    "layerwise_loads": "Synchronous loads copied layer by layer (each layer's attention waited for its own).",
     "loaded_blocks": "Blocks copied from kvhal's host tier into the KV cache.",
     "loaded_bytes": "Bytes copied from kvhal's host tier into the KV cache.",
     "stored_blocks": "Blocks copied from the KV cache into kvhal's host tier.",

@@ -76,6 +76,11 @@ F = TypeVar("F", bound=Callable[..., Any])
 #: request arriving meanwhile waits at most this.
 IDLE_WAIT_S = 0.02
 IDLE_POLL_S = 0.002
+#: A synchronous load of at least this many bytes (this worker's share) is copied layer by
+#: layer, once vLLM is seen to wait per layer (``wait_for_layer_load``): each layer's
+#: attention waits for its own copy, so the first layers compute while the later ones copy.
+#: A smaller one is one copy, waited for whole before the forward (fewer submissions).
+LAYERWISE_MIN_BYTES = 4 << 20
 
 
 def _on_engine_thread(method: F) -> F:
@@ -133,6 +138,14 @@ class WorkerSide:
         self._load_errors: set[int] = set()  # device blocks synchronous loads failed to fill
         self._sync_jobs: set[int] = set()  # synchronous loads not yet reported
         self._idle = False  # this step computes nothing and no request waits (KVHALMetadata.idle)
+        # layer by layer: layer name -> (group, index); per group and layer, (device, host)
+        # one-layer views; the copies each layer's attention waits for in this step; the
+        # layers vLLM waited for in this forward; whether it waits for every layer
+        self._layer_of: dict[str, tuple[int, int]] = {}
+        self._layer_views: dict[int, list[tuple[KVCache, KVCache]]] = {}
+        self._layer_copies: dict[str, list[int]] = {}
+        self._waited: set[str] = set()
+        self.layerwise = False
         self._stores_of: dict[str, set[int]] = {}  # request -> its store jobs running here
         self._held: set[str] = set()  # held by the scheduler until their stores finish
         self._finished_sending: set[str] = set()
@@ -183,6 +196,11 @@ class WorkerSide:
             # a copy the device cannot make (a split cache on a plugin without kv.split,
             # say) fails engine start, naming the plugin, rather than every job later
             self.device.plan_copy(cache, host, [(0, 0)])
+        for group in self.config.groups:
+            cache, host = self.caches[group.group_id], self.host_views[group.group_id]
+            views = [(cache.of_layers([i]), host.of_layers([i])) for i in range(len(group.layer_names))]
+            self._layer_views[group.group_id] = views
+            self._layer_of.update({name: (group.group_id, i) for i, name in enumerate(group.layer_names)})
         self.engine = TransferEngine(self.device)
         if self.config.lower_tier is not None:
             self.lower_backend = open_lower_tier(self.config, role="io", rank=_tensor_parallel_rank())
@@ -228,6 +246,7 @@ class WorkerSide:
         the lower tier first; :meth:`collect` reports them. The compute stream waits for
         the synchronous ones: vLLM runs their requests in this step's forward."""
         sync_copies: list[int] = []
+        by_layer: list[TransferJob] = []
         for job in meta.loads:
             if job.sync:
                 self._sync_jobs.add(job.job_id)
@@ -236,14 +255,87 @@ class WorkerSide:
                 self._finish(job.job_id)
             elif job.reads is not None or job.remote_reads is not None:
                 self._start_reads(job)
+            elif job.sync and self._goes_by_layer(job):
+                by_layer.append(job)
             else:
                 self._submit(job)
                 running = self._running.get(job.job_id)
                 if job.sync and running is not None:
                     sync_copies.extend(running.engine_jobs)
+        if by_layer:
+            self._submit_by_layer(by_layer)
         if sync_copies:
             assert self.engine is not None and self.device is not None
             self.engine.order_after(self.device.current_stream(), sync_copies)
+
+    def _submit_by_layer(self, jobs: list[TransferJob]) -> None:
+        """Submit synchronous loads layer by layer, every job's first layer first (the copies
+        run in submission order): the attention of layer ``name`` waits for its copies only,
+        in :meth:`wait_for_layer`."""
+        assert self.engine is not None
+        self.stats.add("layerwise_loads", len(jobs))
+        running = {job.job_id: _Running(job, set()) for job in jobs}
+        self._running.update(running)
+        for name, (group_id, index) in self._layer_of.items():
+            cache, host = self._layer_views[group_id][index]
+            for job in jobs:
+                block_ids, slots = job.groups.get(group_id, ([], []))
+                if not block_ids or not running[job.job_id].ok:
+                    continue
+                try:
+                    engine_job = self.engine.submit_load(
+                        (), host, cache, list(zip(slots, block_ids, strict=True))
+                    )
+                except Exception:  # a refused copy fails the job: its blocks are load errors
+                    logger.exception("kvhal: load job %d refused at layer %r", job.job_id, name)
+                    running[job.job_id].ok = False
+                    continue
+                running[job.job_id].engine_jobs.add(engine_job)
+                self._by_engine_job[engine_job] = job.job_id
+                self._layer_copies.setdefault(name, []).append(engine_job)
+        for job_id, run in running.items():
+            if not run.engine_jobs:
+                self._finish(job_id)
+
+    def _goes_by_layer(self, job: TransferJob) -> bool:
+        if not self.layerwise or self.config.load_mode == "sync":
+            return False
+        return (
+            self.config.load_mode == "layerwise"
+            or job.num_blocks * self.config.slot_bytes >= LAYERWISE_MIN_BYTES
+        )
+
+    @_on_engine_thread
+    def wait_for_layer(self, name: str) -> None:
+        """vLLM's attention of layer ``name`` is about to run: its copies come first."""
+        self._waited.add(name)
+        copies = self._layer_copies.pop(name, None)
+        if copies:
+            assert self.engine is not None and self.device is not None
+            self.engine.order_after(self.device.current_stream(), copies)
+
+    def _end_forward(self) -> None:
+        """After the forward: vLLM waits per layer if it waited for every layer in it (then
+        later loads may go layer by layer); a copy no layer waited for is waited for now."""
+        if not self.layerwise and self._layer_of and self._waited.issuperset(self._layer_of):
+            self.layerwise = True
+            logger.info("kvhal: vLLM waits for each layer's load: large synchronous loads go layer by layer")
+        left = [copy for copies in self._layer_copies.values() for copy in copies]
+        if left:  # a layer ran without waiting for its copy: its blocks are recomputed
+            logger.warning(
+                "kvhal: vLLM did not wait for the loads of layers %s; their blocks are recomputed, "
+                "and loads no longer go layer by layer",
+                sorted(self._layer_copies),
+            )
+            self.layerwise = False
+            for copy in left:
+                running = self._running.get(self._by_engine_job.get(copy, -1))
+                if running is not None:
+                    running.ok = False
+            assert self.engine is not None and self.device is not None
+            self.engine.order_after(self.device.current_stream(), left)
+        self._layer_copies.clear()
+        self._waited.clear()
 
     def _start_reads(self, job: TransferJob) -> None:
         reading = _Reading(job, [])
@@ -271,6 +363,7 @@ class WorkerSide:
     @_on_engine_thread
     def start_stores(self, meta: KVHALMetadata) -> None:
         """Submit this step's stores (KV cache -> host tier), ordered after the step's compute."""
+        self._end_forward()
         for job in meta.stores:
             self._submit(job)
 

@@ -86,6 +86,7 @@ from kvhal.bench.chat.workload import workload as make_workload
 from kvhal.bench.common import console as make_console
 from kvhal.bench.common import result_header, write_outputs
 from kvhal.bench.e2e import MALLOC_ENV
+from kvhal.vllm.config import LOAD_MODES
 
 # ---------------------------------------------------------------------- command
 
@@ -118,6 +119,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="runs of each configuration, order reversed each time (default 2)",
     )
     parser.add_argument("--store", choices=("redis", "mooncake"), default="redis", help="the shared store")
+    parser.add_argument(
+        "--load-mode",
+        choices=LOAD_MODES,
+        default="auto",
+        help="kvhal's load_mode in every kvhal configuration (default auto)",
+    )
     parser.add_argument(
         "--slow-tier-mb-s",
         type=float,
@@ -194,6 +201,7 @@ def run(args: argparse.Namespace) -> int:
             "inflight": args.inflight,
             "seed": args.seed,
             "slow_tier_bytes_per_s": args.slow_tier_mb_s * 1e6,
+            "load_mode": args.load_mode,
             "repeats": args.repeats,
             "order": order,
         },

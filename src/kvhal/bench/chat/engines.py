@@ -196,6 +196,7 @@ def shared_engines(
         "cpu_bytes_to_use": size["host_tokens"] * size["kv_bytes_per_token"],
         "remote_url": url,
         **CHAT_KVHAL,
+        "load_mode": args.load_mode,
     }
     engines = []
     for e in range(2):
@@ -315,6 +316,8 @@ def run_config(
                     filter(None, [str(install(scratch / "plugins")), os.environ.get("PYTHONPATH")])
                 )
             }
+        if kvhal is not None:
+            kvhal["load_mode"] = args.load_mode
         try:
             run = single_engine(name, model, work, size, kvhal, device, args, answers, env)
         finally:
