@@ -193,3 +193,42 @@ def test_split_at_pieces_span_no_point_and_move_the_same_bytes(seed):
             covered += m
         assert covered == size
     assert next(it, None) is None
+
+
+class FakeDeviceTensor:
+    """A device tensor's view onto an allocation: counts the streams recorded on it."""
+
+    def __init__(self, allocation: int, recorded: list) -> None:
+        self.allocation, self.recorded = allocation, recorded
+
+    def untyped_storage(self):
+        return type("Storage", (), {"data_ptr": lambda _: self.allocation})()
+
+    def record_stream(self, stream) -> None:
+        self.recorded.append((self.allocation, stream))
+
+
+class FakeCache:
+    def __init__(self, device: str, allocations: list[int], recorded: list) -> None:
+        self.device = torch.device(device)
+        self.storage = ()
+        self.layers = tuple(
+            (FakeDeviceTensor(a, recorded), FakeDeviceTensor(a, recorded)) for a in allocations
+        )
+
+
+def test_a_stream_is_recorded_once_per_cache_and_allocation():
+    from kvhal.accel.copies import KeepAlive
+
+    recorded: list = []
+    device = FakeCache("meta", [1, 1, 2, 2, 3, 3], recorded)  # 6 layers (K, V) in 3 allocations
+    host = FakeCache("cpu", [9], recorded)
+    keep = KeepAlive()
+    plan = type("Plan", (), {"src": device, "dst": host})()
+    first, second = object(), object()
+    assert keep(plan, first) == 3 and recorded == [(1, first), (2, first), (3, first)]
+    assert keep(plan, first) == 0, "the allocator already waits for this stream at free time"
+    assert keep(plan, second) == 3  # another stream: recorded too
+    other = FakeCache("meta", [1], recorded)  # another cache object (a one-layer view, say)
+    assert keep(type("Plan", (), {"src": host, "dst": other})(), first) == 1
+    assert all(a != 9 for a, _ in recorded), "host memory is not the caching allocator's"

@@ -21,6 +21,7 @@ Ordering after compute is :meth:`kvhal.device.Device.submit`'s job: it makes
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -33,20 +34,45 @@ from kvhal.accel.events import CopyEvent
 from kvhal.accel.host_writes import PendingHostWrites, source_may_be_read_early
 from kvhal.accel.streams import TorchStreamHooks
 from kvhal.accel.torch_copy import torch_copy
+from kvhal.cache import KVCache
 from kvhal.copyplan import CopyPlan, Direction
 from kvhal.hookspecs import hookimpl
 
 _NO_POINTS = np.zeros(0, dtype=np.int64)
 
 
-def keep_alive_on(plan: CopyPlan, stream: Any) -> None:
-    """Tell torch's caching allocator that ``stream`` uses the device caches' memory,
-    so freeing a cache while its copy is pending cannot hand the memory to other work."""
-    for cache in (plan.src, plan.dst):
-        if cache.device.type == "cpu":
-            continue
-        for tensor in cache.storage or tuple(v for parts in cache.layers for v in parts):
-            tensor.record_stream(stream)
+class KeepAlive:
+    """Tells torch's caching allocator that a copy stream uses the device caches' memory,
+    so freeing a cache while a copy is pending cannot hand the memory to other work.
+
+    Once per cache and stream, and once per allocation: the allocator remembers the streams
+    an allocation was used on and, when it is freed, waits for the work queued on them by
+    then, so a later copy on the same stream is covered by the first call. (Once per copy
+    and layer, this cost a model of many layers hundreds of calls per job, on the engine's
+    thread.)
+    """
+
+    def __init__(self) -> None:
+        self._streams: weakref.WeakKeyDictionary[KVCache, list[Any]] = weakref.WeakKeyDictionary()
+
+    def __call__(self, plan: CopyPlan, stream: Any) -> int:
+        """Record ``stream`` on the memory of ``plan``'s device caches; the calls made."""
+        calls = 0
+        for cache in (plan.src, plan.dst):
+            if cache.device.type == "cpu":
+                continue
+            streams = self._streams.setdefault(cache, [])
+            if any(s is stream for s in streams):
+                continue
+            streams.append(stream)
+            allocations: set[int] = set()
+            for tensor in cache.storage or tuple(v for parts in cache.layers for v in parts):
+                allocation = tensor.untyped_storage().data_ptr()
+                if allocation not in allocations:
+                    allocations.add(allocation)
+                    tensor.record_stream(stream)
+                    calls += 1
+        return calls
 
 
 def split_at(descriptors: Descriptors, points: np.ndarray) -> Descriptors:
@@ -87,6 +113,7 @@ class EngineCopyHooks(TorchStreamHooks):
 
     def __init__(self) -> None:
         self.host_writes = PendingHostWrites()
+        self.keep_alive = KeepAlive()
         self._chain: EngineChain | None = None
         self._chain_lock = threading.Lock()
 
@@ -131,7 +158,7 @@ class EngineCopyHooks(TorchStreamHooks):
             descriptors = split_at(Descriptors.of(plan), self.host_split_points())
             direction = plan.direction
             with module.stream(stream):
-                keep_alive_on(plan, stream)
+                self.keep_alive(plan, stream)
                 if direction is Direction.H2H:
                     # A CPU memcpy runs outside any stream: let earlier copies on
                     # this stream (perhaps into these buffers) finish first.
