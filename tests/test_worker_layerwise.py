@@ -13,6 +13,7 @@ import torch
 
 pytest.importorskip("vllm")
 
+from kvhal.descriptor import Capability
 from kvhal.hookspecs import hookimpl
 from kvhal.registry import PluginRegistry
 from kvhal.vllm import worker_side
@@ -117,12 +118,25 @@ def test_a_layer_that_ran_without_waiting_gets_its_blocks_recomputed(gate):
     side.shutdown()
 
 
-@pytest.mark.parametrize(("mode", "layer_by_layer"), [("auto", False), ("layerwise", True)])
-def test_auto_copies_a_small_load_whole(gate, mode, layer_by_layer):
+@pytest.mark.parametrize(
+    ("mode", "overlapped", "min_bytes", "layer_by_layer"),
+    [
+        ("auto", True, 0, True),  # a GPU's copies run beside compute: large loads by layer
+        ("auto", True, None, False),  # a small load: one copy
+        ("auto", False, 0, False),  # the CPU's copies share its cores with the forward
+        ("layerwise", False, None, True),  # the operator's choice
+        ("sync", True, 0, False),
+    ],
+)
+def test_which_loads_go_layer_by_layer(gate, monkeypatch, mode, overlapped, min_bytes, layer_by_layer):
+    if min_bytes is not None:
+        monkeypatch.setattr(worker_side, "LAYERWISE_MIN_BYTES", min_bytes)
     side, caches = worker(mode)
+    if overlapped:  # as a GPU plugin declares it
+        caps = side.device.descriptor.capabilities | {Capability.OVERLAPPED_COPY.value}
+        side.device.descriptor = dataclasses.replace(side.device.descriptor, capabilities=caps)
     forward(side, KVHALMetadata())
-    assert side.config.slot_bytes * 2 < worker_side.LAYERWISE_MIN_BYTES
     forward(side, KVHALMetadata(loads=[sync_load(1, "b", [9, 10], [0, 1])]))
     assert ("layerwise_loads" in side.stats.data) is layer_by_layer
-    assert all(equal(caches, 9, 3, name) for name in LAYERS)
+    assert all(equal(caches, 9, 3, name) and equal(caches, 10, 4, name) for name in LAYERS)
     side.shutdown()

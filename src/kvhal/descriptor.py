@@ -32,6 +32,10 @@ class Capability(str, enum.Enum):
     ASYNC_COPY = "copy.async"
     #: A batch of descriptors goes to the device in one call (reported; not testable from outside).
     BATCHED_COPY = "copy.batched"
+    #: Copies run on hardware of their own (DMA engines) beside compute, not on the cores that
+    #: compute: kvhal splits a large synchronous load layer by layer to hide it behind the
+    #: forward (reported; not testable from outside). The CPU plugin's copies share the cores.
+    OVERLAPPED_COPY = "copy.overlapped"
     #: float8_e4m3fn caches.
     FP8 = "dtype.float8_e4m3fn"
 

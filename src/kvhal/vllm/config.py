@@ -140,7 +140,8 @@ class ConnectorConfig:
         step that schedules it (a synchronous load), where vLLM can recompute a failed one
         block by block (one KV cache group); other hits asynchronously. A large synchronous
         load is copied layer by layer where vLLM waits per layer (each layer's attention waits
-        for its own copy). ``"sync"``: as ``"auto"``, every synchronous load copied whole;
+        for its own copy) and the device plugin's copies run beside compute
+        (``copy.overlapped``: a GPU's, not the CPU's). ``"sync"``: as ``"auto"``, every synchronous load copied whole;
         ``"layerwise"``: every one layer by layer. ``"async"``: every hit asynchronously (vLLM
         parks the request for a step).
     """

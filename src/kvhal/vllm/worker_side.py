@@ -44,6 +44,7 @@ import torch
 from vllm.logger import init_logger
 
 from kvhal.cache import KVCache
+from kvhal.descriptor import Capability
 from kvhal.device import Device
 from kvhal.errors import ValidationError
 from kvhal.layouts import layout_by_name
@@ -300,9 +301,13 @@ class WorkerSide:
     def _goes_by_layer(self, job: TransferJob) -> bool:
         if not self.layerwise or self.config.load_mode == "sync":
             return False
+        if self.config.load_mode == "layerwise":
+            return True
+        # auto: where copies run beside compute (a GPU's DMA engines), not on its cores
+        assert self.device is not None
         return (
-            self.config.load_mode == "layerwise"
-            or job.num_blocks * self.config.slot_bytes >= LAYERWISE_MIN_BYTES
+            self.device.descriptor.supports(Capability.OVERLAPPED_COPY)
+            and job.num_blocks * self.config.slot_bytes >= LAYERWISE_MIN_BYTES
         )
 
     @_on_engine_thread

@@ -10,7 +10,13 @@ from kvhal_cuda.facts import TorchFacts
 
 #: What every torch.cuda-driven plugin can do regardless of the machine.
 GPU_CAPABILITIES = frozenset(
-    {Capability.CROSS_LAYER, Capability.SPLIT_KV, Capability.ASYNC_COPY, Capability.FP8}
+    {
+        Capability.CROSS_LAYER,
+        Capability.SPLIT_KV,
+        Capability.ASYNC_COPY,
+        Capability.OVERLAPPED_COPY,
+        Capability.FP8,
+    }
 )
 
 

@@ -139,7 +139,7 @@ def decide_npu(
             f"no Ascend NPU visible (torch.npu.device_count() is 0 with torch_npu {facts.torch_npu_version}; "
             "check the driver, CANN and ASCEND_RT_VISIBLE_DEVICES)"
         )
-    caps = {Capability.SPLIT_KV, Capability.ASYNC_COPY}
+    caps = {Capability.SPLIT_KV, Capability.ASYNC_COPY, Capability.OVERLAPPED_COPY}
     if pinned_host and facts.pin_routes:
         caps.add(Capability.PINNED_HOST)
     if not pinned_host:
