@@ -141,9 +141,9 @@ class ConnectorConfig:
         block by block (one KV cache group); other hits asynchronously. A large synchronous
         load is copied layer by layer where vLLM waits per layer (each layer's attention waits
         for its own copy) and the device plugin's copies run beside compute
-        (``copy.overlapped``: a GPU's, not the CPU's). ``"sync"``: as ``"auto"``, every synchronous load copied whole;
-        ``"layerwise"``: every one layer by layer. ``"async"``: every hit asynchronously (vLLM
-        parks the request for a step).
+        (``copy.overlapped``: a GPU's, not the CPU's). ``"sync"``: as ``"auto"``, every
+        synchronous load copied whole; ``"layerwise"``: every one layer by layer. ``"async"``:
+        every hit asynchronously (vLLM parks the request for a step).
     """
 
     cpu_bytes_to_use: int

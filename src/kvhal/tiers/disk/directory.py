@@ -10,7 +10,7 @@ Options (``TierSpec.options``):
   as fit (a slot takes its size rounded up to 4 KiB plus a 64-byte record).
   Preallocated when the tier opens, so a full disk is an error at start-up
   naming the free bytes, never a failure mid-run.
-- ``io_threads`` (int, default 8): requests in flight per worker.
+- ``io_threads`` (int, default 8): requests in flight per worker, for reads and for writes each.
 - ``direct`` (``"auto"`` default, ``True``, ``False``): read and write the data
   files with ``O_DIRECT``, bypassing the page cache (so a read really comes from
   the disk, and stored blocks do not push the engine's memory out of the page

@@ -13,7 +13,8 @@ verifies the record and the payload's crc, so a torn or stale block reads as
 
 Threading: :meth:`~DiskTier.write` and :meth:`~DiskTier.read` validate their
 arguments, cut the batch into runs of contiguous slots of at most a few MiB
-and hand them to a pool of ``io_threads`` threads; the returned future
+and hand them to a pool of ``io_threads`` threads (one pool for reads, one for writes, so
+that a read does not queue behind writes); the returned future
 completes when all are done. Failures are per slot and never raised from the
 future; they are logged once per batch.
 
@@ -112,7 +113,7 @@ class DiskTier(TierBackend):
         self._root_fd = self._tree_fd = self._lock_fd = self._index_fd = -1
         self._rank_fds: dict[int, int] = {}
         self._data_fds: list[int] = []
-        self._pool: ThreadPoolExecutor | None = None
+        self._pools: dict[str, ThreadPoolExecutor] = {}  # "read", "write"
         self._local = threading.local()
         try:
             self._root_fd = open_root(self.path)
@@ -195,8 +196,8 @@ class DiskTier(TierBackend):
         if self._closed:
             return
         self._closed = True
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
+        for pool in self._pools.values():
+            pool.shutdown(wait=True)
         for fd in [*self._data_fds, self._index_fd]:
             if fd >= 0:
                 try:
@@ -362,10 +363,10 @@ class DiskTier(TierBackend):
                     )
                 outer.set_result(results)
 
-        assert self._pool is not None
+        pool = self._pools[what]
         for task in tasks:
             try:
-                future = self._pool.submit(work, task, slots, keys, views, results, errors)
+                future = pool.submit(work, task, slots, keys, views, results, errors)
             except RuntimeError:
                 # The interpreter is exiting (concurrent.futures takes no new work once its
                 # atexit hook ran, before vLLM shuts the connector down): do it here, so an
@@ -557,7 +558,12 @@ class DiskTier(TierBackend):
                 raise TierError(
                     "disk", os.path.join(where, name), f"is shorter than its {size} bytes; remove {where}"
                 )
-        self._pool = ThreadPoolExecutor(self.options.io_threads, thread_name_prefix="kvhal-disk")
+        # Reads have threads of their own: a lookup waits for its read, and in one queue it
+        # waited behind the write-throughs of every store before it.
+        self._pools = {
+            what: ThreadPoolExecutor(self.options.io_threads, thread_name_prefix=f"kvhal-disk-{what}")
+            for what in ("read", "write")
+        }
 
     def _release(self) -> None:
         """Close every descriptor (closing the lock's releases the flock)."""
