@@ -104,6 +104,46 @@ def test_round_trip_many_slots_across_files(tmp_path, monkeypatch):
     again.close()
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["own-threads", "shared-threads"])
+def test_a_read_does_not_queue_behind_writes(tmp_path, shared):
+    """Reads have threads of their own: a lookup waiting for its read is not held up by the
+    write-throughs queued before it (one write thread, held busy, here). The negative
+    control: with one pool for both, the read waits for the write."""
+    import threading
+
+    release = threading.Event()
+
+    class SlowWrites(DiskTier):
+        def _pwritev(self, fd, buffers, offset):
+            if fd != self._index_fd:
+                release.wait(timeout=30)
+            super()._pwritev(fd, buffers, offset)
+
+    index = DiskTier(make_spec(tmp_path / "d", role="index"))
+    index.recover()
+    index.close()
+    t = SlowWrites(make_spec(tmp_path / "d", options={"io_threads": 1}))
+    release.set()
+    contents = store(t, [0])
+    release.clear()
+    if shared:
+        t._pools["read"] = t._pools["write"]
+    pending = t.write([1, 2], keys_for([1, 2]), aligned(2, SLOT))  # holds the only write thread
+    buffers = aligned(1, SLOT)
+    reading = t.read([0], keys_for([0]), buffers)
+    try:
+        if shared:
+            with pytest.raises(TimeoutError):
+                reading.result(timeout=0.5)
+        else:
+            assert reading.result(timeout=30) == [OK] and bytes(buffers[0]) == contents[0]
+            assert not pending.done()
+    finally:
+        release.set()
+    assert pending.result(timeout=30) == [True, True] and reading.result(timeout=30) == [OK]
+    t.close()
+
+
 def test_overwrite_and_wrong_key(tier):
     store(tier, [3], seed=1, tag=b"a")
     new = store(tier, [3], seed=2, tag=b"b")
