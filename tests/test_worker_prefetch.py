@@ -5,6 +5,8 @@ hit then loads them in the step that schedules it."""
 from __future__ import annotations
 
 import dataclasses
+import threading
+import time
 
 import pytest
 
@@ -18,10 +20,10 @@ from tests.test_worker_side import block, connector_config, kv_caches, load, sam
 KEYS = [b"block-a" + bytes(29), b"block-b" + bytes(29)]
 
 
-def disk_worker(tmp_path) -> tuple[WorkerSide, dict]:
+def disk_worker(tmp_path, wait_ms: int | None = 1000) -> tuple[WorkerSide, dict]:
     base = connector_config(slots=8)
     lower = LowerTierConfig(
-        "disk", {"path": str(tmp_path / "disk"), "bytes_to_use": 1 << 20}, "through", "clock"
+        "disk", {"path": str(tmp_path / "disk"), "bytes_to_use": 1 << 20}, "through", "clock", wait_ms=wait_ms
     )
     config = dataclasses.replace(base, lower_tier=lower, fingerprint={"model": "worker-prefetch"})
     caches = kv_caches(split=False, seed=1)
@@ -62,4 +64,44 @@ def test_a_prefetch_of_blocks_the_disk_does_not_hold_fails_to_the_scheduler_side
     finished, failed, _ = settle(worker)
     assert not finished and not failed
     assert worker.worker_meta().failed == {2: 1}
+    worker.shutdown()
+
+
+@pytest.mark.parametrize("stalled", [True, False])
+def test_an_asynchronous_load_from_a_stalled_disk_gives_up_at_its_deadline(tmp_path, stalled):
+    """A load that reads the disk, then copies (no prefetch): past lower_tier_wait_ms its
+    request is reported failed (vLLM recomputes it) while the read goes on holding its host
+    slots, which the job releases once the read returns. The negative control: a disk that
+    answers, the same load served."""
+    worker, _ = disk_worker(tmp_path, wait_ms=100)
+    job = store(0, "r", [3, 5], [0, 1])
+    job.write = TierWrite(1, KEYS, [0, 1], [0, 1], snapshot=False)
+    step(worker, stores=[job])
+    settle(worker)
+    backend, release = worker.tier_io.backend, threading.Event()
+    read = backend._preadv
+
+    def stalling(fd, buffers, offset):
+        if stalled and fd != backend._index_fd:
+            release.wait(timeout=30)
+        read(fd, buffers, offset)
+
+    backend._preadv = stalling
+    slow = load(2, "s", [7, 9], [4, 6])
+    slow.reads = TierReads(KEYS, [0, 1], [4, 6])
+    step(worker, loads=[slow])
+    deadline = time.monotonic() + 20
+    finished: set[str] = set()
+    failed: set[str] = set()
+    while "s" not in finished and time.monotonic() < deadline:
+        time.sleep(0.02)
+        more, more_failed, _ = worker.collect()
+        finished, failed = finished | more, failed | more_failed
+    assert finished == {"s"} and failed == ({"s"} if stalled else set())
+    if stalled:
+        assert worker.stats.data["tier_load_timeouts"] == 1
+        assert worker.jobs_in_flight == 1, "the read in flight still holds its slots"
+        release.set()
+    settle(worker)
+    assert worker.worker_meta().failed == ({2: 1} if stalled else {})
     worker.shutdown()

@@ -82,6 +82,10 @@ IDLE_POLL_S = 0.002
 #: attention waits for its own copy, so the first layers compute while the later ones copy.
 #: A smaller one is one copy, waited for whole before the forward (fewer submissions).
 LAYERWISE_MIN_BYTES = 4 << 20
+#: How long an asynchronous load waits for its reads from the lower tier when
+#: ``lower_tier_wait_ms`` is null (no prefetch); past it, the request is recomputed and the
+#: slots stay reserved until the read returns.
+LOWER_LOAD_WAIT_MS = 1000
 
 
 def _on_engine_thread(method: F) -> F:
@@ -106,7 +110,7 @@ class _Reading:
 
     job: TransferJob
     reads: list[tuple[TierReads, bool, Future[list[str | None]]]]  # (reads, remote?, future)
-    deadline: float | None = None  # remote reads: when the load is given up
+    deadline: float | None = None  # when the load is given up (its request recomputed)
     gave_up: bool = False  # reported failed to vLLM; the job ends once the reads end
 
 
@@ -346,15 +350,21 @@ class WorkerSide:
         reading = _Reading(job, [])
         try:
             if job.reads is not None:
-                assert self.tier_io is not None
+                assert self.tier_io is not None and self.config.lower_tier is not None
                 reads = job.reads
                 future = self.tier_io.read(reads.keys, reads.lower_slots, reads.host_slots)
                 reading.reads.append((reads, False, future))
+                if not job.prefetch:  # a prefetch's deadline is the scheduler side's
+                    wait_ms = self.config.lower_tier.wait_ms
+                    reading.deadline = (
+                        time.monotonic() + (wait_ms if wait_ms is not None else LOWER_LOAD_WAIT_MS) / 1000
+                    )
             if job.remote_reads is not None:
                 assert self.remote is not None and self.config.remote_tier is not None
                 reads = job.remote_reads
                 reading.reads.append((reads, True, self.remote.read(reads.keys, reads.host_slots)))
-                reading.deadline = time.monotonic() + self.config.remote_tier.load_timeout_ms / 1000
+                deadline = time.monotonic() + self.config.remote_tier.load_timeout_ms / 1000
+                reading.deadline = min(deadline, reading.deadline or deadline)
         except Exception:  # a refused read fails the load; vLLM recomputes
             logger.exception("kvhal: load job %d: reading a tier below was refused", job.job_id)
             if not reading.reads:
@@ -511,11 +521,17 @@ class WorkerSide:
             if not (wait or all(future.done() for _, _, future in reading.reads)):
                 if reading.deadline is not None and now > reading.deadline and not reading.gave_up:
                     reading.gave_up = True
-                    self.stats.add("remote_load_timeouts", 1)
+                    stalled = sorted(
+                        {"remote" if remote else "lower" for _, remote, f in reading.reads if not f.done()}
+                    )
+                    for tier in stalled:
+                        self.stats.add(
+                            "remote_load_timeouts" if tier == "remote" else "tier_load_timeouts", 1
+                        )
                     logger.warning(
-                        "kvhal: load job %d: the remote tier did not answer in %d ms; recomputing",
+                        "kvhal: load job %d: the %s tier did not answer by its deadline; recomputing",
                         job_id,
-                        self.config.remote_tier.load_timeout_ms if self.config.remote_tier else 0,
+                        " and ".join(stalled),
                     )
                     self._give_up(job)
                 continue
