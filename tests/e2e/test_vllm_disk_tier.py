@@ -183,7 +183,7 @@ def test_a_stalled_disk_costs_a_request_its_wait_then_recompute(model, tmp_path)
     warm = result[5:9][::-1]
     assert [tokens(s)[0] for s in warm] == expected, "outputs changed behind a stalled disk"
     found = metrics(result[10])
-    # Every request stopped waiting at its deadline: a prefetch at the scheduler side's, and a
+    # A request stops waiting at its deadline: a prefetch at the scheduler side's, and a
     # request whose prefetch found the budget or the host room taken by reads still stalled
     # (it loads asynchronously, reading then copying) at the worker's.
     assert found["prefetch_timeouts"] + found.get("tier_load_timeouts", 0) >= 1, found
