@@ -146,3 +146,14 @@ def test_bad_input():
         c.prepare_load(keys(0, 0))
     with pytest.raises(BlockStateError, match="not ready in the host tier"):
         TierChain(OffloadingManager(2)).prepare_load(keys(7))
+
+
+def test_a_store_with_nothing_below_plans_no_write(tmp_path):
+    """``below=False``: the host store is planned, the lower tier is neither written nor
+    asked for room (a tier too slow to read is not written)."""
+    chain = TierChain(OffloadingManager(4, "lru"), TierIndex(4, "clock"), "through")
+    plan, write = chain.prepare_store([b"a" * 32, b"b" * 32], below=False)
+    assert len(plan.keys) == 2 and write is None
+    assert chain.lower.lookup([b"a" * 32]) == 0 and chain.skipped_writes == 0
+    plan, write = chain.prepare_store([b"c" * 32])  # the negative control
+    assert write is not None and write.keys == [b"c" * 32]

@@ -176,3 +176,14 @@ def test_an_aborted_request_leaves_its_read_to_finish(tmp_path):
     c = request("c")
     scheduler.track(c)
     assert scheduler.lookup(c, 0) == (8, False)
+
+
+@pytest.mark.parametrize("slow", [True, False])
+def test_a_tier_measured_slower_than_recompute_is_not_written_either(tmp_path, slow):
+    """Blocks a tier is too slow to serve are not written to it (the negative control: a
+    tier that is not slow gets its write-through)."""
+    scheduler = tiered(tmp_path, policy="auto")
+    scheduler.wait_policy.slow = slow
+    meta = prefill(scheduler, request("a"), [1, 2, 3])
+    assert [job.write is None for job in meta.stores] == [slow]
+    assert scheduler.stats.data.get("tier_slow_skipped_writes", 0) == (3 if slow else 0)  # its 3 blocks

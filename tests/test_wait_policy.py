@@ -89,7 +89,8 @@ def test_a_tier_slower_than_recompute_is_skipped_then_probed_now_and_then():
     wait, clock = policy()
     ten_thousand_tokens_a_second(wait)
     wait.observe_read(1 << 20, 1.0)  # 1 MiB/s: 10 MiB take 10 s, recomputing 1000 tokens 0.1 s
-    assert wait.wait_for(tokens=1000, nbytes=10 << 20) is None
+    assert not wait.slow
+    assert wait.wait_for(tokens=1000, nbytes=10 << 20) is None and wait.slow
     clock.now += PROBE_S
     assert wait.wait_for(tokens=1000, nbytes=10 << 20) == PROBE
     assert wait.wait_for(tokens=1000, nbytes=10 << 20) is None  # one probe at a time

@@ -118,6 +118,8 @@ class WaitPolicy:
         self.read = Rate()  # bytes per second from the lower tier into host memory
         self.steps = StepTimes()  # what recomputing tokens costs
         self._last = -math.inf  # when the last read ended or the last probe started
+        #: The last answer found the tier slower than recomputing: writing to it is wasted too.
+        self.slow = False
 
     def observe_step(self, tokens: int, seconds: float) -> None:
         """An engine step computed ``tokens`` in ``seconds``."""
@@ -141,7 +143,8 @@ class WaitPolicy:
         recompute = self.steps.seconds(tokens)
         if recompute is None:
             return self.wait_s
-        if read is not None and read > WAIT_SHARE * recompute:
+        self.slow = read is not None and read > WAIT_SHARE * recompute
+        if self.slow:
             if self.clock() - self._last < PROBE_S:
                 return None
             self._last = self.clock()  # one probe at a time: the next one PROBE_S later

@@ -231,11 +231,14 @@ class TierChain:
 
     # -- stores --------------------------------------------------------------------
 
-    def prepare_store(self, keys: Sequence[bytes]) -> tuple[StorePlan, WritePlan | None] | None:
+    def prepare_store(
+        self, keys: Sequence[bytes], below: bool = True
+    ) -> tuple[StorePlan, WritePlan | None] | None:
         """:meth:`OffloadingManager.prepare_store` on the host tier, and under
         write-through the write of the stored blocks below (to run once the store's
         copy is done). Under write-back, the blocks the store evicts are queued for
-        the lower tier instead (:meth:`take_writes`).
+        the lower tier instead (:meth:`take_writes`). ``below=False``: nothing is
+        written below (a lower tier not worth reading is not worth writing).
 
         :return: the host plan and its write (``None`` if there is none), or
             ``None`` if the host tier has no room.
@@ -243,9 +246,10 @@ class TierChain:
         plan = self.host.prepare_store(keys)
         if plan is None:
             return None
-        self._after_host_store(plan)
+        if below:
+            self._after_host_store(plan)
         write = None
-        if self.lower is not None and self.write == "through" and plan.keys:
+        if below and self.lower is not None and self.write == "through" and plan.keys:
             planned = self._plan_write(plan.keys)
             if planned is not None:
                 keys, lower_slots = planned

@@ -533,7 +533,10 @@ class SchedulerSide:
                             block_id,
                         )
             state.stored_upto = end
-            planned = self.chain.prepare_store(list(where))
+            slow = self.wait_policy is not None and self.wait_policy.slow
+            planned = self.chain.prepare_store(list(where), below=not slow)
+            if slow and planned is not None:
+                self.stats.add("tier_slow_skipped_writes", len(planned[0].keys))
             if planned is None:
                 self.stats.add("store_skipped_blocks", len(where))
                 continue

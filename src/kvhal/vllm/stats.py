@@ -39,6 +39,7 @@ COUNTERS = {
     "prefetch_probes": "Reads from the lower tier made to measure it while their request recomputed.",
     "prefetch_slow_tier_blocks": "Blocks recomputed, not read: the lower tier is slower than the engine.",
     "tier_loaded_blocks": "Blocks read from the lower tier into the host tier for a load.",
+    "tier_slow_skipped_writes": "Blocks not written to the lower tier while it read slower than recomputing.",
     "tier_load_timeouts": "Loads that gave up waiting for the lower tier (lower_tier_wait_ms, else 1 s).",
     "tier_failed_loads": "Load jobs whose reads from the lower tier failed (their tokens were recomputed).",
     "tier_written_blocks": "Blocks written from the host tier to the lower tier.",
