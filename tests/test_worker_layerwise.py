@@ -15,11 +15,19 @@ pytest.importorskip("vllm")
 
 from kvhal.descriptor import Capability
 from kvhal.hookspecs import hookimpl
-from kvhal.registry import PluginRegistry
 from kvhal.vllm import worker_side
 from kvhal.vllm.metadata import KVHALMetadata
 from kvhal.vllm.worker_side import WorkerSide
-from tests.test_worker_side import LAYERS, connector_config, kv_caches, settle, step, store, sync_load
+from tests.test_worker_side import (
+    LAYERS,
+    connector_config,
+    cpu_plugin_with,
+    kv_caches,
+    settle,
+    step,
+    store,
+    sync_load,
+)
 
 
 class LayerGate:
@@ -39,11 +47,7 @@ class LayerGate:
 @pytest.fixture
 def gate(monkeypatch) -> LayerGate:
     gate = LayerGate()
-    registry = PluginRegistry(autoload=False, allow=None, block=())
-    registry.register(gate, "layer-gate")
-    monkeypatch.setattr(
-        worker_side, "select_device", lambda name=None, device_type=None: registry.select("cpu")
-    )
+    cpu_plugin_with(monkeypatch, gate, "layer-gate")
     yield gate
     gate.open.set()
 

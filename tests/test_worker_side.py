@@ -131,15 +131,20 @@ class Gate:
         raise RuntimeError("injected copy failure")
 
 
+def cpu_plugin_with(monkeypatch, plugin: object, name: str) -> None:
+    """WorkerSides made after this use the CPU plugin with ``plugin`` wrapping its hooks."""
+    registry = PluginRegistry(autoload=False, allow=None, block=())
+    registry.register(plugin, name)
+    monkeypatch.setattr(
+        worker_side, "select_device", lambda name=None, device_type=None: registry.select("cpu")
+    )
+
+
 @pytest.fixture
 def gate(monkeypatch) -> Gate:
     """WorkerSides made after this use the CPU plugin with a gate on its copies."""
     gate = Gate()
-    registry = PluginRegistry(autoload=False, allow=None, block=())
-    registry.register(gate, "gate")
-    monkeypatch.setattr(
-        worker_side, "select_device", lambda name=None, device_type=None: registry.select("cpu")
-    )
+    cpu_plugin_with(monkeypatch, gate, "gate")
     yield gate
     gate.open.set()
 
