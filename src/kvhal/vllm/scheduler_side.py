@@ -333,7 +333,7 @@ class SchedulerSide:
             future = tier_io.read(plan.promoted, plan.lower_slots, plan.promoted_host_slots)
             read = _LocalRead(plan, future, state, now)
             self._local_reads.append(read)
-            futures.wait([read.future], timeout=LOCAL_READ_WAIT_S if probe else min(wait, LOCAL_READ_WAIT_S))
+            futures.wait([read.future], timeout=0.0 if probe else min(wait, LOCAL_READ_WAIT_S))
             self._poll_local_reads()
             if read.future.done():
                 return READ_NOW
