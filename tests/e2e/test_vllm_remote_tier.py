@@ -151,7 +151,7 @@ def test_store_down_mid_run_recomputes_then_hits_resume(model, backend, tmp_path
     stop, start = (
         (server.stop_master, server.start_master) if backend == "mooncake" else (server.stop, server.start)
     )
-    first, during, after = (prompts(2, LENGTH, seed=s) for s in (61, 62, 63))
+    first, during, after, wake = (prompts(2, LENGTH, seed=s) for s in (61, 62, 63, 64))
     steps = [
         {"op": "generate", "prompts": first},
         {"op": "settle"},  # `first` is in the store
@@ -161,7 +161,14 @@ def test_store_down_mid_run_recomputes_then_hits_resume(model, backend, tmp_path
         {"op": "generate", "prompts": during},
         {"op": "metrics"},
         handshake(tmp_path, 1),  # the store comes back, empty
-        {"op": "sleep", "seconds": 3},  # the engine's clients reconnect (Mooncake's: about 2 s)
+        # The engine's clients reconnect on use (Mooncake's takes about 2 s; kvhal retries at
+        # most every 2 s), and the scheduler writes to a store again once a lookup succeeded:
+        # two rounds of use, so that a reconnect slowed by a loaded machine is over before
+        # `after` (a lookup timing out there dropped its writes: a CI failure).
+        {"op": "generate", "prompts": wake[:1]},
+        {"op": "sleep", "seconds": 3},
+        {"op": "generate", "prompts": wake[1:]},
+        {"op": "settle"},
         {"op": "generate", "prompts": after},  # stored to the store again
         {"op": "settle"},
         RESET,
@@ -170,7 +177,7 @@ def test_store_down_mid_run_recomputes_then_hits_resume(model, backend, tmp_path
     ]
     result = run_with_outage(model, remote(server.url), steps, tmp_path, [stop, start])
     by_name = [s for s in result if s["op"] in ("generate", "metrics")]
-    cold, down_first, down_during, down_metrics, back, again, back_metrics = by_name
+    cold, down_first, down_during, down_metrics, _, _, back, again, back_metrics = by_name
     assert tokens(cold) == baseline(model, first)
     assert tokens(down_first) == baseline(model, first), "outputs changed while the store was down"
     assert tokens(down_during) == baseline(model, during)
