@@ -14,6 +14,16 @@ from kvhal.cli import main
 from tests.e2e.common import MODEL_CACHE
 
 
+def tiny_bench(out, rounds: int, *more: str) -> dict:
+    """``kvhal bench chat`` at a tiny size (4 users, one repeat) with ``more`` arguments: its JSON,
+    once the run passed its outputs checks."""
+    argv = ["bench", "chat", "--users", "4", "--rounds", str(rounds), "--context", "96", "160"]
+    argv += ["--turn", "32", "--max-tokens", "8", "--inflight", "1", "--repeats", "1", *more]
+    argv += ["--models", str(MODEL_CACHE), "--out", str(out)]
+    assert main(argv) == 0, "an outputs check failed"
+    return json.loads((out / "chat.json").read_text())
+
+
 @pytest.mark.timeout(600)  # six engines in a row, each started from a fresh interpreter
 def test_chat_bench_floor_host_disk_and_shared(tmp_path, vllm_installed):
     """Round 2 of the host configuration comes from the host tier, of the disk configuration
@@ -21,12 +31,7 @@ def test_chat_bench_floor_host_disk_and_shared(tmp_path, vllm_installed):
     other engine, through a Redis server."""
     pytest.importorskip("redis")
     out = tmp_path / "out"
-    argv = ["bench", "chat", "--users", "4", "--rounds", "2", "--context", "96", "160"]
-    argv += ["--turn", "32", "--max-tokens", "8", "--inflight", "1", "--repeats", "1"]
-    argv += ["--configs", "floor", "host", "disk", "shared", "--store", "redis"]
-    argv += ["--models", str(MODEL_CACHE), "--out", str(out)]
-    assert main(argv) == 0, "the outputs check failed"
-    result = json.loads((out / "chat.json").read_text())
+    result = tiny_bench(out, 2, "--configs", "floor", "host", "disk", "shared", "--store", "redis")
     assert (out / "chat.png").stat().st_size > 0
     assert [p.name for p in out.iterdir() if p.is_dir()] == [], "the bench left its scratch folder behind"
 
@@ -74,13 +79,9 @@ def test_chat_bench_slow_tier_and_cold_workload(tmp_path, vllm_installed):
     once it has measured it slower than recomputing, recomputes instead of reading; the cold
     workload's runs are checked against their own reference, and kvhal stored but served
     nothing there (no prompt returns)."""
-    out = tmp_path / "out"
-    argv = ["bench", "chat", "--users", "4", "--rounds", "3", "--context", "96", "160"]
-    argv += ["--turn", "32", "--max-tokens", "8", "--inflight", "1", "--repeats", "1"]
-    argv += ["--configs", "vllm", "slow", "cold-vllm", "cold-host", "--slow-tier-mb-s", "2"]
-    argv += ["--models", str(MODEL_CACHE), "--out", str(out)]
-    assert main(argv) == 0, "an outputs check failed"
-    result = json.loads((out / "chat.json").read_text())
+    result = tiny_bench(
+        tmp_path / "out", 3, "--configs", "vllm", "slow", "cold-vllm", "cold-host", "--slow-tier-mb-s", "2"
+    )
     runs = {run["config"]: run for run in result["runs"]}
 
     slow = runs["slow"]["metrics"]
