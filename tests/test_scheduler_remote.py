@@ -1,8 +1,9 @@
 """The scheduler side's use of the remote tier, against a real Redis server.
 
 Lookups are asked again while the store has not answered, and are a miss
-after the timeout; blocks the store holds are planned as reads into host
-slots; writes beyond the in-flight cap, or to a store that is down, are
+after the timeout; blocks the store holds are prefetched into host slots while
+the request waits, then loaded as a host hit (or, over the prefetch budget, read
+by the request's load); writes beyond the in-flight cap, or to a store that is down, are
 dropped and counted.
 """
 
@@ -34,9 +35,11 @@ def server() -> Iterator[RedisServer]:
         yield running
 
 
-def side(url: str, **remote) -> SchedulerSide:
+def side(url: str, cpu_slots: int = 64, **remote) -> SchedulerSide:
+    # the timeout policy unless asked: these tests are about the reads, not the store's speed
+    remote.setdefault("wait_policy", "timeout")
     config = ConnectorConfig(
-        cpu_bytes_to_use=64 * PAGE,
+        cpu_bytes_to_use=cpu_slots * PAGE,
         device=None,
         eviction_policy="lru",
         offload_prompt_only=True,
@@ -74,22 +77,82 @@ def put_blocks(scheduler: SchedulerSide, url: str, hashes: list[bytes]) -> None:
     tier.close()
 
 
-def test_a_hit_the_store_holds_is_planned_as_a_read_into_host_slots(server):
+def answered(scheduler: SchedulerSide, req, timeout: float = 5.0) -> tuple[int | None, bool]:
+    """Ask until the store's answer to the lookup came: the answer after it."""
+    deadline = time.monotonic() + timeout
+    while scheduler.track(req).probe is None or not scheduler.track(req).probe.future.done():
+        answer = scheduler.lookup(req, 0)
+        assert answer[0] is None, "the lookup answered before the store did"
+        assert time.monotonic() < deadline, "the store never answered"
+        time.sleep(0.005)
+    return scheduler.lookup(req, 0)
+
+
+def test_a_store_hit_is_prefetched_at_lookup_then_loaded_as_a_host_hit(server):
     scheduler = side(server.url)
     req = request("a")
     put_blocks(scheduler, server.url, list(req.block_hashes[:2]))
-    tokens, _ = hit(scheduler, req)
-    assert tokens == 2 * BS, "the two blocks the store holds are a hit (the third is not there)"
-    assert scheduler.stats.data["remote_lookups"] == 1, "asked again, but the store was asked once"
-    blocks = KVCacheBlocks(([KVCacheBlock(i) for i in (5, 6, 7)],))
-    scheduler.after_alloc(req, blocks, 2 * BS)
+    assert answered(scheduler, req) == (None, False), "the store's blocks are read first: ask again"
+    [prefetch] = scheduler.build_meta(output()).prefetches
+    keys = [offload_key(h, 0) for h in req.block_hashes[:2]]
+    assert prefetch.prefetch and prefetch.reads is None and prefetch.remote_reads is not None
+    assert prefetch.remote_reads.keys == keys and len(set(prefetch.remote_reads.host_slots)) == 2
+    assert scheduler.lookup(req, 0) == (None, False), "waits while the read is in flight"
+    reported(scheduler, [prefetch.job_id])  # the workers read the blocks into host memory
+    assert scheduler.lookup(req, 0) == (2 * BS, False), "then a host hit, loaded in its step"
+    assert scheduler.stats.data["remote_lookups"] == 1, "the store was asked once"
+    assert scheduler.stats.data["remote_loaded_blocks"] == 2
+    scheduler.after_alloc(req, KVCacheBlocks(([KVCacheBlock(i) for i in (5, 6, 7)],)), 2 * BS)
     [load] = scheduler.build_meta(output()).loads
-    assert load.remote_reads is not None and load.reads is None
-    assert load.remote_reads.keys == [offload_key(h, 0) for h in req.block_hashes[:2]]
-    assert len(set(load.remote_reads.host_slots)) == 2
-    reported(scheduler, [load.job_id], ok=False)  # the read failed on the worker: recompute
+    assert load.sync and load.remote_reads is None and load.reads is None
+    assert scheduler.stats.data["remote_hit_tokens"] == 2 * BS
+    scheduler.close()
+
+
+def test_a_failed_prefetch_from_the_store_is_recomputed_and_not_read_again(server):
+    scheduler = side(server.url)
+    req = request("a")
+    put_blocks(scheduler, server.url, list(req.block_hashes[:2]))
+    assert answered(scheduler, req) == (None, False)
+    [prefetch] = scheduler.build_meta(output()).prefetches
+    reported(scheduler, [prefetch.job_id], ok=False)  # e.g. a checksum mismatch on a worker
     assert scheduler.stats.data["remote_failed_loads"] == 1
     assert scheduler.manager.lookup([offload_key(req.block_hashes[0], 0)]) == 0, "a failed read left a block"
+    assert scheduler.lookup(req, 0) == (0, False), "recomputed: the store is not read for it again"
+    assert scheduler.build_meta(output()).prefetches == []
+    scheduler.close()
+
+
+def test_past_its_deadline_a_store_prefetch_is_recomputed_and_its_slots_freed_when_it_ends(server):
+    scheduler = side(server.url, load_timeout_ms=50)
+    req = request("a")
+    put_blocks(scheduler, server.url, list(req.block_hashes[:2]))
+    assert answered(scheduler, req) == (None, False)
+    [prefetch] = scheduler.build_meta(output()).prefetches
+    time.sleep(0.1)
+    assert scheduler.lookup(req, 0) == (0, False), "past the wait: recompute"
+    assert scheduler.stats.data["remote_prefetch_timeouts"] == 1
+    free = scheduler.manager.num_free
+    reported(scheduler, [prefetch.job_id], ok=False)  # the stalled read ends, failed
+    assert scheduler.manager.num_free == free + 2, "the read's host slots were not freed"
+    scheduler.close()
+
+
+def test_over_the_prefetch_budget_a_store_hit_is_read_by_its_load(server):
+    scheduler = side(server.url, cpu_slots=4)  # a budget of 2 blocks in flight
+    a, b = request("a"), request("b", [t + 100 for t in PROMPT])
+    put_blocks(scheduler, server.url, list(a.block_hashes[:2]) + list(b.block_hashes[:2]))
+    assert answered(scheduler, a) == (None, False)  # its prefetch takes the whole budget
+    tokens, _ = hit(scheduler, b)
+    assert tokens == 2 * BS and scheduler.stats.data["remote_prefetch_skipped_blocks"] == 2
+    scheduler.after_alloc(b, KVCacheBlocks(([KVCacheBlock(i) for i in (5, 6, 7)],)), 2 * BS)
+    meta = scheduler.build_meta(output())
+    [load] = meta.loads
+    assert not load.sync and load.remote_reads is not None and load.reads is None
+    assert load.remote_reads.keys == [offload_key(h, 0) for h in b.block_hashes[:2]]
+    reported(scheduler, [load.job_id], ok=False)  # the read failed on the worker: recompute
+    assert scheduler.stats.data["remote_failed_loads"] == 1
+    assert scheduler.manager.lookup([offload_key(b.block_hashes[0], 0)]) == 0, "a failed read left a block"
     scheduler.close()
 
 

@@ -57,8 +57,15 @@ def store(request) -> object:
 
 def remote(url: str, **more) -> dict:
     # these tests assert hits, not lookup latency: on a loaded 2-core CI machine a fresh
-    # engine's first lookup has overrun the default 200 ms and counted as a miss
-    return {"cpu_bytes_to_use": HOST, "remote_url": url, "remote_lookup_timeout_ms": 2000, **more}
+    # engine's first lookup has overrun the default 200 ms and counted as a miss. And the
+    # timeout policy: on this tiny model, `auto` rightly recomputes rather than read a store
+    return {
+        "cpu_bytes_to_use": HOST,
+        "remote_url": url,
+        "remote_lookup_timeout_ms": 2000,
+        "remote_wait_policy": "timeout",
+        **more,
+    }
 
 
 def engine(model: str, kvhal: dict, steps: list[dict], env: dict | None = None) -> list[dict]:

@@ -41,6 +41,7 @@ KNOWN_KEYS = {
     "remote_lookup_timeout_ms",
     "remote_load_timeout_ms",
     "remote_max_inflight_blocks",
+    "remote_wait_policy",
 }
 #: ``load_mode``'s values (see :class:`ConnectorConfig`).
 LOAD_MODES = ("auto", "sync", "layerwise", "async")
@@ -50,6 +51,7 @@ REMOTE_KEYS = (
     "remote_lookup_timeout_ms",
     "remote_load_timeout_ms",
     "remote_max_inflight_blocks",
+    "remote_wait_policy",
 )
 #: The tier backend option each disk key fills.
 DISK_OPTIONS = {"disk_path": "path", "disk_bytes_to_use": "bytes_to_use"}
@@ -94,11 +96,14 @@ class RemoteTierConfig:
         and the tier starts down and keeps trying to connect).
     :param lookup_timeout_ms: how long a request waits for the store to say
         whether it holds its blocks (it is asked again meanwhile); a miss after.
-    :param load_timeout_ms: how long a parked request waits for its blocks from
-        the store before it is recomputed.
+    :param load_timeout_ms: how long a request waits for its blocks from the store
+        (read into host memory at lookup, or by a parked load) before it is recomputed.
     :param max_inflight_blocks: blocks being written to the store at once;
         stores beyond it are dropped and counted (a lagging store never queues
         without bound).
+    :param wait_policy: ``"auto"`` (default): a request waits for the store at most about
+        as long as recomputing would take, and a store slower than that is not read
+        (:mod:`kvhal.offload.wait_policy`); ``"timeout"``: always up to ``load_timeout_ms``.
     """
 
     url: str
@@ -106,6 +111,7 @@ class RemoteTierConfig:
     lookup_timeout_ms: int = 200
     load_timeout_ms: int = 5000
     max_inflight_blocks: int = 512
+    wait_policy: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -385,7 +391,12 @@ def _remote_tier(extra: dict[str, Any]) -> RemoteTierConfig | None:
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ValidationError(prefix + key, f"must be a positive integer, got {value!r}")
         numbers[key.removeprefix("remote_")] = value
-    return RemoteTierConfig(url, strict, **numbers)
+    wait_policy = extra.get("remote_wait_policy", "auto")
+    if wait_policy not in WAIT_POLICIES:
+        raise ValidationError(
+            prefix + "remote_wait_policy", f"must be one of {', '.join(WAIT_POLICIES)}, got {wait_policy!r}"
+        )
+    return RemoteTierConfig(url, strict, **numbers, wait_policy=wait_policy)
 
 
 #: ``PYTHONHASHSEED``: what makes vLLM's block hashes the same in every process.

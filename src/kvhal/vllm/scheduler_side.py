@@ -33,8 +33,10 @@ tier as write jobs the workers run off the engine's thread.
 With a remote tier shared by a fleet (``remote_url``), a lookup that the
 local tiers end short asks the store whether it holds the following blocks;
 the request is asked again (``None``) until the answer comes or
-``remote_lookup_timeout_ms`` passes (a miss). Blocks the store holds are read
-into host slots by the load job, like promotions. Every block stored to the
+``remote_lookup_timeout_ms`` passes (a miss). Blocks the store holds are
+prefetched as the lower tier's are (with their own wait policy, deadline
+``remote_load_timeout_ms``), then loaded as a host hit; where no prefetch is
+made (budget, room) the load job reads them, then copies. Every block stored to the
 host tier is written to the store too, unless ``remote_max_inflight_blocks``
 are being written already or the store is down: then it is dropped, counted.
 """
@@ -74,7 +76,7 @@ from kvhal.vllm.metadata import (
     TransferJob,
 )
 from kvhal.vllm.remote import open_remote_tier
-from kvhal.vllm.stats import TIER_READ_COUNTERS, KVHALStats
+from kvhal.vllm.stats import REMOTE_READ_COUNTERS, TIER_READ_COUNTERS, KVHALStats
 
 logger = init_logger("vllm." + __name__)  # under "vllm": its handlers and level
 
@@ -90,6 +92,17 @@ WORKER_READ_STEPS = 2
 READ_NOW = object()
 #: :meth:`SchedulerSide._start_prefetch`'s answer when reading would be slower than recomputing.
 RECOMPUTE = object()
+#: What a prefetch counts, per tier it reads: (the lower tier's counter, the remote tier's).
+PREFETCH_COUNTERS = {
+    "prefetched": ("prefetched_blocks", "remote_prefetched_blocks"),
+    "timeouts": ("prefetch_timeouts", "remote_prefetch_timeouts"),
+    "skipped": ("prefetch_skipped_blocks", "remote_prefetch_skipped_blocks"),
+    "probes": ("prefetch_probes", "remote_probes"),
+    "slow": ("prefetch_slow_tier_blocks", "remote_slow_blocks"),
+    "loaded": ("tier_loaded_blocks", "remote_loaded_blocks"),
+    "failed": ("tier_failed_loads", "remote_failed_loads"),
+    "read_bytes": ("tier_read_bytes", "remote_read_bytes"),
+}
 #: The medium kvhal's host tier appears as in vLLM's KV events.
 MEDIUM = "CPU"
 #: The key of ``RequestOutput.kv_transfer_params`` that says how many prompt
@@ -115,12 +128,13 @@ class _Probe:
 
 @dataclass
 class _Prefetch:
-    """Blocks of a request being read from the lower tier into host slots at its lookup."""
+    """Blocks of a request being read from a tier below into host slots at its lookup."""
 
     job_id: int  # the workers' job, or -1 for a read of the in-process worker's tier (``local``)
     deadline: float
     done: bool = False
     started: float = 0.0
+    remote: bool = False  # read from the remote tier (else the lower tier)
 
 
 @dataclass
@@ -132,6 +146,7 @@ class _LocalRead:
     state: _RequestState
     started: float
     ended: float | None = None  # set by the future's callback, on the reading thread
+    remote: bool = False  # a read of the remote tier (else the lower tier)
 
     def __post_init__(self) -> None:
         self.future.add_done_callback(self._end)
@@ -156,8 +171,10 @@ class _RequestState:
     fetch: set[bytes] = field(default_factory=set)  # keys the remote tier holds, per the probe
     prefetch: _Prefetch | None = None  # the read from the lower tier it waits for, if any
     prefetched: bool = False  # one prefetch per request: a hit lost again loads as before
+    remote_prefetched: bool = False  # one from the remote tier too: what it missed is recomputed
     recompute_below: bool = False  # the wait policy chose to recompute what is below the host tier
     from_below: set[bytes] = field(default_factory=set)  # keys its prefetch read from below
+    from_store: set[bytes] = field(default_factory=set)  # keys its prefetch read from the store
 
 
 @dataclass
@@ -196,12 +213,13 @@ class SchedulerSide:
         self._pending_prefetches: list[TransferJob] = []
         self._prefetching = 0  # blocks being read by prefetches
         self._local_reads: list[_LocalRead] = []
-        lower = self.config.lower_tier
+        lower, remote = self.config.lower_tier, self.config.remote_tier
         self.wait_policy = (
             WaitPolicy(lower.wait_ms, lower.wait_policy)
             if lower is not None and lower.wait_ms is not None
             else None
         )
+        self.remote_wait = WaitPolicy(remote.load_timeout_ms, remote.wait_policy) if remote else None
         self._last_step: tuple[float, int] | None = None  # the last step's start, its tokens
         self._next_job = 0
         # block id -> store jobs in flight reading it (ids are shared by every
@@ -254,7 +272,7 @@ class SchedulerSide:
             if not state.prefetch.done and time.monotonic() < state.prefetch.deadline:
                 return None, False  # the request holds no device blocks meanwhile
             if not state.prefetch.done:  # past the wait: what is in host memory now is the hit
-                self.stats.add("prefetch_timeouts", 1)
+                self.stats.add(PREFETCH_COUNTERS["timeouts"][state.prefetch.remote], 1)
             state.prefetch = None
         bs = self.config.block_size
         start = num_computed_tokens // bs
@@ -284,74 +302,105 @@ class SchedulerSide:
             more = self._remote_lookup(state, start, hashes, hit)
             if more is None:
                 return None, False
+            if more and not below and state.remote_prefetched:
+                more = 0  # its prefetch brought what it could into host memory: recompute the rest
+            elif more and not below:
+                started = self._start_prefetch(state, hashes[: hit + more], remote=True)
+                if started is READ_NOW:
+                    return self.lookup(request, num_computed_tokens)
+                if started is RECOMPUTE:
+                    more = 0
+                elif started:
+                    return None, False
             hit += more
             below |= more > 0
         state.hit_start, state.hit_blocks = start, hit
         state.hit_sync = hit > 0 and not below and self.config.sync_host_loads
         return hit * bs, hit > 0 and not state.hit_sync
 
-    def _start_prefetch(self, state: _RequestState, hashes: list[bytes]) -> bool | object:
-        """Read the blocks of ``hashes`` that only the lower tier holds into host slots now,
-        for the request to wait for (``None`` answers) and then load as a host hit. False
-        (the hit loads asynchronously, reading then copying) when the prefetch is off, over
-        its budget, was tried for this request already, or the host tier has no room.
+    def _start_prefetch(
+        self, state: _RequestState, hashes: list[bytes], remote: bool = False
+    ) -> bool | object:
+        """Read the blocks of ``hashes`` that only a tier below holds (the lower tier, or the
+        remote tier's blocks in ``state.fetch`` if ``remote``) into host slots now, for the
+        request to wait for (``None`` answers) and then load as a host hit. False (the hit
+        loads asynchronously, reading then copying) when the prefetch is off, over its
+        budget, was tried for this request already, or the host tier has no room.
         :data:`READ_NOW` when the read was made and ended in this call (the in-process
         worker's tier, :mod:`kvhal.vllm.local`). :data:`RECOMPUTE` when the wait policy says
         the tier is slower than recomputing, or reads it only to measure it (a probe, which
         no request waits for)."""
-        lower = self.config.lower_tier
-        if lower is None or self.wait_policy is None or state.prefetched:
+        policy = self.remote_wait if remote else self.wait_policy
+        if policy is None or (state.remote_prefetched if remote else state.prefetched):
             return False
         # The hit's host blocks are pinned with it (as a load's are), or the promotion's new
         # slots could evict them, the oldest, and the hit would be lost again.
         keys = [offload_key(h, g.group_id) for h in hashes for g in self.config.groups]
         below = [key for key in keys if self.manager.state(key) is not BlockState.READY]
+        lower = self.chain.lower
+        if remote and lower is not None and any(lower.state(k) is BlockState.READY for k in below):
+            return False  # the lower tier holds some too: one load reads both, as before
         host = self._host_prefix(hashes)
         worker = local.find(self.config.engine_id) if self.config.world_size == 1 else None
-        tier_io = worker.tier_io if worker is not None else None
-        wait = self.wait_policy.wait_for(
+        reader = None if worker is None else worker.remote if remote else worker.tier_io
+        wait = policy.wait_for(
             (len(hashes) - host) * self.config.block_size,
             len(below) * self.config.slot_bytes,
-            steps_to_see=0 if tier_io is not None else WORKER_READ_STEPS,
+            steps_to_see=0 if reader is not None else WORKER_READ_STEPS,
         )
         if wait is None:  # the tier reads slower than the engine computes
-            self.stats.add("prefetch_slow_tier_blocks", len(below))
+            self.stats.add(PREFETCH_COUNTERS["slow"][remote], len(below))
             return RECOMPUTE
         probe = wait == PROBE
-        budget = lower.prefetch_blocks or max(1, self.config.num_slots // 2)
-        plan = self.chain.prepare_load(keys) if self._prefetching + len(below) <= budget else None
+        plan = None
+        if self._prefetching + len(below) <= self._prefetch_budget():
+            plan = self.chain.prepare_load(keys, fetch=state.fetch if remote else ())
         if plan is None:  # over the budget, or no room in the host tier
-            self.stats.add("prefetch_skipped_blocks", len(below))
+            self.stats.add(PREFETCH_COUNTERS["skipped"][remote], len(below))
             return RECOMPUTE if probe else False  # a tier of unknown speed is not waited for
-        self._prefetching += len(plan.promoted)
-        state.prefetched = True
-        state.from_below = set(plan.promoted)
-        self.stats.add("prefetched_blocks", len(plan.promoted))
+        read = plan.fetched if remote else plan.promoted
+        self._prefetching += len(read)
+        if remote:
+            state.remote_prefetched, state.from_store = True, set(read)
+        else:
+            state.prefetched, state.from_below = True, set(read)
+        self.stats.add(PREFETCH_COUNTERS["prefetched"][remote], len(read))
         now = time.monotonic()
         deadline = now + wait
-        if tier_io is not None:  # the worker is in this process: read now, wait a little
-            future = tier_io.read(plan.promoted, plan.lower_slots, plan.promoted_host_slots)
-            read = _LocalRead(plan, future, state, now)
-            self._local_reads.append(read)
-            futures.wait([read.future], timeout=0.0 if probe else min(wait, LOCAL_READ_WAIT_S))
+        if reader is not None:  # the worker is in this process: read now, wait a little
+            if remote:
+                future = reader.read(plan.fetched, plan.fetched_host_slots)
+            else:
+                future = reader.read(plan.promoted, plan.lower_slots, plan.promoted_host_slots)
+            local_read = _LocalRead(plan, future, state, now, remote=remote)
+            self._local_reads.append(local_read)
+            futures.wait([future], timeout=0.0 if probe else min(wait, LOCAL_READ_WAIT_S))
             self._poll_local_reads()
-            if read.future.done():
+            if future.done():
                 return READ_NOW
             if probe:  # it goes on, measured, waited for by no one
-                self.stats.add("prefetch_probes", 1)
+                self.stats.add(PREFETCH_COUNTERS["probes"][remote], 1)
                 return RECOMPUTE
-            state.prefetch = _Prefetch(-1, deadline, started=now)
+            state.prefetch = _Prefetch(-1, deadline, started=now, remote=remote)
             return True
-        job = self._new_job(JobKind.LOAD, state.request.request_id, plan.promoted, {}, plan=plan)
-        job.reads = TierReads(plan.promoted, plan.lower_slots, plan.promoted_host_slots)
+        job = self._new_job(JobKind.LOAD, state.request.request_id, read, {}, plan=plan)
+        if remote:
+            job.remote_reads = TierReads(plan.fetched, [], plan.fetched_host_slots)
+        else:
+            job.reads = TierReads(plan.promoted, plan.lower_slots, plan.promoted_host_slots)
         job.prefetch = self._jobs[job.job_id].prefetch = True
         self._jobs[job.job_id].started = now
         self._pending_prefetches.append(job)
         if probe:
-            self.stats.add("prefetch_probes", 1)
+            self.stats.add(PREFETCH_COUNTERS["probes"][remote], 1)
             return RECOMPUTE
-        state.prefetch = _Prefetch(job.job_id, deadline, started=now)
+        state.prefetch = _Prefetch(job.job_id, deadline, started=now, remote=remote)
         return True
+
+    def _prefetch_budget(self) -> int:
+        """Blocks prefetches may read at once, from every tier below together."""
+        lower = self.config.lower_tier
+        return (lower.prefetch_blocks if lower is not None else None) or max(1, self.config.num_slots // 2)
 
     def _host_prefix(self, hashes: list[bytes]) -> int:
         """How many of ``hashes``, from the first, the host tier holds ready (every group's)."""
@@ -367,27 +416,37 @@ class SchedulerSide:
         """End the reads made through the in-process worker's tier that finished."""
         for read in [r for r in self._local_reads if r.future.done()]:
             self._local_reads.remove(read)
+            keys = read.plan.fetched if read.remote else read.plan.promoted
             try:
                 outcomes = read.future.result()
             except Exception:
-                logger.exception("kvhal: a read of the lower tier raised")
-                outcomes = ["io_error"] * len(read.plan.promoted)
+                logger.exception("kvhal: a read of the %s tier raised", "remote" if read.remote else "lower")
+                outcomes = ["io_error"] * len(keys)
+            counters = REMOTE_READ_COUNTERS if read.remote else TIER_READ_COUNTERS
             failed = [outcome for outcome in outcomes if outcome is not OK]
             for outcome in failed:
-                self.stats.add(TIER_READ_COUNTERS.get(outcome, TIER_READ_COUNTERS["io_error"]), 1)
+                self.stats.add(counters.get(outcome, counters["io_error"]), 1)
             good = len(outcomes) - len(failed)
-            self.stats.add("tier_read_bytes", good * self.config.slot_bytes)
-            self._prefetching -= len(read.plan.promoted)
-            self.chain.complete_load(read.plan, success=not failed)  # host blocks, or forgotten below
-            if failed:
-                self.stats.add("tier_failed_loads", 1)
-            else:
-                self.stats.add("tier_loaded_blocks", len(read.plan.promoted))
-                if self.wait_policy is not None and read.ended is not None:
-                    nbytes = len(read.plan.promoted) * self.config.slot_bytes
-                    self.wait_policy.observe_read(nbytes, read.ended - read.started)
+            self.stats.add(PREFETCH_COUNTERS["read_bytes"][read.remote], good * self.config.slot_bytes)
+            seconds = None if read.ended is None else read.ended - read.started
+            self._end_prefetch(read.plan, not failed, seconds)
             if read.state.prefetch is not None and read.state.prefetch.job_id == -1:
                 read.state.prefetch.done = True
+
+    def _end_prefetch(self, plan: LoadPlan, ok: bool, seconds: float | None) -> None:
+        """A prefetch's read ended (``seconds`` after it started, if known): its blocks are
+        host blocks now, or forgotten (a failed read may have found them corrupt)."""
+        remote = bool(plan.fetched)
+        keys = plan.fetched if remote else plan.promoted
+        self._prefetching -= len(keys)
+        self.chain.complete_load(plan, success=ok)
+        if not ok:
+            self.stats.add(PREFETCH_COUNTERS["failed"][remote], 1)
+            return
+        self.stats.add(PREFETCH_COUNTERS["loaded"][remote], len(keys))
+        policy = self.remote_wait if remote else self.wait_policy
+        if policy is not None and seconds is not None:
+            policy.observe_read(len(keys) * self.config.slot_bytes, seconds)
 
     def _remote_lookup(self, state: _RequestState, start: int, hashes: list[bytes], hit: int) -> int | None:
         """How many blocks after the local hit the remote tier holds (for every group),
@@ -396,11 +455,20 @@ class SchedulerSide:
         groups = [g.group_id for g in self.config.groups]
         first, wanted = start + hit, hashes[hit:]
         probe = state.probe
-        if probe is None or probe.first != first or probe.hashes[: len(wanted)] != wanted:
+        # The last probe answers for a later first block too (a prefetch from the store
+        # made its blocks host blocks): no second round trip, no step lost to it.
+        offset = first - probe.first if probe is not None else -1
+        if (
+            probe is None
+            or offset < 0
+            or (offset > 0 and probe.blocks is None)
+            or probe.hashes[offset : offset + len(wanted)] != wanted
+        ):
             keys = [offload_key(h, g) for h in wanted for g in groups]
             timeout = self.config.remote_tier.lookup_timeout_ms / 1000
             probe = state.probe = _Probe(first, wanted, self.remote.exist(keys), time.monotonic() + timeout)
             self.stats.add("remote_lookups", 1)
+            offset = 0
         if probe.blocks is None:
             if not probe.future.done():
                 if time.monotonic() < probe.deadline:
@@ -415,7 +483,7 @@ class SchedulerSide:
                 n = len(groups)
                 held = [all(found[i * n : (i + 1) * n]) for i in range(len(probe.hashes))]
                 probe.blocks = held.index(False) if False in held else len(held)
-        blocks = min(probe.blocks, len(wanted))
+        blocks = max(0, min(probe.blocks - offset, len(wanted)))
         for i, block_hash in enumerate(wanted[:blocks]):
             # a block still being stored to the host tier is neither loadable nor fetchable yet
             if any(self.manager.state(offload_key(block_hash, g)) is BlockState.STORING for g in groups):
@@ -465,10 +533,12 @@ class SchedulerSide:
             slots = iter(plan.host_slots)
             groups = {gid: (ids, [next(slots) for _ in ids]) for gid, ids in group_ids.items()}
             self.manager.touch(keys)
-            prefetched = {block_of[k] for k in keys if k in state.from_below}
-            if prefetched:  # a hit from the lower tier, read into host memory at its lookup
-                self.stats.add("tier_hit_tokens", len(prefetched) * bs)
-                state.from_below = set()
+            prefetches = (("tier_hit_tokens", state.from_below), ("remote_hit_tokens", state.from_store))
+            for counter, read in prefetches:
+                prefetched = {block_of[k] for k in keys if k in read}
+                if prefetched:  # a hit from a tier below, read into host memory at its lookup
+                    self.stats.add(counter, len(prefetched) * bs)
+            state.from_below, state.from_store = set(), set()
             if plan.promoted:
                 reads = TierReads(plan.promoted, plan.lower_slots, plan.promoted_host_slots)
                 self.stats.add("tier_hit_tokens", len({block_of[k] for k in plan.promoted}) * bs)
@@ -620,9 +690,11 @@ class SchedulerSide:
         """The engine's compute rate for the wait policy: a step's tokens over the time to the
         next step's schedule, while the engine is busy (an idle gap is not compute)."""
         now = time.monotonic()
-        if self.wait_policy is not None and self._last_step is not None and tokens > 0:
+        if self._last_step is not None and tokens > 0:
             started, computed = self._last_step
-            self.wait_policy.observe_step(computed, now - started)
+            for policy in (self.wait_policy, self.remote_wait):
+                if policy is not None:
+                    policy.observe_step(computed, now - started)
         self._last_step = (now, tokens) if tokens > 0 else None
 
     def _admit_remote_write(self, blocks: int) -> bool:
@@ -699,15 +771,8 @@ class SchedulerSide:
                 self.stats.add("stored_blocks", len(job.keys))
         elif job.prefetch:
             assert isinstance(job.plan, LoadPlan)
-            self._prefetching -= len(job.keys)
-            self.chain.complete_load(job.plan, success=job.ok)  # ready in host, or forgotten below
-            if job.ok:
-                self.stats.add("tier_loaded_blocks", len(job.keys))
-                if self.wait_policy is not None:  # to the step that reports it: an upper bound
-                    nbytes = len(job.keys) * self.config.slot_bytes
-                    self.wait_policy.observe_read(nbytes, time.monotonic() - job.started)
-            else:
-                self.stats.add("tier_failed_loads", 1)
+            # timed to the step that reports it: an upper bound
+            self._end_prefetch(job.plan, job.ok, time.monotonic() - job.started)
             if state is not None and state.prefetch is not None and state.prefetch.job_id == job_id:
                 state.prefetch.done = True
         else:

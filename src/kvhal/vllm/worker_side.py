@@ -210,11 +210,12 @@ class WorkerSide:
         if self.config.lower_tier is not None:
             self.lower_backend = open_lower_tier(self.config, role="io", rank=_tensor_parallel_rank())
             self.tier_io = TierIO(self.host_tier, self.lower_backend)
-            if self.config.world_size == 1 and self.config.engine_id is not None:
-                local.publish(self.config.engine_id, self)  # the scheduler reads at lookup
         if self.config.remote_tier is not None:
             rank = _tensor_parallel_rank()
             self.remote = open_remote_tier(self.config, "io", rank, self.stats, host=self.host_tier)
+        below = self.tier_io is not None or self.remote is not None
+        if below and self.config.world_size == 1 and self.config.engine_id is not None:
+            local.publish(self.config.engine_id, self)  # the scheduler reads at lookup
         logger.info(
             "kvhal: device plugin %r (%s), %d host slots of %d bytes, pinned=%s",
             self.device.plugin_name,

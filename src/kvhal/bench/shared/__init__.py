@@ -89,7 +89,8 @@ def ttft(
             )
             reader = rig.hits(
                 f"{kind}: a fresh engine B reads them",
-                {"cpu_bytes_to_use": rig.small_host, "remote_url": url},
+                # the timeout policy: this measures the reading itself (as `bench disk` does)
+                {"cpu_bytes_to_use": rig.small_host, "remote_url": url, "remote_wait_policy": "timeout"},
                 "shared hit",
             )
         row = {**rig.category("shared hit", reader), "category": f"shared hit ({kind})", "store": kind}
