@@ -85,6 +85,9 @@ logger = init_logger("vllm." + __name__)  # under "vllm": its handlers and level
 #: the others' decode about 65 ms (the CPU benchmarks); a read not done by then is waited
 #: for as a prefetch (``None`` answers) until ``lower_tier_wait_ms``.
 LOCAL_READ_WAIT_S = 0.02
+#: How long a lookup waits for the store to say whether it holds a request's blocks: a
+#: round trip of a millisecond or less, where answering ``None`` costs the request a step.
+REMOTE_LOOKUP_WAIT_S = 0.005
 #: Steps after its read ends that the scheduler side learns of a workers' prefetch: it
 #: starts at the next step, and ends in that step's output or the one after.
 WORKER_READ_STEPS = 2
@@ -469,6 +472,7 @@ class SchedulerSide:
             probe = state.probe = _Probe(first, wanted, self.remote.exist(keys), time.monotonic() + timeout)
             self.stats.add("remote_lookups", 1)
             offset = 0
+            futures.wait([probe.future], timeout=REMOTE_LOOKUP_WAIT_S)
         if probe.blocks is None:
             if not probe.future.done():
                 if time.monotonic() < probe.deadline:
