@@ -1,8 +1,11 @@
 """Redis (one server or a Redis Cluster) as the shared remote store.
 
 Each value is one binary Redis string under its name, written with ``SET NX`` (names are
-content-addressed: an existing value is never replaced) and read with ``GET``; batches are
-pipelined. Nothing is pickled.
+content-addressed: an existing value is never replaced) and read with ``GETRANGE name 0
+SIZE``, at most one byte more than the value can be (an oversized value is never read whole);
+batches are pipelined. Nothing is pickled. Reads of one server without TLS go through
+valkey-glide where it is installed (:mod:`kvhal.tiers.stores.redis_glide`: its I/O does not
+wait on the engine's GIL).
 
 URL forms (``remote_url``)::
 
@@ -43,6 +46,7 @@ from redis.retry import Retry
 from kvhal import env
 from kvhal.errors import ValidationError
 from kvhal.tiers.remote.store import ABSENT, FAILED, RemoteStore, StoreUnavailable
+from kvhal.tiers.stores import redis_glide
 
 __all__ = ["RedisStore"]
 
@@ -265,6 +269,9 @@ class RedisStore(RemoteStore):
         self._stale = False
         self._client: Any = None
         self._client = self._connect()
+        # the reads' client, once the server answered redis-py (its errors are the clearer)
+        why_not = redis_glide.unsupported(target)
+        self._reader = redis_glide.GlideReader(target, self._what) if why_not is None else None
 
     @classmethod
     def from_url(cls, url: str) -> RedisStore:
@@ -409,18 +416,26 @@ class RedisStore(RemoteStore):
     def get(self, names: Sequence[str], buffers: Sequence[Sequence[memoryview]]) -> list[int]:
         if len(names) != len(buffers):
             raise ValueError(f"{len(names)} names but {len(buffers)} buffers")
+        sizes = [sum(len(_bytes_view(part)) for part in parts) for parts in buffers]
+        if self._reader is not None:
+            if self._closed:
+                raise StoreUnavailable(f"{self._what}: the store is closed")
+            replies = self._reader.getrange(names, sizes)
+        else:
 
-        def add(pipe: Any, i: int) -> int:
-            pipe.get(names[i])
-            return 0
+            def add(pipe: Any, i: int) -> int:
+                pipe.getrange(names[i], 0, sizes[i])
+                return 0
 
-        replies = self._pipelined(len(names), add)
+            replies = self._pipelined(len(names), add)
         results: list[int] = []
-        for reply, parts in zip(replies, buffers, strict=True):
-            if reply is None:
+        for reply, parts, size in zip(replies, buffers, sizes, strict=True):
+            if not isinstance(reply, bytes):
+                results.append(FAILED)  # that command was refused (a name holding a list, say)
+            elif not reply:  # GETRANGE of a missing name (an empty value is no block either)
                 results.append(ABSENT)
-            elif not isinstance(reply, bytes):
-                results.append(FAILED)  # that command was refused
+            elif len(reply) > size:  # larger than the buffers (read SIZE + 1 bytes, no more)
+                results.append(FAILED)
             else:
                 results.append(_scatter(reply, parts))
         return results
@@ -433,6 +448,8 @@ class RedisStore(RemoteStore):
             client, self._client = self._client, None
         if client is not None:
             client.close()
+        if self._reader is not None:
+            self._reader.close()
 
 
 def _scatter(value: bytes, parts: Sequence[memoryview]) -> int:

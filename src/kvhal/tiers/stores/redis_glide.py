@@ -1,0 +1,99 @@
+"""Redis reads through valkey-glide's sync client: socket I/O and reply parsing in its Rust
+core, with the GIL released.
+
+redis-py (even with hiredis) reads a reply in many small ``recv`` calls, each taking the GIL
+back. In an engine's process the engine's loop holds the GIL between its steps, so each take
+waits up to the interpreter's switch interval. 60 values of 192 KiB (a returning user's
+blocks): redis-py 0.02 s alone and 0.87 s beside a busy Python thread, glide 0.013 s and
+0.021 s (BENCHMARKS.md, "Redis reads beside a busy thread"). Reads are what a request waits
+for, so they go through glide where it is installed and the URL is one server without TLS
+options it cannot express; everything else (lookups, writes, clusters, TLS) stays on redis-py.
+
+A value is read with ``GETRANGE name 0 SIZE``: at most one byte more than the value can be,
+so an oversized value planted under a block's name is never read whole.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from kvhal.tiers.remote.store import StoreUnavailable
+
+try:  # the optional client (kvhal[redis] installs it)
+    import glide_sync
+except ImportError:  # pragma: no cover - redis-py reads instead
+    glide_sync = None
+
+#: commands per batch (as redis-py's pipelines)
+BATCH_COMMANDS = 128
+
+
+def unsupported(target: Any) -> str | None:
+    """Why reads of ``target`` (a parsed ``redis://`` URL) cannot go through glide, or None."""
+    if glide_sync is None:
+        return "valkey-glide-sync is not installed"
+    if target.cluster:
+        return "a cluster (redis-py's cluster client reads it)"
+    if target.tls:
+        return "TLS (redis-py's TLS options read it)"
+    return None
+
+
+class GlideReader:
+    """One glide client for one Redis server's reads. Thread-safe (glide multiplexes)."""
+
+    def __init__(self, target: Any, what: str) -> None:
+        assert glide_sync is not None and unsupported(target) is None
+        self._what = what
+        timeout_ms = max(1, int(target.timeout * 1000))
+        credentials = None
+        if target.password is not None or target.username is not None:
+            credentials = glide_sync.ServerCredentials(password=target.password, username=target.username)
+        self._config = glide_sync.GlideClientConfiguration(
+            [glide_sync.NodeAddress(target.host, target.port)],
+            credentials=credentials,
+            request_timeout=timeout_ms,
+            database_id=target.db,
+            advanced_config=glide_sync.AdvancedGlideClientConfiguration(connection_timeout=timeout_ms),
+        )
+        self._lock = threading.Lock()
+        self._client: Any = None
+        self._closed = False
+
+    def _current(self) -> Any:
+        with self._lock:
+            if self._closed:
+                raise StoreUnavailable(f"{self._what}: the store is closed")
+            if self._client is None:
+                try:
+                    self._client = glide_sync.GlideClient.create(self._config)
+                except glide_sync.GlideError as exc:
+                    raise StoreUnavailable(f"{self._what}: {type(exc).__name__}: {exc}") from exc
+            return self._client
+
+    def getrange(self, names: Sequence[str], sizes: Sequence[int]) -> list[object]:
+        """``GETRANGE name 0 size`` for each name: bytes (empty for a missing name), or the
+        exception a refused command answered.
+
+        :raises StoreUnavailable: the server did not answer.
+        """
+        client = self._current()
+        replies: list[object] = []
+        try:
+            for first in range(0, len(names), BATCH_COMMANDS):
+                batch = glide_sync.Batch(is_atomic=False)
+                for name, size in zip(names[first : first + BATCH_COMMANDS], sizes[first:], strict=False):
+                    batch.getrange(name, 0, size)
+                replies.extend(client.exec(batch, raise_on_error=False) or [])
+        except glide_sync.GlideError as exc:
+            raise StoreUnavailable(f"{self._what}: {type(exc).__name__}: {exc}") from exc
+        return replies
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            client, self._client = self._client, None
+        if client is not None:
+            client.close()
