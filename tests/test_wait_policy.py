@@ -128,3 +128,15 @@ def test_a_read_learnt_of_steps_later_is_waited_for_those_steps_too():
     assert wait.wait_for(tokens=1000, nbytes=1, steps_to_see=2) == pytest.approx(
         recompute / WAIT_SHARE + 2 * step
     )
+
+
+@pytest.mark.parametrize("small", [True, False])
+def test_a_small_reads_latency_is_not_taken_for_the_tiers_bandwidth(small):
+    """One block of 192 KiB that took 50 ms (the store was connecting) bounds any read from
+    below, not from above: a returning user's 10 MiB are still read (50 ms against 0.1 s of
+    recompute). The control: 50 ms for 1 MiB is a bandwidth, and 10 MiB would take 0.5 s."""
+    wait, _ = policy()
+    ten_thousand_tokens_a_second(wait)
+    wait.observe_read(192 << 10 if small else 1 << 20, 0.05)
+    answer = wait.wait_for(tokens=1000, nbytes=10 << 20)
+    assert (answer is not None) is small

@@ -37,6 +37,10 @@ SLOW_STEP = 2.0
 #: The least a request waits for a read it started (a deadline of a few milliseconds
 #: would time out reads of a healthy tier on a busy machine).
 MIN_WAIT_S = 0.05
+#: Reads smaller than this do not feed the bandwidth average: their time is mostly latency
+#: (one 192 KiB block from a store that was connecting judged a healthy store slow). Until
+#: larger reads are measured, the quickest small read is a lower bound of any read's time.
+MIN_RATE_BYTES = 1 << 20
 
 
 @dataclass
@@ -116,6 +120,8 @@ class WaitPolicy:
         self.policy = policy
         self.clock = clock
         self.read = Rate()  # bytes per second from the lower tier into host memory
+        self.reads = StepTimes()  # a read's seconds as latency + bytes / bandwidth
+        self._small: float | None = None  # the quickest read under MIN_RATE_BYTES
         self.steps = StepTimes()  # what recomputing tokens costs
         self._last = -math.inf  # when the last read ended or the last probe started
         #: The last answer found the tier slower than recomputing: writing to it is wasted too.
@@ -127,8 +133,22 @@ class WaitPolicy:
 
     def observe_read(self, nbytes: int, seconds: float) -> None:
         """A read of ``nbytes`` from below took ``seconds`` from its start to its end."""
-        self.read.add(nbytes, seconds)
+        if nbytes >= MIN_RATE_BYTES:
+            self.read.add(nbytes, seconds)
+        elif seconds > 0:
+            self._small = seconds if self._small is None else min(self._small, seconds)
+        self.reads.add(nbytes, seconds)
         self._last = self.clock()
+
+    def read_seconds(self, nbytes: int) -> float | None:
+        """Predicted seconds of a read of ``nbytes``: the latency-and-bandwidth line once reads of
+        two sizes ended, else the bandwidth of the large reads, else the quickest small read;
+        ``None`` before any read."""
+        fitted = self.reads.seconds(nbytes)
+        if fitted is not None:
+            return fitted
+        by_rate = self.read.seconds(nbytes)
+        return by_rate if by_rate is not None else self._small
 
     def wait_for(self, tokens: int, nbytes: int, steps_to_see: int = 0) -> float | None:
         """Seconds a request may wait for a read of ``nbytes`` holding ``tokens`` of its
@@ -139,7 +159,7 @@ class WaitPolicy:
         wait for it (:data:`PROBE_S` after the tier's last read ended)."""
         if self.policy == "timeout":
             return self.wait_s
-        read = self.read.seconds(nbytes)
+        read = self.read_seconds(nbytes)
         recompute = self.steps.seconds(tokens)
         if recompute is None:
             return self.wait_s

@@ -272,6 +272,12 @@ class RedisStore(RemoteStore):
         # the reads' client, once the server answered redis-py (its errors are the clearer)
         why_not = redis_glide.unsupported(target)
         self._reader = redis_glide.GlideReader(target, self._what) if why_not is None else None
+        if self._reader is not None:
+            try:  # connected now: a first read that connects would measure the store slow
+                self._reader.connect()
+            except StoreUnavailable:
+                self._client.close()
+                raise
 
     @classmethod
     def from_url(cls, url: str) -> RedisStore:

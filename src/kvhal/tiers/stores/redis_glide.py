@@ -62,6 +62,13 @@ class GlideReader:
         self._client: Any = None
         self._closed = False
 
+    def connect(self) -> None:
+        """Connect now (else the first read does).
+
+        :raises StoreUnavailable: the server did not answer.
+        """
+        self._current()
+
     def _current(self) -> Any:
         with self._lock:
             if self._closed:

@@ -1,0 +1,103 @@
+"""Redis reads beside a busy thread: what the engine's GIL costs a store read.
+
+``python -m kvhal.bench.shared.gil [--out DIR]``. A returning user's blocks (60 values of
+192 KiB, by default) are read by kvhal's ``RedisStore.get`` on a thread of their own, alone
+and beside a thread that runs Python without pause (as an engine's loop holds the GIL between
+its steps), through each reader side by side: valkey-glide (the default where installed) and
+redis-py with hiredis. The limit beside them: the same bytes as one ``memcpy`` (the copy into
+host slots both do). Prints a table and writes ``gil.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from kvhal.testing.redis_servers import RedisServer
+from kvhal.tiers.stores.redis import RedisStore
+
+
+def _busy(stop: threading.Event) -> None:
+    spins = 0
+    while not stop.is_set():
+        spins += 1
+
+
+def _timed(read: Callable[[], object], contended: bool, repeats: int) -> float:
+    """The median seconds of ``read`` on its own thread, beside a busy one if ``contended``."""
+    times = []
+    for _ in range(repeats):
+        stop = threading.Event()
+        spinner = threading.Thread(target=_busy, args=(stop,)) if contended else None
+        if spinner is not None:
+            spinner.start()
+        took: list[float] = []
+
+        def run(took: list[float] = took) -> None:
+            start = time.perf_counter()
+            read()
+            took.append(time.perf_counter() - start)
+
+        reader = threading.Thread(target=run)
+        reader.start()
+        reader.join()
+        stop.set()
+        if spinner is not None:
+            spinner.join()
+        times.append(took[0])
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvhal.bench.shared.gil", description=__doc__)
+    parser.add_argument("--values", type=int, default=60)
+    parser.add_argument("--kib", type=int, default=192, help="value size, KiB")
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--out", type=Path, default=None, help="folder for gil.json")
+    args = parser.parse_args(argv)
+    size = args.kib << 10
+    names = [f"gil/{i}" for i in range(args.values)]
+    rows = []
+    with RedisServer() as server:
+        client = server.client()
+        for name in names:
+            client.set(name, os.urandom(size))
+        destination = bytearray(args.values * size)
+        buffers = [[memoryview(destination)[i * size : (i + 1) * size]] for i in range(args.values)]
+        source = bytes(destination)
+        readers: dict[str, Callable[[], object]] = {}
+        glide = RedisStore.from_url(server.url)
+        if glide._reader is not None:
+            readers["kvhal RedisStore, valkey-glide reads"] = lambda: glide.get(names, buffers)
+        plain = RedisStore.from_url(server.url)
+        plain._reader = None
+        readers["kvhal RedisStore, redis-py + hiredis reads"] = lambda: plain.get(names, buffers)
+        readers["limit: memcpy of the same bytes"] = lambda: destination.__setitem__(slice(None), source)
+        for label, read in readers.items():
+            read()  # connect, warm up
+            alone = _timed(read, False, args.repeats)
+            busy = _timed(read, True, args.repeats)
+            rows.append({"reader": label, "alone_s": alone, "beside_busy_thread_s": busy})
+        glide.close()
+        plain.close()
+    megabytes = args.values * size / 1e6
+    print(f"{args.values} values of {args.kib} KiB ({megabytes:.1f} MB), median of {args.repeats} reads, s")
+    print(f"{'reader':44} {'alone':>8} {'beside a busy thread':>22} {'ratio':>7}")
+    for row in rows:
+        ratio = row["beside_busy_thread_s"] / row["alone_s"]
+        print(f"{row['reader']:44} {row['alone_s']:8.4f} {row['beside_busy_thread_s']:22.4f} {ratio:7.1f}")
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        result = {"values": args.values, "value_bytes": size, "repeats": args.repeats, "rows": rows}
+        (args.out / "gil.json").write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
