@@ -29,7 +29,8 @@ become file names):
 - ``rank{r}of{n}/meta.json``: the slot geometry (checked on every open: a
   directory made for another slot size or ``bytes_to_use`` is refused, never
   reinitialised, so nothing stored is lost to a configuration mistake) and, for
-  people, the fingerprint of the KV it holds.
+  people, the fingerprint of the KV it holds. A damaged one (not a regular file,
+  unreadable, not kvhal's JSON) starts the rank empty, with one warning.
 - ``rank{r}of{n}/data-{i}.bin``: the payloads, file-major (see
   :class:`~kvhal.tiers.disk.format.Geometry`): ascending slots are contiguous,
   so a run of them moves in one request.
@@ -44,6 +45,7 @@ import errno
 import fcntl
 import json
 import os
+import shutil
 import stat
 import threading
 from collections.abc import Mapping
@@ -56,7 +58,9 @@ from kvhal.errors import TierError, ValidationError, check_int
 from kvhal.tiers.disk.format import RECORD_BYTES, TREE
 
 __all__ = [
+    "DamagedMeta",
     "DiskOptions",
+    "clear_rank",
     "open_dir",
     "open_file",
     "open_root",
@@ -191,23 +195,58 @@ def take_lock(tree_fd: int, path: str) -> int:
     return fd
 
 
+class DamagedMeta(Exception):
+    """``meta.json`` cannot be what kvhal wrote (the message says why): the rank starts empty."""
+
+
+#: The most bytes a ``meta.json`` may have (kvhal's are well under 4 KiB).
+META_MAX_BYTES = 64 << 10
+
+
 def read_meta(dir_fd: int, where: str) -> dict[str, Any] | None:
+    """The rank's ``meta.json``, or ``None`` if there is none.
+
+    Opened without following a link and without blocking (a FIFO put in its place would
+    block a plain open forever), and read only if it is a regular file of bounded size.
+
+    :raises DamagedMeta: it is not a regular file, unreadable, too large, or not a JSON object.
+    """
     try:
-        fd = os.open("meta.json", os.O_RDONLY | FILE_FLAGS, dir_fd=dir_fd)
+        fd = os.open("meta.json", os.O_RDONLY | os.O_NONBLOCK | FILE_FLAGS, dir_fd=dir_fd)
     except FileNotFoundError:
         return None
+    except OSError as exc:
+        why = "is a symbolic link" if exc.errno == errno.ELOOP else f"cannot be opened ({exc.strerror})"
+        raise DamagedMeta(why) from exc
     try:
-        with os.fdopen(fd, "rb") as f:
-            meta = json.loads(f.read())
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise DamagedMeta("is not a regular file")
+        if st.st_size > META_MAX_BYTES:
+            raise DamagedMeta(f"has {st.st_size} bytes, more than kvhal ever writes")
+        meta = json.loads(os.pread(fd, META_MAX_BYTES + 1, 0))
     except (OSError, ValueError) as exc:
-        raise TierError(
-            "disk",
-            os.path.join(where, "meta.json"),
-            f"is unreadable ({exc}); remove {where} to start over",
-        ) from exc
+        raise DamagedMeta(f"is unreadable ({exc})") from exc
+    finally:
+        os.close(fd)
     if not isinstance(meta, dict):
-        raise TierError("disk", os.path.join(where, "meta.json"), f"is not a JSON object; remove {where}")
+        raise DamagedMeta("is not a JSON object")
     return meta
+
+
+def clear_rank(dir_fd: int, where: str) -> None:
+    """Remove every file of a rank's directory (whatever kind each is), to start it empty.
+
+    :raises TierError: one cannot be removed (a permission: the operator's to fix).
+    """
+    for name in os.listdir(dir_fd):
+        try:
+            try:
+                os.unlink(name, dir_fd=dir_fd)
+            except IsADirectoryError:
+                shutil.rmtree(os.path.join(where, name))  # never follows the links inside
+        except OSError as exc:
+            raise TierError("disk", os.path.join(where, name), f"cannot be removed: {exc.strerror}") from exc
 
 
 def write_meta(dir_fd: int, text: bytes) -> None:

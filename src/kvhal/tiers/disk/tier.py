@@ -40,7 +40,9 @@ from kvhal.errors import ClosedError, TierError, ValidationError, check_int
 from kvhal.tiers.backend import IO_ERROR, OK, TierBackend, TierSpec
 from kvhal.tiers.disk.directory import (
     FILE_FLAGS,
+    DamagedMeta,
     DiskOptions,
+    clear_rank,
     free_bytes,
     no_space,
     open_dir,
@@ -498,7 +500,20 @@ class DiskTier(TierBackend):
             fd = self._rank_fds[rank] = open_dir(
                 self._tree_fd, os.path.basename(where), os.path.dirname(where)
             )
-            meta = read_meta(fd, where)
+            try:
+                meta = read_meta(fd, where)
+                lacking = [n for n in self.geometry.fields() if meta is not None and n not in meta]
+                if lacking:
+                    raise DamagedMeta(f"lacks {', '.join(lacking)}")
+            except DamagedMeta as exc:
+                # a cache, not a record: what it held cannot be trusted, and an empty tier serves
+                log.warning(
+                    "kvhal: disk tier %s: meta.json %s; the rank's blocks are dropped and it starts empty",
+                    where,
+                    exc,
+                )
+                clear_rank(fd, where)
+                meta = None
             if meta is None:
                 new.append(rank)
                 continue
