@@ -9,6 +9,7 @@ made to fail, offered through the tier-backend hook as any third party would.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -98,6 +99,27 @@ def test_a_restarted_engine_serves_from_disk_in_its_first_round(model, tmp_path)
     assert found["tier_recovered_blocks"] == 3 * BLOCKS_PER_PROMPT
     assert found["tier_loaded_blocks"] == 3 * BLOCKS_PER_PROMPT
     assert found.get("tier_corrupt_blocks", 0) == 0, "the unflipped control found corruption"
+
+
+@pytest.mark.parametrize("damage", ["fifo", "every file"])
+def test_a_damaged_disk_tier_is_an_empty_one_and_the_engine_serves(model, tmp_path, damage):
+    """A FIFO where meta.json was (a plain open blocks on it forever), or every file of the
+    tier overwritten with garbage: the engine starts, serves vLLM alone's outputs and stores
+    again; the undamaged control is test_a_restarted_engine_serves_from_disk_in_its_first_round."""
+    batch = prompts(3, LENGTH, seed=24)
+    populate(model, tmp_path, batch)
+    (meta,) = list(tmp_path.rglob("meta.json"))
+    if damage == "fifo":
+        meta.unlink()
+        os.mkfifo(meta)
+    else:
+        for file in [f for f in tmp_path.rglob("*") if f.is_file()]:
+            file.write_bytes(os.urandom(min(file.stat().st_size, 4096)))
+    steps = [{"op": "generate", "prompts": batch}, {"op": "settle"}, {"op": "metrics"}]
+    second = engine(model, roomy(tmp_path), steps)
+    assert tokens(second[0]) == baseline(model, batch), "a damaged tier served wrong KV"
+    assert loaded(second[0]) == [0] * 3, "blocks of a damaged tier were offered"
+    assert metrics(second[2])["tier_written_blocks"] == 3 * BLOCKS_PER_PROMPT, "the tier stopped storing"
 
 
 def flip_one_payload_byte(path: Path) -> Path:
