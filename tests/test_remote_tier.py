@@ -177,3 +177,30 @@ def test_urls_are_redacted_in_messages():
     assert redact("redis://user:pw@h:1/0") == "redis://user:***@h:1/0"
     assert redact("redis://h:1/0") == "redis://h:1/0"
     assert redact("rediss://:pw@h:1") == "rediss://:***@h:1"
+
+
+@pytest.mark.parametrize(
+    ("url", "redacted"),
+    [
+        ("redis://u:p@ss@h:1/0", "redis://u:***@h:1/0"),  # an unencoded "@" in the password
+        ("redis://u:p/ss@h:1/0", "redis://u:***@h:1/0"),  # a "/" in it
+        ("redis://u:p%40ss@h:1", "redis://u:***@h:1"),
+        ("redis://:a:b:c@h", "redis://:***@h"),
+        ("rediss+cluster://u:pw@h:7000", "rediss+cluster://u:***@h:7000"),
+        ("unix://:pw@/run/redis.sock?db=1", "unix://:***@/run/redis.sock?db=1"),
+        ("redis://h:1/0?password=x&ttl=5", "redis://h:1/0?password=***&ttl=5"),
+        ("redis://h/0?AUTH_TOKEN=x", "redis://h/0?AUTH_TOKEN=***"),
+        (
+            "mooncake://h:50051?metadata=http://a:b@m:8080/metadata&protocol=tcp",
+            "mooncake://h:50051?metadata=http://a:***@m:8080/metadata&protocol=tcp",
+        ),
+        ("redis://h/0#pw", "redis://h/0#***"),
+        ("redis://user@h:1/0", "redis://user@h:1/0"),  # a user alone is no secret
+    ],
+)
+def test_every_url_form_is_redacted(url, redacted):
+    assert redact(url) == redacted
+    for secret in ("pw", "p@ss", "p/ss", "p%40ss", ":b:c", "x", "a:b"):
+        if secret not in redacted:
+            continue
+        assert f":{secret}@" not in redacted and f"={secret}" not in redacted

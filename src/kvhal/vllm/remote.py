@@ -72,6 +72,11 @@ def open_remote_tier(
         if exc.argument != "remote_url":
             raise
         raise ValidationError(URL_KEY, str(exc).removeprefix("remote_url: ")) from exc
+    if role == "index" and url != remote.url:
+        logger.warning(
+            "kvhal: remote_url holds a password, and vLLM logs kv_transfer_config whole at start: "
+            "give it in KVHAL_REDIS_PASSWORD (or the store's own setting) instead"
+        )
     if role == "index":
         logger.info(
             "kvhal: remote tier %s (HMAC: %s, lookups %d ms, loads %d ms, at most %d blocks written at once)",

@@ -38,6 +38,7 @@ from kvhal.tiers.backend import CORRUPT, IO_ERROR, MISSING, OK, TierSpec
 from kvhal.tiers.media import open_store
 from kvhal.tiers.remote import format as remote_format
 from kvhal.tiers.remote.store import ABSENT, RemoteStore, StoreUnavailable
+from kvhal.tiers.remote.urls import redact
 
 T = TypeVar("T")
 HEADER_BYTES = remote_format.HEADER_BYTES
@@ -48,15 +49,6 @@ MAX_THREADS = 4
 def _aligned(rows: int, row_bytes: int) -> np.ndarray:
     memory = mmap.mmap(-1, max(rows * row_bytes, 1))
     return np.frombuffer(memory, dtype=np.uint8, count=rows * row_bytes).reshape(rows, row_bytes)
-
-
-def redact(url: str) -> str:
-    """``url`` without a password (for logs and errors)."""
-    scheme, sep, rest = url.partition("://")
-    auth, at, host = rest.partition("@")
-    if not at or ":" not in auth:
-        return url
-    return f"{scheme}{sep}{auth.split(':', 1)[0]}:***@{host}"
 
 
 class RemoteTier:

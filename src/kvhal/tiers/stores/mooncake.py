@@ -73,6 +73,7 @@ import numpy as np
 
 from kvhal.errors import ValidationError
 from kvhal.tiers.remote.store import ABSENT, FAILED, RemoteStore, StoreUnavailable
+from kvhal.tiers.remote.urls import redact
 
 __all__ = ["MooncakeOptions", "MooncakeStore", "parse_url"]
 
@@ -156,7 +157,7 @@ class MooncakeOptions:
     @property
     def where(self) -> str:
         """The store, for messages."""
-        return f"mooncake master at {self.master} (metadata {self.metadata})"
+        return f"mooncake master at {self.master} (metadata {redact(self.metadata)})"
 
 
 def parse_url(url: str) -> MooncakeOptions:
