@@ -35,7 +35,7 @@ def engine(url: str, engine_id: str, seed: int) -> tuple[SchedulerSide, WorkerSi
     config = dataclasses.replace(
         connector_config(slots=8),
         # the timeout policy: these tests wait for their reads, not for the store's speed
-        remote_tier=RemoteTierConfig(url, wait_policy="timeout"),
+        remote_tier=RemoteTierConfig(url, wait_policy="timeout", auth="none"),
         fingerprint={"model": "remote-local"},
         engine_id=engine_id,
     )

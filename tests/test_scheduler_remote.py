@@ -47,7 +47,7 @@ def side(url: str, cpu_slots: int = 64, **remote) -> SchedulerSide:
         groups=(GroupInfo(0, ("l0",), PAGE, 8),),
         world_size=1,
         layout="LBHNC",
-        remote_tier=RemoteTierConfig(url, **remote),
+        remote_tier=RemoteTierConfig(url, **{"auth": "none", **remote}),
         fingerprint={"model": "scheduler-remote-test"},
     )
     return SchedulerSide(config)

@@ -246,6 +246,9 @@ def test_remote_keys_configure_the_remote_tier() -> None:
         ({"remote_url": "redis://h:1", "remote_load_timeout_ms": 1.5}, "remote_load_timeout_ms"),
         ({"remote_url": "redis://h:1", "remote_max_inflight_blocks": True}, "remote_max_inflight_blocks"),
         ({"remote_strict": True}, "remote_strict"),
+        ({"remote_url": "redis://h:1", "remote_auth": "off"}, "remote_auth"),
+        ({"remote_url": "redis://h:1", "remote_secret_file": ""}, "remote_secret_file"),
+        ({"remote_url": "redis://h:1", "remote_wait_policy": "never"}, "remote_wait_policy"),
     ],
 )
 def test_bad_remote_keys_are_refused_by_name(extra: dict, argument: str) -> None:

@@ -34,7 +34,7 @@ def server() -> Iterator[RedisServer]:
 def worker(url: str, seed: int, **remote) -> tuple[WorkerSide, dict]:
     config = dataclasses.replace(
         connector_config(),
-        remote_tier=RemoteTierConfig(url, **remote),
+        remote_tier=RemoteTierConfig(url, **{"auth": "none", **remote}),
         fingerprint={"model": "worker-remote"},
     )
     caches = kv_caches(split=False, seed=seed)

@@ -68,7 +68,8 @@ _TABLE = (
         "KVHAL_REMOTE_SECRET",
         "none",
         "a secret every engine sharing a remote tier holds: values carry an HMAC-SHA256 of it, and a "
-        "value without a valid one is refused",
+        "value without a valid one is refused; a remote tier without it (or `remote_secret_file`) "
+        'does not start unless `remote_auth` is `"none"`',
         "kvhal (remote tier)",
     ),
     Setting(

@@ -64,6 +64,7 @@ def remote(url: str, **more) -> dict:
         "remote_url": url,
         "remote_lookup_timeout_ms": 2000,
         "remote_wait_policy": "timeout",
+        "remote_auth": "none",  # the tests that need a secret set KVHAL_REMOTE_SECRET
         **more,
     }
 
@@ -258,7 +259,21 @@ def test_a_store_unreachable_at_start_is_a_warning_or_with_strict_an_error(model
     result = run_scenario({**spec, "steps": [{"op": "generate", "prompts": batch}, {"op": "metrics"}]})
     assert tokens(result["steps"][0]) == baseline(model, batch), "an engine without its store serves as usual"
     assert "is unreachable" in result["stderr"], "the operator is not told the store is down"
+    assert 'remote_auth is "none"' in result["stderr"], "the opt-out of authentication is not said"
     assert metrics(result["steps"][1])["remote_lookup_errors"] >= 1
     strict = {**spec, "kvhal": remote(url, remote_strict=True), "steps": []}
     with pytest.raises(ScenarioError, match="remote_strict is set"):
         run_scenario(strict)
+
+
+def test_a_fleet_without_a_secret_refuses_to_start(model):
+    """Integrity by default: remote_url with no KVHAL_REMOTE_SECRET, no remote_secret_file and
+    no explicit remote_auth "none" is an error at start that names all three (the opt-out's
+    engine, which starts, is test_a_store_unreachable_at_start_is_a_warning_or_with_strict_an_error)."""
+    kvhal = {"cpu_bytes_to_use": HOST, "remote_url": "redis://127.0.0.1:6379/0"}
+    spec = {"model": model, "kvhal": kvhal, "engine": ENGINE, "env": {"KVHAL_REMOTE_SECRET": ""}, "steps": []}
+    with pytest.raises(ScenarioError) as refused:
+        run_scenario(spec)
+    message = str(refused.value)
+    for named in ("KVHAL_REMOTE_SECRET", "remote_secret_file", 'remote_auth: "none"'):
+        assert named in message, message[-2000:]

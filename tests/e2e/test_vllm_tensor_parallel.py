@@ -170,6 +170,7 @@ def tp_written(model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     path = tmp_path_factory.mktemp("tp-disk")
     with RedisServer() as server:
         kvhal = {**KVHAL, "disk_path": str(path), "disk_bytes_to_use": 8 << 20, "remote_url": server.url}
+        kvhal["remote_auth"] = "none"
         steps = [{"op": "generate", "prompts": BATCH}, {"op": "settle"}]
         spec = {"model": model, "kvhal": kvhal, "steps": steps, "engine": TP_ENGINE, "env": TP_ENV}
         run_scenario(spec, timeout=600)
@@ -208,7 +209,9 @@ def test_tp_engines_share_each_ranks_half_through_the_remote_tier(model, tp_writ
     assert len(names) == 2 * 3 * SERVED // BLOCK, "one value per rank per block"
     assert len({name.split(b"/")[1] for name in names}) == 2, "each rank has its own namespace"
     # the timeout policy: on this tiny model, `auto` could rightly recompute instead
-    second = tp_fresh(model, {"remote_url": server.url, "remote_wait_policy": "timeout"})
+    second = tp_fresh(
+        model, {"remote_url": server.url, "remote_wait_policy": "timeout", "remote_auth": "none"}
+    )
     assert tokens(second[0]) == baseline(model)
     assert loaded(second[0]) == [SERVED] * 3, "a fresh TP engine got no hit from the store"
     found = second[1]["metrics"]

@@ -42,6 +42,8 @@ KNOWN_KEYS = {
     "remote_load_timeout_ms",
     "remote_max_inflight_blocks",
     "remote_wait_policy",
+    "remote_auth",
+    "remote_secret_file",
 }
 #: ``load_mode``'s values (see :class:`ConnectorConfig`).
 LOAD_MODES = ("auto", "sync", "layerwise", "async")
@@ -52,7 +54,12 @@ REMOTE_KEYS = (
     "remote_load_timeout_ms",
     "remote_max_inflight_blocks",
     "remote_wait_policy",
+    "remote_auth",
+    "remote_secret_file",
 )
+#: ``remote_auth``'s values: values carry an HMAC of the fleet's secret, or (said in so many
+#: words) nothing protects them from whoever can write to the store.
+REMOTE_AUTH = ("hmac", "none")
 #: The tier backend option each disk key fills.
 DISK_OPTIONS = {"disk_path": "path", "disk_bytes_to_use": "bytes_to_use"}
 
@@ -104,6 +111,10 @@ class RemoteTierConfig:
     :param wait_policy: ``"auto"`` (default): a request waits for the store at most about
         as long as recomputing would take, and a store slower than that is not read
         (:mod:`kvhal.offload.wait_policy`); ``"timeout"``: always up to ``load_timeout_ms``.
+    :param auth: ``"hmac"`` (default): every value carries an HMAC of the fleet's secret
+        (``KVHAL_REMOTE_SECRET`` or ``secret_file``), and the engine does not start without
+        one; ``"none"``: the operator's explicit opt-out, warned of at every start.
+    :param secret_file: ``remote_secret_file``: a file holding the secret (its first line).
     """
 
     url: str
@@ -112,6 +123,8 @@ class RemoteTierConfig:
     load_timeout_ms: int = 5000
     max_inflight_blocks: int = 512
     wait_policy: str = "auto"
+    auth: str = "hmac"
+    secret_file: str | None = None
 
 
 @dataclass(frozen=True)
@@ -396,7 +409,17 @@ def _remote_tier(extra: dict[str, Any]) -> RemoteTierConfig | None:
         raise ValidationError(
             prefix + "remote_wait_policy", f"must be one of {', '.join(WAIT_POLICIES)}, got {wait_policy!r}"
         )
-    return RemoteTierConfig(url, strict, **numbers, wait_policy=wait_policy)
+    auth = extra.get("remote_auth", "hmac")
+    if auth not in REMOTE_AUTH:
+        raise ValidationError(
+            prefix + "remote_auth", f"must be one of {', '.join(REMOTE_AUTH)}, got {auth!r}"
+        )
+    secret_file = extra.get("remote_secret_file")
+    if secret_file is not None and (not isinstance(secret_file, str) or not secret_file):
+        raise ValidationError(prefix + "remote_secret_file", f"must be a file path, got {secret_file!r}")
+    return RemoteTierConfig(
+        url, strict, **numbers, wait_policy=wait_policy, auth=auth, secret_file=secret_file
+    )
 
 
 #: ``PYTHONHASHSEED``: what makes vLLM's block hashes the same in every process.

@@ -10,12 +10,39 @@ from kvhal import env
 from kvhal.errors import ValidationError
 from kvhal.offload.host_tier import HostTier
 from kvhal.tiers.remote.tier import RemoteTier, redact
-from kvhal.vllm.config import HASH_SEED_VARIABLE, ConnectorConfig
+from kvhal.vllm.config import HASH_SEED_VARIABLE, ConnectorConfig, RemoteTierConfig
 from kvhal.vllm.stats import KVHALStats
 
 logger = init_logger("vllm." + __name__)  # under "vllm": its handlers and level
 SECRET_VARIABLE = "KVHAL_REMOTE_SECRET"
 URL_KEY = "kv_connector_extra_config.remote_url"
+AUTH_KEY = "kv_connector_extra_config.remote_auth"
+FILE_KEY = "kv_connector_extra_config.remote_secret_file"
+#: The most bytes a secret file may hold.
+SECRET_FILE_MAX_BYTES = 4096
+
+
+def read_secret(remote: RemoteTierConfig) -> bytes | None:
+    """The fleet's secret: ``KVHAL_REMOTE_SECRET``, else ``remote_secret_file``'s first line.
+
+    :raises ValidationError: the file cannot be read, is too large, or holds no secret.
+    """
+    secret = env.read(SECRET_VARIABLE)
+    if secret:
+        return secret.encode()
+    if remote.secret_file is None:
+        return None
+    try:
+        with open(remote.secret_file, "rb") as f:
+            text = f.read(SECRET_FILE_MAX_BYTES + 1)
+    except OSError as exc:
+        raise ValidationError(FILE_KEY, f"cannot read {remote.secret_file!r}: {exc.strerror}") from None
+    if len(text) > SECRET_FILE_MAX_BYTES:
+        raise ValidationError(FILE_KEY, f"{remote.secret_file!r} has more than {SECRET_FILE_MAX_BYTES} bytes")
+    line = text.split(b"\n", 1)[0].strip()
+    if not line:
+        raise ValidationError(FILE_KEY, f"{remote.secret_file!r} holds no secret (its first line is empty)")
+    return line
 
 
 def open_remote_tier(
@@ -44,7 +71,22 @@ def open_remote_tier(
             config.fingerprint.get("hash_algo"),
             HASH_SEED_VARIABLE,
         )
-    secret = env.read(SECRET_VARIABLE)
+    secret = read_secret(remote)
+    if secret is None and remote.auth != "none":
+        raise ValidationError(
+            AUTH_KEY,
+            f"the remote tier {url} is written by every client of the store, so its values are "
+            f"authenticated: set {SECRET_VARIABLE} to the same secret on every engine, or name a file "
+            f'holding it in remote_secret_file; or opt out in so many words with remote_auth: "none" '
+            "(then anyone who can write to the store can plant KV that engines serve)",
+        )
+    if secret is None and role == "index":
+        logger.warning(
+            'kvhal: remote tier %s: remote_auth is "none": values are not authenticated, and anyone who '
+            "can write to the store can plant KV this engine serves; set %s to protect them",
+            url,
+            SECRET_VARIABLE,
+        )
 
     def on_health(up: bool, why: str) -> None:
         if up:
@@ -64,7 +106,7 @@ def open_remote_tier(
             remote.url,
             spec,
             host=host,
-            secret=secret.encode() if secret else None,
+            secret=secret,
             strict=remote.strict,
             on_health=on_health,
         )
@@ -81,7 +123,7 @@ def open_remote_tier(
         logger.info(
             "kvhal: remote tier %s (HMAC: %s, lookups %d ms, loads %d ms, at most %d blocks written at once)",
             url,
-            "on" if secret else f"off, {SECRET_VARIABLE} unset",
+            "on" if secret else 'off, remote_auth "none"',
             remote.lookup_timeout_ms,
             remote.load_timeout_ms,
             remote.max_inflight_blocks,

@@ -209,7 +209,8 @@ def shared_engines(
                 {"op": "metrics", "prefixes": _metric_prefixes()},
             ],
             "engine": engine_args(size, size["small_device_tokens"]),
-            "env": SHARING_ENV,
+            # values authenticated, as a fleet runs by default (remote_auth "hmac")
+            "env": {**SHARING_ENV, "KVHAL_REMOTE_SECRET": "kvhal-bench-chat"},
         }
         engines.append(JobEngine(spec, folder / f"engine-{e}"))
     try:

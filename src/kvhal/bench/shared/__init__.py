@@ -85,12 +85,18 @@ def ttft(
         with store_server(kind, urls.get(kind), 1 << 30) as (url, where):
             writer = rig.populate(
                 f"{kind}: engine A writes the prompts to the store",
-                {"cpu_bytes_to_use": 2 << 30, "remote_url": url},
+                # no HMAC, as the throughput rows (remote_auth "none": said in so many words)
+                {"cpu_bytes_to_use": 2 << 30, "remote_url": url, "remote_auth": "none"},
             )
             reader = rig.hits(
                 f"{kind}: a fresh engine B reads them",
                 # the timeout policy: this measures the reading itself (as `bench disk` does)
-                {"cpu_bytes_to_use": rig.small_host, "remote_url": url, "remote_wait_policy": "timeout"},
+                {
+                    "cpu_bytes_to_use": rig.small_host,
+                    "remote_url": url,
+                    "remote_wait_policy": "timeout",
+                    "remote_auth": "none",
+                },
                 "shared hit",
             )
         row = {**rig.category("shared hit", reader), "category": f"shared hit ({kind})", "store": kind}
