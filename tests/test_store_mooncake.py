@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import mmap
 import os
 import socket
@@ -398,3 +399,17 @@ def test_free_port_is_free():
     port = free_port()
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", port))
+
+
+@pytest.mark.parametrize("node", [False, True])
+def test_a_client_of_a_store_with_no_memory_warns_at_start(cluster, caplog, node):
+    """segment=0 and no store node: every write would fail with nothing said (0 hits). A test
+    value at connect tells, once; the control: the module's cluster has a node, no warning."""
+    with caplog.at_level(logging.WARNING, logger="kvhal.tiers.stores.mooncake"):
+        if node:
+            MooncakeStore.from_url(cluster.url).close()
+        else:
+            with MooncakeCluster(node=False) as bare:
+                MooncakeStore.from_url(bare.url).close()
+    warned = [r for r in caplog.records if "could not be stored" in r.getMessage()]
+    assert len(warned) == (0 if node else 1)

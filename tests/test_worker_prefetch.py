@@ -105,3 +105,39 @@ def test_an_asynchronous_load_from_a_stalled_disk_gives_up_at_its_deadline(tmp_p
     settle(worker)
     assert worker.worker_meta().failed == ({2: 1} if stalled else {})
     worker.shutdown()
+
+
+@pytest.mark.parametrize("stalled", [True, False])
+def test_shutdown_waits_for_a_stalled_read_only_until_its_deadline(tmp_path, monkeypatch, caplog, stalled):
+    """A read of the disk that never returns does not hang the engine's shutdown: past
+    SHUTDOWN_WAIT_S it goes on, says so, and leaves the read's host memory allocated (a late
+    read must not land in freed memory). The control: a read that ends, everything closed."""
+    from kvhal.vllm import worker_side
+
+    monkeypatch.setattr(worker_side, "SHUTDOWN_WAIT_S", 0.3)
+    worker, _ = disk_worker(tmp_path)
+    job = store(0, "r", [3, 5], [0, 1])
+    job.write = TierWrite(1, KEYS, [0, 1], [0, 1], snapshot=False)
+    step(worker, stores=[job])
+    settle(worker)
+    backend, release = worker.tier_io.backend, threading.Event()
+    read = backend._preadv
+
+    def stalling(fd, buffers, offset):
+        if stalled and fd != backend._index_fd:
+            release.wait(timeout=30)
+        read(fd, buffers, offset)
+
+    backend._preadv = stalling
+    step(worker, prefetches=[prefetch(2)])
+    host = worker.host_tier
+    start = time.monotonic()
+    worker.shutdown()
+    took = time.monotonic() - start
+    stuck = [r for r in caplog.records if "did not end within" in r.getMessage()]
+    if stalled:
+        assert took < 5, f"shutdown waited {took:.1f} s on a stalled read"
+        assert len(stuck) == 1 and host.buffer is not None, "the stalled read's host memory was freed"
+        release.set()
+    else:
+        assert stuck == [] and host.buffer is None

@@ -102,9 +102,13 @@ class MooncakeCluster:
     :param timeout: seconds start-up (and :meth:`start_master`) may take before it fails with
         the log tails.
     :param keep_logs: keep the log directory after :meth:`stop` (``.log_dir``).
+    :param node: start the store node (``False``: a master alone, where nothing can hold a
+        value; start-up then waits for the master's ports only).
     """
 
-    def __init__(self, segment: str = "256MB", *, timeout: float = 60.0, keep_logs: bool = False) -> None:
+    def __init__(
+        self, segment: str = "256MB", *, timeout: float = 60.0, keep_logs: bool = False, node: bool = True
+    ) -> None:
         missing = self.missing()
         if missing:
             raise FileNotFoundError(missing)
@@ -123,8 +127,9 @@ class MooncakeCluster:
         self._finalizer = weakref.finalize(self, _cleanup, self._processes, self.log_dir, keep_logs)
         try:
             self.start_master(wait=False)
-            self._start_node()
-            self.wait_ready(timeout)
+            if node:
+                self._start_node()
+                self.wait_ready(timeout)
         except BaseException:
             self.stop()
             raise

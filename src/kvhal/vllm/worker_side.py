@@ -33,10 +33,13 @@ lands in a reused slot.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import math
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -82,6 +85,10 @@ IDLE_POLL_S = 0.002
 #: attention waits for its own copy, so the first layers compute while the later ones copy.
 #: A smaller one is one copy, waited for whole before the forward (fewer submissions).
 LAYERWISE_MIN_BYTES = 4 << 20
+#: How long shutdown waits for the reads and writes of the tiers below still in flight.
+#: Past it, their host memory and their tiers are left as they are (not freed, not closed: a
+#: late read must not land in freed memory), and the engine's shutdown goes on.
+SHUTDOWN_WAIT_S = 10.0
 #: How long an asynchronous load waits for its reads from the lower tier when
 #: ``lower_tier_wait_ms`` is null (no prefetch); past it, the request is recomputed and the
 #: slots stay reserved until the read returns.
@@ -506,11 +513,14 @@ class WorkerSide:
             return
         self._writes[write.job_id] = (write, future)
 
-    def _poll_tier(self, wait: bool = False) -> None:
-        """Finish the lower tier's reads and writes that completed (all of them if ``wait``)."""
+    def _poll_tier(self, wait: bool = False, deadline: float = math.inf) -> int:
+        """Finish the lower tier's reads and writes that completed (all of them if ``wait``,
+        up to ``deadline``): how many had not ended by then (reported failed)."""
+        stuck = 0
         for job_id, (write, future) in list(self._writes.items()):
             if wait or future.done():
                 del self._writes[job_id]
+                stuck += not _ends_by(future, deadline)
                 written = _result(future, len(write.keys), False)
                 ok = all(written)
                 (self._succeeded if ok else self._failed)[job_id] = 1
@@ -539,6 +549,7 @@ class WorkerSide:
             del self._reads[job_id]
             failures: list[str] = []
             for reads, remote, future in reading.reads:
+                stuck += not _ends_by(future, deadline)
                 outcomes = _result(future, len(reads.keys), "io_error")
                 counters = REMOTE_READ_COUNTERS if remote else TIER_READ_COUNTERS
                 for outcome in outcomes:
@@ -565,6 +576,7 @@ class WorkerSide:
             )
             self._running[job_id] = _Running(job, set(), ok=False)
             self._finish(job_id)
+        return stuck
 
     def take_load_errors(self) -> set[int]:
         """Device blocks synchronous loads failed to fill since the last call (vLLM recomputes)."""
@@ -593,13 +605,27 @@ class WorkerSide:
         return meta
 
     def shutdown(self) -> None:
-        """Wait for every copy in flight (none may write a freed buffer), then free the tier."""
+        """Wait for every copy in flight (none may write a freed buffer), then free the tier.
+        Reads and writes of the tiers below are waited for up to :data:`SHUTDOWN_WAIT_S`; one
+        still running then keeps its host memory and its tier as they are (leaked, not freed
+        under it) and the shutdown goes on."""
         if self.engine is not None:
             for result in self.engine.wait():
                 self._on_result(result)  # a finished store starts its write-through
-        self._poll_tier(wait=True)
+        stuck = self._poll_tier(wait=True, deadline=time.monotonic() + SHUTDOWN_WAIT_S)
         if self.config.engine_id is not None:
             local.withdraw(self.config.engine_id, self)
+        if stuck:
+            logger.warning(
+                "kvhal: %d reads or writes of the tiers below did not end within %.0f s of shutdown; "
+                "their host memory and tiers are left open (freed, a late read would land in freed "
+                "memory)",
+                stuck,
+                SHUTDOWN_WAIT_S,
+            )
+            self.lower_backend = self.tier_io = self.remote = self.host_tier = None
+            self.host_views.clear()
+            return
         if self.lower_backend is not None:
             self.lower_backend.close()
             self.lower_backend = self.tier_io = None
@@ -615,8 +641,18 @@ class WorkerSide:
 T = TypeVar("T")
 
 
+def _ends_by(future: Future[Any], deadline: float) -> bool:
+    """Whether ``future`` is done by ``deadline`` (waiting for it until then)."""
+    with contextlib.suppress(FutureTimeout, Exception):
+        future.exception(timeout=max(0.0, deadline - time.monotonic()) if deadline < math.inf else None)
+    return future.done()
+
+
 def _result(future: Future[list[T]], count: int, failed: T) -> list[T]:
-    """A tier future's per-block results; ``failed`` for each if it raised (logged)."""
+    """A tier future's per-block results; ``failed`` for each if it raised (logged) or has
+    not ended (a shutdown's deadline passed)."""
+    if not future.done():
+        return [failed] * count
     try:
         return future.result()
     except Exception:

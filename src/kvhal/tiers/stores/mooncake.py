@@ -61,6 +61,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import re
 import socket
 import threading
@@ -320,7 +321,30 @@ class MooncakeStore(RemoteStore):
             raise StoreUnavailable(f"{options.where}: setup returned {rc}")
         config = config_class()
         config.replica_num = options.replicas
-        return cls(client, config, options)
+        store = cls(client, config, options)
+        if options.segment == 0:
+            store._check_something_holds_values()
+        return store
+
+    def _check_something_holds_values(self) -> None:
+        """Warn once if a test value cannot be stored: with ``segment=0`` this client holds
+        nothing, and if no store node does either, every write fails and nothing says so."""
+        name = f"kvhal/probe/{socket.gethostname()}-{os.getpid()}-{id(self)}"
+        try:  # through Mooncake's own buffer: kvhal's staging areas stay for the blocks
+            with self._call() as client:
+                rc = int(client.put(name, bytes(64), self._config))
+        except Exception:
+            return  # an unreachable store is said by the tier as the store being down
+        if rc in (0, OBJECT_ALREADY_EXISTS):
+            with self._call() as client, contextlib.suppress(Exception):
+                client.remove(name)
+            return
+        log.warning(
+            "%s: a 64-byte test value could not be stored: this client contributes no memory "
+            "(segment=0) and no store node seems to hold values (start mooncake_client "
+            "--global_segment_size=..., or give segment=): every block written will be lost",
+            self.options.where,
+        )
 
     def __repr__(self) -> str:
         return f"MooncakeStore({self.options.where}, protocol={self.options.protocol})"
