@@ -35,7 +35,7 @@ def server() -> Iterator[RedisServer]:
         yield running
 
 
-def side(url: str, cpu_slots: int = 64, **remote) -> SchedulerSide:
+def side(url: str, cpu_slots: int = 64, world_size: int = 1, **remote) -> SchedulerSide:
     # the timeout policy unless asked: these tests are about the reads, not the store's speed
     remote.setdefault("wait_policy", "timeout")
     config = ConnectorConfig(
@@ -45,7 +45,7 @@ def side(url: str, cpu_slots: int = 64, **remote) -> SchedulerSide:
         offload_prompt_only=True,
         block_size=BS,
         groups=(GroupInfo(0, ("l0",), PAGE, 8),),
-        world_size=1,
+        world_size=world_size,
         layout="LBHNC",
         remote_tier=RemoteTierConfig(url, **{"auth": "none", **remote}),
         fingerprint={"model": "scheduler-remote-test"},
@@ -193,4 +193,27 @@ def test_writes_beyond_the_in_flight_cap_or_to_a_down_store_are_dropped(server):
     [store_c] = prefill(scheduler, c, [7, 8, 9]).stores
     assert store_c.remote_write is None, "a write was planned to a store that is down"
     assert scheduler.stats.data["remote_dropped_blocks"] == 6
+    scheduler.close()
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_failed_store_keeps_its_slots_until_every_ranks_write_from_them_ended(server, world_size):
+    """With tensor parallelism, rank 0's store fails while rank 1's succeeds and rank 1 writes
+    its share to the store from the host slots: freed at the store's failure, a new store could
+    overwrite them mid-write (wrong KV in the store). They are freed once every rank reported
+    the write. The control: one rank, whose failed store's write never runs, frees at once."""
+    scheduler = side(server.url, world_size=world_size)
+    a = request("a")
+    assert hit(scheduler, a)[0] == 0
+    [store] = prefill(scheduler, a, [1, 2, 3]).stores
+    write = store.remote_write.job_id
+    free = scheduler.manager.num_free
+    reported(scheduler, [store.job_id], ok=False)  # rank 0: failed (its write never runs)
+    reported(scheduler, [write], ok=False)
+    if world_size == 2:
+        reported(scheduler, [store.job_id])  # rank 1: stored, and writing from the slots
+        assert scheduler.manager.num_free == free, "freed while rank 1 still writes from them"
+        reported(scheduler, [write])  # rank 1's write ended
+    assert scheduler.manager.num_free == free + 3
+    assert not scheduler._quarantined and scheduler.stats.data["failed_stores"] == 1
     scheduler.close()

@@ -192,6 +192,15 @@ class _Job:
     remote: WritePlan | None = None  # a store's write-through to the remote tier
     prefetch: bool = False  # a load that only reads the lower tier into host slots
     started: float = 0.0  # a prefetch's start (its read's time, to the step that reports it)
+    writes: list[int] = field(default_factory=list)  # a store's write jobs (lower, remote)
+
+
+@dataclass
+class _Quarantine:
+    """A failed store's host slots, kept taken until every rank reported its writes."""
+
+    keys: list[bytes]
+    writes: set[int]
 
 
 @dataclass
@@ -229,6 +238,7 @@ class SchedulerSide:
         # group's layers in vLLM's one block pool, so groups are not told apart)
         self._readers: dict[int, set[int]] = {}
         self._load_blocks: set[int] = set()  # blocks this step's loads write
+        self._quarantined: dict[int, _Quarantine] = {}  # write job id -> the failed store it reads
         self._held: list[str] = []  # finished requests to announce to the workers
         self._holding: set[str] = set()  # held requests not yet reported in finished_sending
 
@@ -628,12 +638,14 @@ class SchedulerSide:
             job = self._new_job(JobKind.STORE, req_id, plan.keys, groups, plan=write)
             if write is not None:
                 job.write = self._write_job(write)
+                self._jobs[job.job_id].writes.append(job.write.job_id)
             if self.remote is not None:
                 # a block loaded from the remote tier is there already
                 remote = self.chain.remote_write(plan, [k for k in plan.keys if k not in state.fetch])
                 if remote is not None and self._admit_remote_write(len(remote.keys)):
                     self._jobs[job.job_id].remote = remote
                     job.remote_write = self._write_job(remote)
+                    self._jobs[job.job_id].writes.append(job.remote_write.job_id)
             state.store_jobs.add(job.job_id)
             stores.append(job)
         return stores
@@ -757,6 +769,11 @@ class SchedulerSide:
                 self.stats.add(f"{tier}_written_blocks", len(job.keys))
             else:
                 self.stats.add(f"{tier}_failed_writes", 1)
+            quarantine = self._quarantined.pop(job_id, None)
+            if quarantine is not None:
+                quarantine.writes.discard(job_id)
+                if not quarantine.writes:  # every rank's writes from the slots ended
+                    self.chain.complete_store(quarantine.keys, success=False)
             return
         if job.kind is JobKind.STORE:
             for block in job.blocks:
@@ -768,7 +785,14 @@ class SchedulerSide:
                 state.store_jobs.discard(job_id)
             self._storing.difference_update(job.keys)
             write = job.plan if isinstance(job.plan, WritePlan) else None
-            self.chain.complete_store(job.keys, success=job.ok, write=write, remote=job.remote)
+            running = {w for w in job.writes if w in self._jobs}
+            if not job.ok and running and self.config.world_size > 1:
+                # A rank whose own share stored is writing it below from these host slots:
+                # freed now, a new store could overwrite them mid-write (wrong KV below).
+                quarantine = _Quarantine(job.keys, running)
+                self._quarantined.update(dict.fromkeys(running, quarantine))
+            else:
+                self.chain.complete_store(job.keys, success=job.ok, write=write, remote=job.remote)
             if not job.ok:
                 self.stats.add("failed_stores", 1)
             elif job.keys:  # once per block, however many workers copied a share of it
