@@ -139,7 +139,8 @@ def test_disk_keys_become_the_disk_backends_options() -> None:
         ).lower_tier.wait_policy
         == "timeout"
     )
-    assert config.fingerprint["model"] == "/m" and config.fingerprint["hash_seed"] == "vllm-default"
+    assert config.fingerprint["model"] == {"name": "/m", "revision": None}
+    assert config.fingerprint["hash_seed"] == "vllm-default"
     assert disk_config({}).lower_tier is None
 
 
@@ -232,7 +233,7 @@ def test_remote_keys_configure_the_remote_tier() -> None:
     remote = config.remote_tier
     assert (remote.url, remote.strict, remote.lookup_timeout_ms) == ("redis://h:1/0", True, 50)
     assert (remote.load_timeout_ms, remote.max_inflight_blocks) == (5000, 512)  # the documented defaults
-    assert config.lower_tier is None and config.fingerprint["model"] == "/m"
+    assert config.lower_tier is None and config.fingerprint["model"] == {"name": "/m", "revision": None}
     assert disk_config({}).remote_tier is None
 
 

@@ -19,6 +19,7 @@ from vllm.v1.kv_cache_interface import KVCacheConfig
 from kvhal.errors import ValidationError
 from kvhal.offload.wait_policy import POLICIES as WAIT_POLICIES
 from kvhal.tiers.backend import TierSpec
+from kvhal.vllm.model_identity import model_identity
 
 #: The keys a user may put in ``kv_connector_extra_config``.
 KNOWN_KEYS = {
@@ -44,6 +45,7 @@ KNOWN_KEYS = {
     "remote_wait_policy",
     "remote_auth",
     "remote_secret_file",
+    "model_version",
 }
 #: ``load_mode``'s values (see :class:`ConnectorConfig`).
 LOAD_MODES = ("auto", "sync", "layerwise", "async")
@@ -285,6 +287,12 @@ class ConnectorConfig:
         layout = kv_cache_config.kv_cache_layout or "LBHNC"
         lower_tier = _lower_tier(extra)
         remote_tier = _remote_tier(extra)
+        model_version = extra.get("model_version")
+        if model_version is not None and (not isinstance(model_version, str) or not model_version):
+            raise ValidationError(
+                "kv_connector_extra_config.model_version",
+                f"must be a non-empty string, got {model_version!r}",
+            )
         block_size = vllm_config.cache_config.block_size
         config = cls(
             cpu_bytes_to_use=cpu_bytes,
@@ -299,7 +307,7 @@ class ConnectorConfig:
             remote_tier=remote_tier,
             load_mode=load_mode,
             engine_id=getattr(vllm_config.kv_transfer_config, "engine_id", None),
-            fingerprint=kv_fingerprint(vllm_config, tuple(groups), layout, block_size)
+            fingerprint=kv_fingerprint(vllm_config, tuple(groups), layout, block_size, model_version)
             if lower_tier or remote_tier
             else {},
         )
@@ -435,14 +443,19 @@ def hashes_are_reproducible(vllm_config: VllmConfig) -> bool:
 
 
 def kv_fingerprint(
-    vllm_config: VllmConfig, groups: tuple[GroupInfo, ...], layout: str, block_size: int
+    vllm_config: VllmConfig,
+    groups: tuple[GroupInfo, ...],
+    layout: str,
+    block_size: int,
+    model_version: str | None = None,
 ) -> dict[str, Any]:
     """What the offloaded KV is: blocks stored under another fingerprint are never loaded.
 
-    Model and revision, dtypes and quantization, layout and block geometry, the
-    KV cache groups, the tensor-parallel size (each rank's share is told apart
-    by the tier), and vLLM's block-hash algorithm and seed (the seed only as a
-    digest: vLLM keeps a non-cryptographic one secret).
+    The model by what it is (:mod:`kvhal.vllm.model_identity`: a digest of its config and
+    weights, or the operator's ``model_version``), not where it lies; dtypes and
+    quantization, layout and block geometry, the KV cache groups, the tensor-parallel size
+    (each rank's share is told apart by the tier), and vLLM's block-hash algorithm and seed
+    (the seed only as a digest: vLLM keeps a non-cryptographic one secret).
     """
     model = vllm_config.model_config
     cache = vllm_config.cache_config
@@ -454,8 +467,7 @@ def kv_fingerprint(
     else:
         seed_id = "vllm-default"
     return {
-        "model": str(model.model),
-        "revision": model.revision,
+        "model": model_identity(str(model.model), model.revision, model_version),
         "dtype": str(model.dtype),
         "kv_cache_dtype": str(cache.cache_dtype),
         "quantization": model.quantization,
