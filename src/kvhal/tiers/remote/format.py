@@ -72,7 +72,7 @@ def check(
         magic, version, flags, length, crc, their_space, their_hash = _FIELDS.unpack_from(header)
     except struct.error:
         return CORRUPT
-    if magic != MAGIC or version != VERSION:
+    if magic != MAGIC or version != VERSION or flags & ~FLAG_MAC:  # an unknown flag: not ours
         return CORRUPT
     if their_space != namespace or their_hash != name_hash(name) or length != payload.nbytes:
         return FOREIGN
