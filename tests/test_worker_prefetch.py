@@ -36,6 +36,25 @@ def prefetch(job_id: int) -> TransferJob:
     return TransferJob(job_id, JobKind.LOAD, "s", {}, reads=TierReads(KEYS, [0, 1], [4, 6]), prefetch=True)
 
 
+def stored_then_stalled(worker: WorkerSide, stalled: bool) -> threading.Event:
+    """KEYS stored in device blocks 3 and 5, written through to disk slots 0 and 1; then, if
+    ``stalled``, every read of a data file hangs until the returned event is set (30 s at most)."""
+    job = store(0, "r", [3, 5], [0, 1])
+    job.write = TierWrite(1, KEYS, [0, 1], [0, 1], snapshot=False)
+    step(worker, stores=[job])
+    settle(worker)
+    backend, release = worker.tier_io.backend, threading.Event()
+    read = backend._preadv
+
+    def stalling(fd, buffers, offset):
+        if stalled and fd != backend._index_fd:
+            release.wait(timeout=30)
+        read(fd, buffers, offset)
+
+    backend._preadv = stalling
+    return release
+
+
 def test_a_prefetch_reads_the_disk_into_host_slots_and_a_sync_load_copies_them(tmp_path):
     worker, caches = disk_worker(tmp_path)
     job = store(0, "r", [3, 5], [0, 1])
@@ -74,19 +93,7 @@ def test_an_asynchronous_load_from_a_stalled_disk_gives_up_at_its_deadline(tmp_p
     slots, which the job releases once the read returns. The negative control: a disk that
     answers, the same load served."""
     worker, _ = disk_worker(tmp_path, wait_ms=100)
-    job = store(0, "r", [3, 5], [0, 1])
-    job.write = TierWrite(1, KEYS, [0, 1], [0, 1], snapshot=False)
-    step(worker, stores=[job])
-    settle(worker)
-    backend, release = worker.tier_io.backend, threading.Event()
-    read = backend._preadv
-
-    def stalling(fd, buffers, offset):
-        if stalled and fd != backend._index_fd:
-            release.wait(timeout=30)
-        read(fd, buffers, offset)
-
-    backend._preadv = stalling
+    release = stored_then_stalled(worker, stalled)
     slow = load(2, "s", [7, 9], [4, 6])
     slow.reads = TierReads(KEYS, [0, 1], [4, 6])
     step(worker, loads=[slow])
@@ -116,19 +123,7 @@ def test_shutdown_waits_for_a_stalled_read_only_until_its_deadline(tmp_path, mon
 
     monkeypatch.setattr(worker_side, "SHUTDOWN_WAIT_S", 0.3)
     worker, _ = disk_worker(tmp_path)
-    job = store(0, "r", [3, 5], [0, 1])
-    job.write = TierWrite(1, KEYS, [0, 1], [0, 1], snapshot=False)
-    step(worker, stores=[job])
-    settle(worker)
-    backend, release = worker.tier_io.backend, threading.Event()
-    read = backend._preadv
-
-    def stalling(fd, buffers, offset):
-        if stalled and fd != backend._index_fd:
-            release.wait(timeout=30)
-        read(fd, buffers, offset)
-
-    backend._preadv = stalling
+    release = stored_then_stalled(worker, stalled)
     step(worker, prefetches=[prefetch(2)])
     host = worker.host_tier
     start = time.monotonic()
