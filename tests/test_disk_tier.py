@@ -295,15 +295,21 @@ def test_symlink_path_refused(tmp_path):
     assert list(real.iterdir()) == []
 
 
-def test_symlink_inside_the_tree_refused(tmp_path):
+def test_symlink_inside_the_tree_is_dropped_never_followed(tmp_path):
+    """A data file replaced by a link elsewhere: the rank starts empty (a damaged cache), the
+    link itself is removed, and what it pointed to is neither written nor removed."""
     DiskTier(make_spec(tmp_path / "d")).close()
     elsewhere = tmp_path / "elsewhere.bin"
-    elsewhere.write_bytes(b"")
+    elsewhere.write_bytes(b"theirs")
     victim = data_file(tmp_path / "d")
     victim.unlink()
     victim.symlink_to(elsewhere)
-    with pytest.raises(TierError, match="symbolic link"):
-        DiskTier(make_spec(tmp_path / "d"))
+    t = DiskTier(make_spec(tmp_path / "d"))
+    contents = store(t, [0])
+    assert load(t, [0]) == ([OK], contents)
+    t.close()
+    assert not victim.is_symlink() and victim.is_file()
+    assert elsewhere.read_bytes() == b"theirs"
 
 
 def test_world_writable_path_refused(tmp_path):

@@ -61,6 +61,7 @@ __all__ = [
     "DamagedMeta",
     "DiskOptions",
     "clear_rank",
+    "damaged_files",
     "open_dir",
     "open_file",
     "open_root",
@@ -71,7 +72,8 @@ __all__ = [
 ]
 
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-FILE_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC
+#: O_NONBLOCK: a FIFO put in place of a file must not block its open (no effect on regular files)
+FILE_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 _OPTIONS = ("path", "bytes_to_use", "io_threads", "direct")
 
 
@@ -196,7 +198,8 @@ def take_lock(tree_fd: int, path: str) -> int:
 
 
 class DamagedMeta(Exception):
-    """``meta.json`` cannot be what kvhal wrote (the message says why): the rank starts empty."""
+    """A rank's ``meta.json`` or files cannot be what kvhal wrote (the message says why):
+    the rank starts empty."""
 
 
 #: The most bytes a ``meta.json`` may have (kvhal's are well under 4 KiB).
@@ -217,21 +220,36 @@ def read_meta(dir_fd: int, where: str) -> dict[str, Any] | None:
         return None
     except OSError as exc:
         why = "is a symbolic link" if exc.errno == errno.ELOOP else f"cannot be opened ({exc.strerror})"
-        raise DamagedMeta(why) from exc
+        raise DamagedMeta(f"meta.json {why}") from exc
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise DamagedMeta("is not a regular file")
+            raise DamagedMeta("meta.json is not a regular file")
         if st.st_size > META_MAX_BYTES:
-            raise DamagedMeta(f"has {st.st_size} bytes, more than kvhal ever writes")
+            raise DamagedMeta(f"meta.json has {st.st_size} bytes, more than kvhal ever writes")
         meta = json.loads(os.pread(fd, META_MAX_BYTES + 1, 0))
     except (OSError, ValueError) as exc:
-        raise DamagedMeta(f"is unreadable ({exc})") from exc
+        raise DamagedMeta(f"meta.json is unreadable ({exc})") from exc
     finally:
         os.close(fd)
     if not isinstance(meta, dict):
-        raise DamagedMeta("is not a JSON object")
+        raise DamagedMeta("meta.json is not a JSON object")
     return meta
+
+
+def damaged_files(dir_fd: int, files: list[tuple[str, int]]) -> str | None:
+    """Why a rank's ``(name, size)`` files cannot be what kvhal preallocated, or ``None``:
+    one is missing, not a regular file (a FIFO, a directory, a link), or shorter."""
+    for name, size in files:
+        try:
+            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return f"{name} is missing"
+        if not stat.S_ISREG(st.st_mode):
+            return f"{name} is not a regular file"
+        if st.st_size < size:
+            return f"{name} has {st.st_size} bytes, not {size}"
+    return None
 
 
 def clear_rank(dir_fd: int, where: str) -> None:

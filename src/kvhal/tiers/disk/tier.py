@@ -43,6 +43,7 @@ from kvhal.tiers.disk.directory import (
     DamagedMeta,
     DiskOptions,
     clear_rank,
+    damaged_files,
     free_bytes,
     no_space,
     open_dir,
@@ -504,11 +505,16 @@ class DiskTier(TierBackend):
                 meta = read_meta(fd, where)
                 lacking = [n for n in self.geometry.fields() if meta is not None and n not in meta]
                 if lacking:
-                    raise DamagedMeta(f"lacks {', '.join(lacking)}")
+                    raise DamagedMeta(f"meta.json lacks {', '.join(lacking)}")
+                broken = None
+                if meta is not None and not meta_mismatches(meta, self.geometry):
+                    broken = damaged_files(fd, self._files())
+                if broken is not None:
+                    raise DamagedMeta(broken)
             except DamagedMeta as exc:
                 # a cache, not a record: what it held cannot be trusted, and an empty tier serves
                 log.warning(
-                    "kvhal: disk tier %s: meta.json %s; the rank's blocks are dropped and it starts empty",
+                    "kvhal: disk tier %s: %s; the rank's blocks are dropped and it starts empty",
                     where,
                     exc,
                 )

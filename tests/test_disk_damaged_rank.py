@@ -1,6 +1,7 @@
-"""A damaged ``meta.json`` is an empty tier, never a refused start or a hang: truncated,
-garbage, not an object, lacking its geometry, a FIFO (which a plain open blocks on forever),
-a directory, a symbolic link. The engine's first opener (a worker, then the scheduler) logs
+"""A damaged rank of the disk tier is an empty one, never a refused start or a hang: its
+``meta.json`` truncated, garbage, not an object, lacking its geometry, a FIFO (which a plain
+open blocks on forever), a directory, a symbolic link; or its index or data file truncated,
+missing, a FIFO or a directory. The engine's first opener (a worker, then the scheduler) logs
 one warning, drops that rank's files and starts the rank empty; the control: an intact one
 keeps its blocks."""
 
@@ -24,6 +25,13 @@ DAMAGE = {
     "fifo": lambda meta: (meta.unlink(), os.mkfifo(meta)),
     "directory": lambda meta: (meta.unlink(), meta.mkdir(), (meta / "x").write_text("x")),
     "symlink": lambda meta: (meta.unlink(), meta.symlink_to("/etc/hostname")),
+    # the rank's other files, meta.json intact
+    "index truncated": lambda meta: (meta.parent / "index.bin").write_bytes(b"x" * 100),
+    "index missing": lambda meta: (meta.parent / "index.bin").unlink(),
+    "index fifo": lambda meta: ((meta.parent / "index.bin").unlink(), os.mkfifo(meta.parent / "index.bin")),
+    "data truncated": lambda meta: (meta.parent / "data-0.bin").write_bytes(b"x" * 100),
+    "data fifo": lambda meta: ((meta.parent / "data-0.bin").unlink(), os.mkfifo(meta.parent / "data-0.bin")),
+    "data directory": lambda m: (os.unlink(m.parent / "data-0.bin"), os.mkdir(m.parent / "data-0.bin")),
 }
 
 
@@ -57,14 +65,13 @@ def test_a_damaged_meta_json_starts_an_empty_tier(tmp_path, caplog, damage):
     with caplog.at_level(logging.WARNING, logger="kvhal.tiers.disk.tier"):
         worker = opened(make_spec(path))  # a worker opens first, as in vLLM's engine core
         scheduler = opened(make_spec(path, role="index"))
-    warnings = [r for r in caplog.records if "meta.json" in r.getMessage()]
+    warnings = [r for r in caplog.records if "starts empty" in r.getMessage()]
     slots, _ = scheduler.recover()
     if damage == "intact":  # the control: nothing dropped, nothing said
         assert warnings == [] and sorted(slots) == [0, 1]
         assert load(worker, [0, 1]) == ([OK, OK], contents)
     else:
         assert len(warnings) == 1, [r.getMessage() for r in caplog.records]
-        assert "starts empty" in warnings[0].getMessage()
         assert slots == [], "blocks of a rank whose meta.json was damaged were offered"
         assert (path / RANK0 / "meta.json").is_file() and not (path / RANK0 / "meta.json").is_symlink()
         new = store(worker, [3], seed=9)  # and the tier serves
