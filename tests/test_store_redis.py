@@ -502,6 +502,7 @@ def test_tls_round_trip(tmp_path) -> None:
     with s:
         assert s.url.startswith("rediss://")
         store = open_store(s.url, PluginRegistry())
+        assert isinstance(store, RedisStore) and store._reader is not None, "TLS reads go through glide"
         try:
             _round_trip(store)
         finally:

@@ -6,8 +6,9 @@ back. In an engine's process the engine's loop holds the GIL between its steps, 
 waits up to the interpreter's switch interval. 60 values of 192 KiB (a returning user's
 blocks): redis-py 0.02 s alone and 0.87 s beside a busy Python thread, glide 0.013 s and
 0.021 s (BENCHMARKS.md, "Redis reads beside a busy thread"). Reads are what a request waits
-for, so they go through glide where it is installed and the URL is one server without TLS
-options it cannot express; everything else (lookups, writes, clusters, TLS) stays on redis-py.
+for, so they go through glide where it is installed and the URL is one server (TLS included,
+with a CA file and a client certificate as options); everything else (lookups, writes,
+clusters, TLS options glide cannot express) stays on redis-py.
 
 A value is read with ``GETRANGE name 0 SIZE``: at most one byte more than the value can be,
 so an oversized value planted under a block's name is never read whole.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from kvhal.tiers.remote.store import StoreUnavailable
@@ -28,6 +30,10 @@ except ImportError:  # pragma: no cover - redis-py reads instead
 
 #: commands per batch (as redis-py's pipelines)
 BATCH_COMMANDS = 128
+#: ``rediss://`` options glide's TLS takes (the others it cannot express: redis-py reads)
+GLIDE_TLS_OPTIONS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
+#: options that only tune redis-py's connection pool: no bearing on what glide reads
+POOL_OPTIONS = ("max_connections", "health_check_interval", "socket_keepalive")
 
 
 def unsupported(target: Any) -> str | None:
@@ -36,8 +42,12 @@ def unsupported(target: Any) -> str | None:
         return "valkey-glide-sync is not installed"
     if target.cluster:
         return "a cluster (redis-py's cluster client reads it)"
-    if target.tls:
-        return "TLS (redis-py's TLS options read it)"
+    for name, value in target.options.items():
+        if name in GLIDE_TLS_OPTIONS or name in POOL_OPTIONS:
+            continue
+        if (name, value) in (("ssl_cert_reqs", "required"), ("ssl_check_hostname", True)):
+            continue  # what glide's TLS does anyway
+        return f"the option {name}={value!r} (redis-py's TLS reads it)"
     return None
 
 
@@ -51,12 +61,23 @@ class GlideReader:
         credentials = None
         if target.password is not None or target.username is not None:
             credentials = glide_sync.ServerCredentials(password=target.password, username=target.username)
+        tls = None
+        if target.tls:  # the server's certificate checked against the CA file, else the system's
+            ca = target.options.get("ssl_ca_certs")
+            tls = glide_sync.TlsAdvancedConfiguration(
+                root_pem_cacerts=Path(ca).read_bytes() if ca else None,
+                client_cert_path=target.options.get("ssl_certfile"),
+                client_key_path=target.options.get("ssl_keyfile"),
+            )
         self._config = glide_sync.GlideClientConfiguration(
             [glide_sync.NodeAddress(target.host, target.port)],
+            use_tls=target.tls,
             credentials=credentials,
             request_timeout=timeout_ms,
             database_id=target.db,
-            advanced_config=glide_sync.AdvancedGlideClientConfiguration(connection_timeout=timeout_ms),
+            advanced_config=glide_sync.AdvancedGlideClientConfiguration(
+                connection_timeout=timeout_ms, tls_config=tls
+            ),
         )
         self._lock = threading.Lock()
         self._client: Any = None
