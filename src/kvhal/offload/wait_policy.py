@@ -112,8 +112,14 @@ class WaitPolicy:
     """Whether and how long a request waits for a read from below (see the module)."""
 
     def __init__(
-        self, wait_ms: int, policy: str = "auto", clock: Callable[[], float] = time.monotonic
+        self,
+        wait_ms: int,
+        policy: str = "auto",
+        clock: Callable[[], float] = time.monotonic,
+        steps: StepTimes | None = None,
     ) -> None:
+        """``steps``: the engine's step times, shared by the policies of several tiers below
+        (one engine, one compute rate); a fresh one by default."""
         if policy not in POLICIES:
             raise ValueError(f"wait policy must be one of {POLICIES}, got {policy!r}")
         self.wait_s = wait_ms / 1000
@@ -122,7 +128,7 @@ class WaitPolicy:
         self.read = Rate()  # bytes per second from the lower tier into host memory
         self.reads = StepTimes()  # a read's seconds as latency + bytes / bandwidth
         self._small: float | None = None  # the quickest read under MIN_RATE_BYTES
-        self.steps = StepTimes()  # what recomputing tokens costs
+        self.steps = steps if steps is not None else StepTimes()  # what recomputing tokens costs
         self._last = -math.inf  # when the last read ended or the last probe started
         #: The last answer found the tier slower than recomputing: writing to it is wasted too.
         self.slow = False

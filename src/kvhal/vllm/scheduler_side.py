@@ -58,7 +58,7 @@ from vllm.v1.request import Request
 
 from kvhal.errors import ValidationError
 from kvhal.offload.manager import BlockState, OffloadingManager
-from kvhal.offload.wait_policy import PROBE, WaitPolicy
+from kvhal.offload.wait_policy import PROBE, StepTimes, WaitPolicy
 from kvhal.tiers.backend import OK, TierBackend
 from kvhal.tiers.chain import LoadPlan, TierChain, WritePlan
 from kvhal.tiers.index import TierIndex
@@ -226,12 +226,15 @@ class SchedulerSide:
         self._prefetching = 0  # blocks being read by prefetches
         self._local_reads: list[_LocalRead] = []
         lower, remote = self.config.lower_tier, self.config.remote_tier
+        self._step_times = StepTimes()  # the engine's compute rate, one for every tier's policy
         self.wait_policy = (
-            WaitPolicy(lower.wait_ms, lower.wait_policy)
+            WaitPolicy(lower.wait_ms, lower.wait_policy, steps=self._step_times)
             if lower is not None and lower.wait_ms is not None
             else None
         )
-        self.remote_wait = WaitPolicy(remote.load_timeout_ms, remote.wait_policy) if remote else None
+        self.remote_wait = (
+            WaitPolicy(remote.load_timeout_ms, remote.wait_policy, steps=self._step_times) if remote else None
+        )
         self._last_step: tuple[float, int] | None = None  # the last step's start, its tokens
         self._next_job = 0
         # block id -> store jobs in flight reading it (ids are shared by every
@@ -706,11 +709,10 @@ class SchedulerSide:
         """The engine's compute rate for the wait policy: a step's tokens over the time to the
         next step's schedule, while the engine is busy (an idle gap is not compute)."""
         now = time.monotonic()
-        if self._last_step is not None and tokens > 0:
+        waits = self.wait_policy is not None or self.remote_wait is not None
+        if waits and self._last_step is not None and tokens > 0:
             started, computed = self._last_step
-            for policy in (self.wait_policy, self.remote_wait):
-                if policy is not None:
-                    policy.observe_step(computed, now - started)
+            self._step_times.add(computed, now - started)
         self._last_step = (now, tokens) if tokens > 0 else None
 
     def _admit_remote_write(self, blocks: int) -> bool:

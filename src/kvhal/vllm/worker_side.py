@@ -39,7 +39,6 @@ import math
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -643,7 +642,7 @@ T = TypeVar("T")
 
 def _ends_by(future: Future[Any], deadline: float) -> bool:
     """Whether ``future`` is done by ``deadline`` (waiting for it until then)."""
-    with contextlib.suppress(FutureTimeout, Exception):
+    with contextlib.suppress(Exception):  # a timeout, or the future's own exception
         future.exception(timeout=max(0.0, deadline - time.monotonic()) if deadline < math.inf else None)
     return future.done()
 
