@@ -446,8 +446,9 @@ class SchedulerSide:
             self.stats.add(PREFETCH_COUNTERS["read_bytes"][read.remote], good * self.config.slot_bytes)
             seconds = None if read.ended is None else read.ended - read.started
             self._end_prefetch(read.plan, not failed, seconds)
-            if read.state.prefetch is not None and read.state.prefetch.job_id == -1:
-                read.state.prefetch.done = True
+            waiting = read.state.prefetch  # this read's, not a later one from the other tier
+            if waiting is not None and waiting.job_id == -1 and waiting.remote == read.remote:
+                waiting.done = True
 
     def _end_prefetch(self, plan: LoadPlan, ok: bool, seconds: float | None) -> None:
         """A prefetch's read ended (``seconds`` after it started, if known): its blocks are
