@@ -65,6 +65,19 @@ def only_on_disk(scheduler: SchedulerSide, worker: WorkerSide) -> None:
     assert scheduler.manager.lookup(keys) == 0 and scheduler.chain.lower.lookup(keys) == 2
 
 
+def loaded_in_its_step(scheduler: SchedulerSide, worker: WorkerSide, caches: dict, req, source: dict) -> None:
+    """``req``'s 8-token host hit loaded synchronously into device blocks 7 and 8 (no
+    prefetch left), which then hold ``source``'s blocks 1 and 2 (and did not before)."""
+    before = [block(caches, i) for i in (7, 8)]
+    scheduler.after_alloc(req, KVCacheBlocks(([KVCacheBlock(7), KVCacheBlock(8)],)), 8)
+    meta = scheduler.build_meta(output())
+    assert meta.prefetches == [] and [job.sync for job in meta.loads] == [True]
+    run(scheduler, worker, meta)
+    assert worker.take_load_errors() == set()
+    assert all(same(block(caches, 7), block(source, 1))) and all(same(block(caches, 8), block(source, 2)))
+    assert not any(same(before[0], block(source, 1))), "negative control: the blocks differed before"
+
+
 def test_a_disk_hit_is_read_in_the_lookup_and_loaded_in_its_step(tmp_path):
     scheduler, worker, caches = engine(tmp_path)
     only_on_disk(scheduler, worker)
@@ -72,14 +85,7 @@ def test_a_disk_hit_is_read_in_the_lookup_and_loaded_in_its_step(tmp_path):
     scheduler.track(b)
     assert scheduler.lookup(b, 0) == (8, False)  # read while vLLM asked: a host hit at once
     assert scheduler.stats.data["tier_loaded_blocks"] == 2 and not scheduler._local_reads
-    before = [block(caches, i) for i in (7, 8)]
-    scheduler.after_alloc(b, KVCacheBlocks(([KVCacheBlock(7), KVCacheBlock(8)],)), 8)
-    meta = scheduler.build_meta(output())
-    assert meta.prefetches == [] and [job.sync for job in meta.loads] == [True]
-    run(scheduler, worker, meta)
-    assert worker.take_load_errors() == set()
-    assert all(same(block(caches, 7), block(caches, 1))) and all(same(block(caches, 8), block(caches, 2)))
-    assert not any(same(before[0], block(caches, 1))), "negative control: the blocks differed before"
+    loaded_in_its_step(scheduler, worker, caches, b, source=caches)
     assert scheduler.stats.data["tier_hit_tokens"] == 8
     worker.shutdown()
     scheduler.close()

@@ -13,16 +13,14 @@ from collections.abc import Iterator
 import pytest
 
 pytest.importorskip("vllm")
-from vllm.v1.core.kv_cache_manager import KVCacheBlocks
-from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
 from kvhal.testing.redis_servers import RedisServer
 from kvhal.vllm.config import RemoteTierConfig
 from kvhal.vllm.scheduler_side import SchedulerSide
 from kvhal.vllm.worker_side import WorkerSide
-from tests.test_local_read import run
+from tests.test_local_read import loaded_in_its_step, run
 from tests.test_scheduler_side import output, prefill, request
-from tests.test_worker_side import block, connector_config, kv_caches, same
+from tests.test_worker_side import connector_config, kv_caches
 
 
 @pytest.fixture
@@ -88,14 +86,7 @@ def test_a_store_hit_is_read_by_the_lookup_and_loaded_in_its_step(server):
     answer, _ = lookup(scheduler, b)
     assert answer == (8, False), "a host hit, loaded in the step that schedules it"
     assert scheduler.stats.data["remote_loaded_blocks"] == 2 and not scheduler._local_reads
-    before = [block(caches, i) for i in (7, 8)]
-    scheduler.after_alloc(b, KVCacheBlocks(([KVCacheBlock(7), KVCacheBlock(8)],)), 8)
-    meta = scheduler.build_meta(output())
-    assert meta.prefetches == [] and [job.sync for job in meta.loads] == [True]
-    run(scheduler, worker, meta)
-    assert worker.take_load_errors() == set()
-    assert all(same(block(caches, 7), block(caches_a, 1))) and all(same(block(caches, 8), block(caches_a, 2)))
-    assert not any(same(before[0], block(caches_a, 1))), "negative control: the blocks differed before"
+    loaded_in_its_step(scheduler, worker, caches, b, source=caches_a)
     assert scheduler.stats.data["remote_hit_tokens"] == 8
     worker.shutdown()
     scheduler.close()
