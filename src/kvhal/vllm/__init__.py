@@ -4,11 +4,25 @@
 loads :class:`~kvhal.vllm.connector.KVHALConnector`.
 """
 
+from typing import TYPE_CHECKING, Any
+
 from kvhal.layouts import answer_layouts_from
 from kvhal.vllm.backends import declared_layouts
-from kvhal.vllm.connector import KVHALConnector
+
+if TYPE_CHECKING:
+    from kvhal.vllm.connector import KVHALConnector
 
 # Device plugins ask kvhal.layouts for the engine's layouts; inside vLLM, vLLM's own classes answer.
 answer_layouts_from(declared_layouts)
 
 __all__ = ["KVHALConnector"]
+
+
+def __getattr__(name: str) -> Any:
+    # The connector (and vLLM with it) is imported when vLLM asks for it: the rest of the
+    # package (config names, the model identity) and the CLI work where vLLM is not installed.
+    if name == "KVHALConnector":
+        from kvhal.vllm.connector import KVHALConnector
+
+        return KVHALConnector
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -11,15 +11,16 @@ from __future__ import annotations
 import hashlib
 import os
 from dataclasses import dataclass, field
-from typing import Any, Literal
-
-from vllm.config import VllmConfig
-from vllm.v1.kv_cache_interface import KVCacheConfig
+from typing import TYPE_CHECKING, Any, Literal
 
 from kvhal.errors import ValidationError
 from kvhal.offload.wait_policy import POLICIES as WAIT_POLICIES
 from kvhal.tiers.backend import TierSpec
 from kvhal.vllm.model_identity import model_identity
+
+if TYPE_CHECKING:  # annotations only: the names here (LOAD_MODES, ...) import without vLLM
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
 
 #: The keys a user may put in ``kv_connector_extra_config``.
 KNOWN_KEYS = {
