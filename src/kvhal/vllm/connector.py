@@ -25,7 +25,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
-    KVConnectorTransferResults,
     SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
@@ -34,12 +33,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetric,
     PromMetricT,
 )
-from vllm.v1.metrics.cache_hit_source import CacheHitSource
+from vllm.logger import init_logger
 
 from kvhal.vllm.config import ConnectorConfig
 from kvhal.vllm.metadata import KVHALMetadata, KVHALWorkerMetadata
 from kvhal.vllm.scheduler_side import SchedulerSide
 from kvhal.vllm.stats import KVHALPromMetrics, KVHALStats
+from kvhal.vllm.versions import HIT_SOURCE, KVConnectorTransferResults, check_supported, describe
 from kvhal.vllm.worker_side import WorkerSide
 
 if TYPE_CHECKING:
@@ -53,14 +53,20 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
+logger = init_logger(__name__)
+
+
 class KVHALConnector(KVConnectorBase_V1, SupportsHMA):
     """Offloads vLLM's KV cache to host memory through the kvhal device plugin for its device."""
 
-    _cache_hit_source = CacheHitSource.HOST
+    if HIT_SOURCE is not None:  # vLLM 0.32 labels hits by source
+        _cache_hit_source = HIT_SOURCE
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config, role, kv_cache_config)
         self.config = ConnectorConfig.from_vllm(vllm_config, kv_cache_config)
+        check_supported(len(self.config.groups))
+        logger.info("kvhal: %s", describe())
         self.scheduler_side = SchedulerSide(self.config) if role is KVConnectorRole.SCHEDULER else None
         self.worker_side = WorkerSide(self.config) if role is KVConnectorRole.WORKER else None
 
@@ -93,6 +99,8 @@ class KVHALConnector(KVConnectorBase_V1, SupportsHMA):
         meta = self._connector_metadata
         if isinstance(meta, KVHALMetadata):
             self._worker().start_loads(meta)
+            if meta.no_forward:  # vLLM 0.27.1 calls no wait_for_save in such a step
+                self._worker().start_stores(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         # large synchronous loads go layer by layer: this layer's copies first; the others
@@ -110,11 +118,18 @@ class KVHALConnector(KVConnectorBase_V1, SupportsHMA):
         if isinstance(meta, KVHALMetadata):
             self._worker().start_stores(meta)
 
-    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        finished, failed, sent = self._worker().collect()
-        return KVConnectorTransferResults(
-            finished_sending=sent, finished_recving=finished, failed_recving=failed
-        )
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        # vLLM 0.27.1 asks this only: a failed load's blocks go to get_block_ids_with_load_errors
+        finished, _failed, sent = self._worker().collect()
+        return sent, finished
+
+    if KVConnectorTransferResults is not None:  # vLLM 0.32 asks this, with request-level failures
+
+        def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+            finished, failed, sent = self._worker().collect()
+            return KVConnectorTransferResults(
+                finished_sending=sent, finished_recving=finished, failed_recving=failed
+            )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         # a failed synchronous load: vLLM recomputes these blocks
@@ -124,8 +139,9 @@ class KVHALConnector(KVConnectorBase_V1, SupportsHMA):
         return self.worker_side.worker_meta() if self.worker_side is not None else None
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        side = self.worker_side or self.scheduler_side
-        return side.stats.take() if side is not None else None
+        if self.scheduler_side is not None:
+            return self.scheduler_side.take_stats()
+        return self.worker_side.stats.take() if self.worker_side is not None else None
 
     def shutdown(self) -> None:
         if self.worker_side is not None:

@@ -11,6 +11,7 @@ from kvhal.registry import PluginRegistry
 from kvhal.tiers.backend import TierBackend
 from kvhal.tiers.media import open_tier
 from kvhal.vllm.config import HASH_SEED_VARIABLE, ConnectorConfig
+from kvhal.vllm.versions import seed_advice
 
 logger = init_logger("vllm." + __name__)  # under "vllm": its handlers and level
 
@@ -28,10 +29,11 @@ def open_lower_tier(config: ConnectorConfig, role: Literal["index", "io"], rank:
     if role == "index" and config.fingerprint.get("hash_seed") == "random-per-process":
         logger.warning(
             "kvhal: the %s tier cannot serve a restarted engine: vLLM's %s block hashes take a random "
-            "seed per process; set %s to the same value for every engine (or use sha256) to keep it",
+            "seed per process; set %s to the same value for every engine%s to keep it",
             lower.backend,
             config.fingerprint.get("hash_algo"),
             HASH_SEED_VARIABLE,
+            seed_advice(),
         )
     try:
         backend = open_tier(lower.backend, spec, PluginRegistry())

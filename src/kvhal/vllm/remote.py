@@ -12,6 +12,7 @@ from kvhal.offload.host_tier import HostTier
 from kvhal.tiers.remote.tier import RemoteTier, redact
 from kvhal.vllm.config import HASH_SEED_VARIABLE, ConnectorConfig, RemoteTierConfig
 from kvhal.vllm.stats import KVHALStats
+from kvhal.vllm.versions import seed_advice
 
 logger = init_logger("vllm." + __name__)  # under "vllm": its handlers and level
 SECRET_VARIABLE = "KVHAL_REMOTE_SECRET"
@@ -66,10 +67,11 @@ def open_remote_tier(
     if role == "index" and config.fingerprint.get("hash_seed") == "random-per-process":
         logger.warning(
             "kvhal: the remote tier %s cannot share blocks between engines: vLLM's %s block hashes take "
-            "a random seed per process; set %s to the same value for every engine (or use sha256)",
+            "a random seed per process; set %s to the same value for every engine%s",
             url,
             config.fingerprint.get("hash_algo"),
             HASH_SEED_VARIABLE,
+            seed_advice(),
         )
     secret = read_secret(remote)
     if secret is None and remote.auth != "none":

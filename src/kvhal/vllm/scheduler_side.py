@@ -77,6 +77,7 @@ from kvhal.vllm.metadata import (
 )
 from kvhal.vllm.remote import open_remote_tier
 from kvhal.vllm.stats import REMOTE_READ_COUNTERS, TIER_READ_COUNTERS, KVHALStats
+from kvhal.vllm.versions import STATS_NEED_REQUEST_OUTPUTS, BlockTables, failed_recving
 
 logger = init_logger("vllm." + __name__)  # under "vllm": its handlers and level
 
@@ -219,6 +220,8 @@ class SchedulerSide:
         self._remote_writing = 0  # blocks being written to the remote tier
         self.manager, self.chain = self._new_chain()
         self._requests: dict[str, _RequestState] = {}
+        self._block_tables = BlockTables()  # device blocks per request (vLLM 0.32 hands its own)
+        self._hold_stats = False  # keep this step's counters for the next (see take_stats)
         self._jobs: dict[int, _Job] = {}
         self._storing: set[bytes] = set()
         self._pending_loads: list[TransferJob] = []
@@ -598,7 +601,7 @@ class SchedulerSide:
 
     def _plan_stores(self, scheduler_output: SchedulerOutput) -> list[TransferJob]:
         bs = self.config.block_size
-        block_state = scheduler_output.kv_connector_block_state
+        block_state = self._block_tables.update(scheduler_output)
         stores = []
         for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
             state = self._requests.get(req_id)
@@ -611,6 +614,8 @@ class SchedulerSide:
             if end <= state.stored_upto:
                 continue
             table = block_state.get_block_ids(req_id)
+            if table is None:
+                continue
             where: dict[bytes, tuple[int, int]] = {}
             for group in self.config.groups:
                 for index in range(state.stored_upto, end):
@@ -701,6 +706,7 @@ class SchedulerSide:
             held=self._held,
             writes=self._plan_writes(),  # after the stores: write-back snapshots their evictions
             idle=scheduler_output.total_num_scheduled_tokens == 0 and not self._requests,
+            no_forward=scheduler_output.total_num_scheduled_tokens == 0,
         )
         self._pending_loads, self._held, self._pending_prefetches = [], [], []
         self._load_blocks = set()
@@ -748,7 +754,7 @@ class SchedulerSide:
             for job_id, count, ok in sorted(reports):
                 self._report(job_id, count, ok=ok)
         self._holding.difference_update(output.finished_sending or ())
-        for req_id in output.failed_recving or ():
+        for req_id in failed_recving(output):
             state = self._requests.get(req_id)
             if state is not None:
                 state.load_failed = True
@@ -823,6 +829,8 @@ class SchedulerSide:
                         self.stats.add("remote_failed_loads", 1)
             if not job.ok:
                 self.stats.add("failed_loads", 1)
+                # its request may be this step's only one, and skipped: no request outputs
+                self._hold_stats = STATS_NEED_REQUEST_OUTPUTS
                 if state is not None:  # a synchronous load's request learns it here
                     state.load_failed = True
                     state.loaded_tokens = 0
@@ -873,6 +881,15 @@ class SchedulerSide:
                         )
                     )
         return events
+
+    def take_stats(self) -> KVHALStats | None:
+        """This step's counters for vLLM, or None to carry them into the next step: where vLLM
+        drops the stats of a step without request outputs, a step whose load failed (its
+        request skipped, perhaps the only one) sends none."""
+        if self._hold_stats:
+            self._hold_stats = False
+            return None
+        return self.stats.take()
 
     def has_jobs_in_flight(self) -> bool:
         self._poll_local_reads()

