@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The test command (README): set up, lint, run every test. Extra arguments go to pytest.
-#   bash scripts/test.sh           every test, two workers (what CI runs via .ci/run)
+#   bash scripts/test.sh           every test, two workers (what CI runs via .ci/run), then the
+#                                  vllm_compat end-to-end subset on vLLM 0.27.1 in .venv-vllm0271
 #   bash scripts/test.sh --quick   the inner loop before each commit: every unit test, no engine,
 #                                  no conformance-suite marathon, hypothesis's quick profile
 set -euo pipefail
@@ -27,4 +28,18 @@ if [ "$quick" = 1 ]; then
   KVHAL_HYPOTHESIS=quick exec "${pytest[@]}" -m "not e2e and not slow" "${args[@]}"
 fi
 echo "[test] pytest"
-exec "${pytest[@]}" "${args[@]}"
+status=0
+"${pytest[@]}" "${args[@]}" || status=$?
+# The vllm_compat subset (tests/e2e/conftest.py) again on vLLM 0.27.1, the version vllm-ascend
+# pins, in a venv of its own (KVHAL_COMPAT_VLLM=none skips it; another version may be named).
+compat=${KVHAL_COMPAT_VLLM:-0.27.1}
+if [ "$compat" != none ] && [ ${#args[@]} -eq 0 ]; then
+  compat_venv=".venv-vllm${compat//./}"
+  echo "[test] vllm_compat on vLLM $compat ($compat_venv)"
+  KVHAL_VENV=$compat_venv KVHAL_VLLM_VERSION=$compat bash scripts/setup.sh
+  "$compat_venv/bin/python" -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m vllm_compat tests/e2e \
+    || status=$?
+  # and the unit tests fed that version's own scheduler objects
+  "$compat_venv/bin/python" -m pytest -q tests/test_vllm_versions.py tests/test_scheduler_side.py || status=$?
+fi
+exit $status

@@ -15,12 +15,12 @@ from vllm import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_request_block_hasher, init_none_hash
-from vllm.v1.core.sched.output import (
-    CachedRequestData,
-    KVConnectorBlockState,
-    NewRequestData,
-    SchedulerOutput,
-)
+from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+
+try:
+    from vllm.v1.core.sched.output import KVConnectorBlockState
+except ImportError:  # vLLM 0.27.1: no block state handed to connectors
+    KVConnectorBlockState = None
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
 
@@ -62,7 +62,7 @@ def request(req_id: str, tokens: list[int] = PROMPT) -> Request:
 
 #: The scheduler output's shape: vLLM 0.32 hands connectors its block table; 0.27.1 does not,
 #: and kvhal keeps one from the new and cached requests' block ids (kvhal.vllm.versions).
-SHAPES = ("0.32", "0.27.1")
+SHAPES = ("0.32", "0.27.1") if KVConnectorBlockState is not None else ("0.27.1",)
 shape = {"now": "0.32"}
 
 
@@ -114,14 +114,20 @@ def output(
         finished_req_ids=set(),
         free_encoder_mm_hashes=[],
         preempted_req_ids=set(preempted),
-        kv_connector_block_state=None
-        if shape["now"] == "0.27.1"
-        else KVConnectorBlockState(
-            req_ids=set(tables),
-            resolve_block_ids=lambda req_id: (tables[req_id],),
-            boundary_state_offloads={},
-        ),
+        **block_state(tables),
     )
+
+
+def block_state(tables: dict[str, list[int]]) -> dict:
+    """The scheduler output's block table: vLLM 0.32's field, or none in 0.27.1's shape."""
+    if KVConnectorBlockState is None:  # vLLM 0.27.1: no such field, and one 0.32 dropped
+        return {"num_common_prefix_blocks": [0]}
+    if shape["now"] == "0.27.1":
+        return {"kv_connector_block_state": None}
+    state = KVConnectorBlockState(
+        req_ids=set(tables), resolve_block_ids=lambda req_id: (tables[req_id],), boundary_state_offloads={}
+    )
+    return {"kv_connector_block_state": state}
 
 
 def reported(scheduler: SchedulerSide, job_ids, sent: set[str] = frozenset(), ok: bool = True) -> None:

@@ -141,7 +141,10 @@ class KVHALConnector(KVConnectorBase_V1, SupportsHMA):
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self.scheduler_side is not None:
             return self.scheduler_side.take_stats()
-        return self.worker_side.stats.take() if self.worker_side is not None else None
+        if self.worker_side is None:
+            return None
+        meta = self._connector_metadata
+        return self.worker_side.take_stats(meta.send_stats if isinstance(meta, KVHALMetadata) else True)
 
     def shutdown(self) -> None:
         if self.worker_side is not None:

@@ -77,6 +77,9 @@ class KVHALMetadata(KVConnectorMetadata):
     :param idle: nothing computes in this step and no request is known to kvhal: vLLM steps
         an idle engine about every millisecond while kvhal has jobs in flight, so the workers
         wait a little for one of them to end before they answer.
+    :param send_stats: the workers send this step's counters (else they keep them for a later
+        step): where vLLM drops the stats of a step without request outputs (before 0.32),
+        only a step in which a request samples a token sends them.
     :param no_forward: nothing computes in this step: its stores are submitted with its loads
         (vLLM 0.27.1 calls no ``wait_for_save`` in such a step; on 0.32 that call finds them
         submitted).
@@ -90,6 +93,7 @@ class KVHALMetadata(KVConnectorMetadata):
     writes: list[TierWrite] = field(default_factory=list)
     idle: bool = False
     no_forward: bool = False
+    send_stats: bool = True
 
 
 @dataclass

@@ -222,6 +222,7 @@ class SchedulerSide:
         self._requests: dict[str, _RequestState] = {}
         self._block_tables = BlockTables()  # device blocks per request (vLLM 0.32 hands its own)
         self._hold_stats = False  # keep this step's counters for the next (see take_stats)
+        self._step_samples = True  # a request of the last scheduled step samples a token
         self._jobs: dict[int, _Job] = {}
         self._storing: set[bytes] = set()
         self._pending_loads: list[TransferJob] = []
@@ -708,9 +709,20 @@ class SchedulerSide:
             idle=scheduler_output.total_num_scheduled_tokens == 0 and not self._requests,
             no_forward=scheduler_output.total_num_scheduled_tokens == 0,
         )
+        self._step_samples = self._samples(scheduler_output)
+        meta.send_stats = self._step_samples or not STATS_NEED_REQUEST_OUTPUTS
         self._pending_loads, self._held, self._pending_prefetches = [], [], []
         self._load_blocks = set()
         return meta
+
+    def _samples(self, scheduler_output: SchedulerOutput) -> bool:
+        """Whether a request of this step samples a token (computes up to its end): vLLM
+        builds the metadata before it counts the step's tokens as computed."""
+        for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
+            state = self._requests.get(req_id)
+            if state is None or state.request.num_computed_tokens + num_new >= state.request.num_tokens:
+                return True
+        return False
 
     def _time_steps(self, tokens: int) -> None:
         """The engine's compute rate for the wait policy: a step's tokens over the time to the
@@ -884,11 +896,13 @@ class SchedulerSide:
 
     def take_stats(self) -> KVHALStats | None:
         """This step's counters for vLLM, or None to carry them into the next step: where vLLM
-        drops the stats of a step without request outputs, a step whose load failed (its
-        request skipped, perhaps the only one) sends none."""
-        if self._hold_stats:
+        drops the stats of a step without request outputs, only a step in which a request
+        samples a token sends them, and not one whose load failed (its request is skipped)."""
+        if STATS_NEED_REQUEST_OUTPUTS:
+            hold = self._hold_stats or not self._step_samples
             self._hold_stats = False
-            return None
+            if hold:
+                return None
         return self.stats.take()
 
     def has_jobs_in_flight(self) -> bool:

@@ -69,7 +69,7 @@ from kvhal.vllm.metadata import (
 )
 from kvhal.vllm.remote import open_remote_tier
 from kvhal.vllm.stats import REMOTE_READ_COUNTERS, TIER_READ_COUNTERS, KVHALStats
-from kvhal.vllm.versions import REQUEST_LEVEL_LOAD_FAILURES
+from kvhal.vllm.versions import REQUEST_LEVEL_LOAD_FAILURES, STATS_NEED_REQUEST_OUTPUTS
 
 logger = init_logger("vllm." + __name__)  # under "vllm": its handlers and level
 F = TypeVar("F", bound=Callable[..., Any])
@@ -149,6 +149,7 @@ class WorkerSide:
         self._failed_loads: set[str] = set()
         self._load_errors: set[int] = set()  # device blocks loads failed to fill
         self._stores_started: KVHALMetadata | None = None  # the step whose stores were submitted
+        self._load_failed_in_step = False  # see take_stats
         self._sync_jobs: set[int] = set()  # synchronous loads not yet reported
         self._idle = False  # this step computes nothing and no request waits (KVHALMetadata.idle)
         # layer by layer: layer name -> (group, index); per group and layer, (device, host)
@@ -448,6 +449,7 @@ class WorkerSide:
                 self._sync_jobs.discard(job.job_id)
                 if not running.ok:
                     self._load_errors.update(b for ids, _ in job.groups.values() for b in ids)
+                    self._load_failed_in_step = True
             else:
                 self._finished_loads.add(job.req_id)
                 if not running.ok:
@@ -583,6 +585,15 @@ class WorkerSide:
             self._finish(job_id)
         return stuck
 
+    def take_stats(self, send: bool) -> KVHALStats | None:
+        """This step's counters for vLLM, or None to keep them for a later step: when the
+        scheduler side says the step has no request outputs (``send`` False), or a load failed
+        in it (its request is skipped, perhaps the only one)."""
+        failed, self._load_failed_in_step = self._load_failed_in_step, False
+        if not send or (failed and STATS_NEED_REQUEST_OUTPUTS):
+            return None
+        return self.stats.take()
+
     def take_load_errors(self) -> set[int]:
         """Device blocks loads failed to fill since the last call (vLLM recomputes): synchronous
         loads', and asynchronous ones' where vLLM takes no request-level failure."""
@@ -601,6 +612,7 @@ class WorkerSide:
         """Tell vLLM an asynchronous load failed: per request where it takes that, else its
         blocks as load errors (vLLM recomputes from the first; one KV cache group, checked at
         start)."""
+        self._load_failed_in_step = True
         if REQUEST_LEVEL_LOAD_FAILURES:
             self._failed_loads.add(job.req_id)
         else:
