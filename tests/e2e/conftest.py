@@ -17,6 +17,7 @@ VLLM_COMPAT = {
     "test_vllm_disk_tier.py",
     "test_vllm_remote_tier.py",
     "test_vllm_tensor_parallel.py",
+    "test_vllm_overlap.py",  # synchronous and layer-wise loads
 }
 
 

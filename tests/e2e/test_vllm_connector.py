@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from kvhal.testing.scenario import ScenarioError, run_scenario
-from tests.e2e.common import baseline_tokens, fault_env, prompts, vllm_version
+from tests.e2e.common import baseline_tokens, fault_env, hybrid_models_offloaded, prompts
 
 BLOCK = 32
 #: A prompt of 200 tokens: vLLM computes at least the last token, so kvhal can serve 6 full blocks.
@@ -226,7 +226,7 @@ def test_hybrid_model_sliding_window_and_full_attention(hybrid_model):
     """Two KV cache groups (sliding window + full attention), kept by vLLM's hybrid manager;
     refused at start, naming the version, where vLLM has no safe failure path for them."""
     batch = prompts(2, LENGTH, seed=8)
-    if vllm_version() < (0, 32):
+    if not hybrid_models_offloaded():
         with pytest.raises(ScenarioError) as info:
             warm_round(hybrid_model, batch, {"cpu_bytes_to_use": 64 << 20})
         assert "2 KV cache groups (a hybrid model), and vLLM 0.27" in str(info.value)

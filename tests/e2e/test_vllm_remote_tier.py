@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from kvhal.testing.scenario import ScenarioError, run_scenario
-from tests.e2e.common import prompts, vllm_version
+from tests.e2e.common import hybrid_models_offloaded, prompts
 from tests.e2e.test_vllm_connector import BLOCK, BLOCK_BYTES, LENGTH, SERVED, baseline, loaded, tokens
 
 BLOCKS_PER_PROMPT = SERVED // BLOCK
@@ -117,8 +117,8 @@ def test_a_fresh_engine_serves_what_another_computed(model, store):
 def test_an_engine_of_another_geometry_loads_nothing_of_the_first(model, hybrid_model, redis_server):
     batch = prompts(2, LENGTH, seed=51)
     populate(model, redis_server.url, batch)
-    # before vLLM 0.32 kvhal refuses hybrid models: there the other engine keeps one KV cache group
-    one_group = {"disable_hybrid_kv_cache_manager": True} if vllm_version() < (0, 32) else {}
+    # where kvhal refuses hybrid models (vLLM 0.27.1), the other engine keeps one KV cache group
+    one_group = {} if hybrid_models_offloaded() else {"disable_hybrid_kv_cache_manager": True}
     other = engine(
         hybrid_model,
         remote(redis_server.url),
