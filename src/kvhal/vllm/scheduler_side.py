@@ -222,7 +222,7 @@ class SchedulerSide:
         self._requests: dict[str, _RequestState] = {}
         self._block_tables = BlockTables()  # device blocks per request (vLLM 0.32 hands its own)
         self._hold_stats = False  # keep this step's counters for the next (see take_stats)
-        self._step_samples = True  # a request of the last scheduled step samples a token
+        self._send_stats = True  # the last scheduled step's KVHALMetadata.send_stats
         self._jobs: dict[int, _Job] = {}
         self._storing: set[bytes] = set()
         self._pending_loads: list[TransferJob] = []
@@ -709,8 +709,9 @@ class SchedulerSide:
             idle=scheduler_output.total_num_scheduled_tokens == 0 and not self._requests,
             no_forward=scheduler_output.total_num_scheduled_tokens == 0,
         )
-        self._step_samples = self._samples(scheduler_output)
-        meta.send_stats = self._step_samples or not STATS_NEED_REQUEST_OUTPUTS
+        # only where vLLM drops the stats of steps without request outputs: off the 0.32 path
+        meta.send_stats = not STATS_NEED_REQUEST_OUTPUTS or self._samples(scheduler_output)
+        self._send_stats = meta.send_stats
         self._pending_loads, self._held, self._pending_prefetches = [], [], []
         self._load_blocks = set()
         return meta
@@ -899,7 +900,7 @@ class SchedulerSide:
         drops the stats of a step without request outputs, only a step in which a request
         samples a token sends them, and not one whose load failed (its request is skipped)."""
         if STATS_NEED_REQUEST_OUTPUTS:
-            hold = self._hold_stats or not self._step_samples
+            hold = self._hold_stats or not self._send_stats
             self._hold_stats = False
             if hold:
                 return None

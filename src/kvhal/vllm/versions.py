@@ -10,8 +10,8 @@ has the file:line facts).
 - ``wait_for_save``: 0.27.1 calls none in a step without a forward; kvhal submits such a
   step's stores in ``start_load_kv`` (the scheduler side marks the step, any version).
 - Stats: 0.27.1's ``LLMEngine.step`` records a step's stats only when the step has request
-  outputs, and a step whose requests all failed their loads has none: kvhal keeps its
-  counters of such a step for the next one (:data:`STATS_NEED_REQUEST_OUTPUTS`).
+  outputs: kvhal sends its counters only in a step in which a request samples a token, and
+  not in one whose load failed (:data:`STATS_NEED_REQUEST_OUTPUTS`).
 - Block hashes without ``PYTHONHASHSEED``: 0.32 seeds them at random per process only for
   its non-cryptographic algorithms (xxhash); 0.27.1 for every algorithm, so there a restarted
   or another engine computes other hashes unless ``PYTHONHASHSEED`` is set.
@@ -37,8 +37,9 @@ from kvhal.errors import ValidationError
 VLLM_VERSION: str = vllm.__version__
 _RELEASE = tuple(int(part) for part in re.findall(r"\d+", VLLM_VERSION)[:2])
 
-#: Whether vLLM drops the stats of a step without request outputs (before 0.32:
-#: ``vllm/v1/engine/llm_engine.py`` records stats only ``if len(outputs.outputs) > 0``).
+#: Whether vLLM may drop the stats of a step without request outputs (0.27.1's
+#: ``vllm/v1/engine/llm_engine.py`` records stats only ``if len(outputs.outputs) > 0``; 0.31
+#: no longer does, where holding only delays kvhal's counters; cut at 0.32, what was tested).
 STATS_NEED_REQUEST_OUTPUTS: bool = _RELEASE < (0, 32)
 
 #: vLLM's ``KVConnectorTransferResults`` (0.32), or None where vLLM asks ``get_finished`` only.
