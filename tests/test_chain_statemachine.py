@@ -54,7 +54,7 @@ from kvhal.registry import PluginRegistry
 from kvhal.tiers.backend import OK, TierBackend, TierSpec
 from kvhal.tiers.chain import LoadPlan, TierChain, WritePlan
 from kvhal.tiers.disk import DiskTier
-from kvhal.tiers.disk.format import RECORD_BYTES, TREE
+from kvhal.tiers.disk.format import RECORD_BYTES
 from kvhal.tiers.index import TierIndex
 from kvhal.tiers.io import TierIO
 from tests.helpers import examples
@@ -430,7 +430,7 @@ class ChainMachine(RuleBasedStateMachine):
         flip = data.draw(st.integers(1, 255))
         assert self.io is not None
         file, offset = self.io.geometry.locate(slot)
-        path = os.path.join(self.dir, TREE, "rank0of1", f"data-{file}.bin")
+        path = os.path.join(self.io.namespace, "rank0of1", f"data-{file}.bin")
         fd = os.open(path, os.O_RDWR)
         try:
             byte = os.pread(fd, 1, offset + where)[0]

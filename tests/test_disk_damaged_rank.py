@@ -79,3 +79,31 @@ def test_a_damaged_meta_json_starts_an_empty_tier(tmp_path, caplog, damage):
     assert os.path.exists("/etc/hostname") or damage != "symlink"
     worker.close()
     scheduler.close()
+
+
+@pytest.mark.parametrize(
+    "damage", ["truncated", "garbage", "not an object", "no geometry", "fifo", "symlink", "intact"]
+)
+def test_a_damaged_namespace_json_starts_the_model_s_namespace_empty(tmp_path, caplog, damage):
+    path = tmp_path / "d"
+    worker = DiskTier(make_spec(path))
+    contents = store(worker, [0, 1])
+    worker.close()
+    record = path / RANK0 / ".." / "namespace.json"
+    if damage != "intact":
+        DAMAGE[damage](record.resolve())
+    with caplog.at_level(logging.WARNING, logger="kvhal.tiers.disk"):
+        worker = opened(make_spec(path))
+        scheduler = opened(make_spec(path, role="index"))
+    warnings = [r.getMessage() for r in caplog.records if "namespace.json" in r.getMessage()]
+    slots, _ = scheduler.recover()
+    if damage == "intact":  # the control: nothing dropped, nothing said
+        assert warnings == [] and sorted(slots) == [0, 1]
+        assert load(worker, [0, 1]) == ([OK, OK], contents)
+    else:
+        assert len(warnings) == 1, [r.getMessage() for r in caplog.records]
+        assert slots == [], "blocks of a namespace whose record was damaged were offered"
+        new = store(worker, [3], seed=9)
+        assert load(worker, [3]) == ([OK], new)
+    worker.close()
+    scheduler.close()

@@ -20,20 +20,30 @@ from hypothesis import strategies as st
 
 from kvhal.errors import ClosedError, TierError, ValidationError
 from kvhal.tiers.backend import CORRUPT, FOREIGN, IO_ERROR, MISSING, OK, TierSpec
-from kvhal.tiers.disk import DiskTier
+from kvhal.tiers.disk import DiskTier, namespaces
 from kvhal.tiers.disk import format as disk_format
 from kvhal.tiers.disk.format import RECORD_BYTES, TREE
+from kvhal.tiers.disk.namespaces import namespace_name
 from tests.helpers import examples
 
 FP = {"model": "m", "revision": "r1", "dtype": "bf16"}
 SLOT = 8192  # 4 KiB-aligned: straight from the caller's buffers under O_DIRECT
-RANK0 = f"{TREE}/rank0of1"
 
 
 def make_spec(path: Path, *, slot_bytes: int = SLOT, num_slots: int = 64, role: str = "io", **kw) -> TierSpec:
     options = {"path": str(path), "bytes_to_use": num_slots * (-(-slot_bytes // 4096) * 4096 + RECORD_BYTES)}
     options.update(kw.pop("options", {}))
     return TierSpec(options, slot_bytes, kw.pop("fingerprint", FP), role, **kw)  # type: ignore[arg-type]
+
+
+def rank_dir(**spec) -> str:
+    """A rank's directory relative to the disk path, in the namespace of ``make_spec(**spec)``'s model."""
+    made = make_spec(Path("unused"), **spec)
+    return f"{TREE}/{namespace_name(made)}/rank{made.rank}of{made.world_size}"
+
+
+#: The default model's rank 0.
+RANK0 = rank_dir()
 
 
 def aligned(n: int, slot_bytes: int) -> list[memoryview]:
@@ -205,20 +215,146 @@ def test_flipped_record_byte_reads_corrupt_and_is_not_recovered(tmp_path):
     index.close()
 
 
-def test_other_fingerprint_reads_foreign_and_is_not_recovered(tmp_path):
-    t = DiskTier(make_spec(tmp_path / "d"))
+def test_another_model_on_the_path_has_its_own_namespace_and_never_touches_the_first(tmp_path):
+    path = tmp_path / "d"
+    first = DiskTier(make_spec(path))
+    assert first.num_slots == 64
+    mine = store(first, [7])
+    first.close()
+    other = {**FP, "revision": "r2"}  # same geometry, another model
+    second = DiskTier(make_spec(path, num_slots=128, fingerprint=other))
+    assert second.num_slots == 64, "the budget is shared: the first model holds half of it"
+    assert second.namespace != first.namespace
+    assert load(second, [7])[0] == [MISSING]
+    store(second, [7], seed=9)  # the same slot number, in its own files
+    second.close()
+    t = DiskTier(make_spec(path))  # its own bytes_to_use, though the path now holds more
+    assert load(t, [7]) == ([OK], mine), "another model's writes reached the first model's blocks"
+    t.close()
+    index = DiskTier(make_spec(path, role="index"))
+    assert index.recover() == ([7], keys_for([7]))
+    index.close()
+
+
+def test_a_record_of_another_model_reads_foreign_and_is_not_recovered(tmp_path):
+    path = tmp_path / "d"
+    t = DiskTier(make_spec(path))
     store(t, [7])
     t.close()
     other = {**FP, "revision": "r2"}
-    t = DiskTier(make_spec(tmp_path / "d", fingerprint=other))
+    DiskTier(make_spec(path, num_slots=128, role="index", fingerprint=other)).close()
+    mine, theirs = path / RANK0 / "index.bin", path / rank_dir(fingerprint=other) / "index.bin"
+    theirs.write_bytes(mine.read_bytes()[: theirs.stat().st_size])  # the first model's records copied over
+    t = DiskTier(make_spec(path, num_slots=128, fingerprint=other))
     assert load(t, [7])[0] == [FOREIGN]
     t.close()
-    index = DiskTier(make_spec(tmp_path / "d", role="index", fingerprint=other))
+    index = DiskTier(make_spec(path, num_slots=128, role="index", fingerprint=other))
     assert index.recover() == ([], [])
     index.close()
-    index = DiskTier(make_spec(tmp_path / "d", role="index"))  # control: its own fingerprint finds it
+    index = DiskTier(make_spec(path, role="index"))  # control: its own model finds it
     assert index.recover() == ([7], keys_for([7]))
     index.close()
+
+
+def test_a_budget_taken_by_other_models_is_a_clear_error_and_nothing_changes(tmp_path):
+    path = tmp_path / "d"
+    t = DiskTier(make_spec(path))
+    contents = store(t, [0])
+    t.close()
+    before = {p: p.read_bytes() for p in (path / RANK0).iterdir()}
+    other = {**FP, "model": "second"}
+    with pytest.raises(
+        ValidationError, match=r"bytes_to_use: .* is taken by m-[0-9a-f]{16} \(m, 528384 bytes\)"
+    ):
+        DiskTier(make_spec(path, fingerprint=other))
+    assert {p: p.read_bytes() for p in (path / RANK0).iterdir()} == before
+    t = DiskTier(make_spec(path))
+    assert load(t, [0]) == ([OK], contents)
+    t.close()
+
+
+def test_two_models_run_on_one_path_at_once_and_one_model_once(tmp_path):
+    path = tmp_path / "d"
+    other = {**FP, "model": "second"}
+    a = DiskTier(make_spec(path, role="index"))
+    b = DiskTier(make_spec(path, role="index", num_slots=128, fingerprint=other))
+    with pytest.raises(TierError, match="in use by another engine of this model"):
+        DiskTier(make_spec(path, role="index"))
+    a.close()
+    b.close()
+    DiskTier(make_spec(path, role="index")).close()  # the refusal released nothing it held
+
+
+def test_a_namespace_keeps_its_size_and_a_budget_too_small_for_it_is_refused(tmp_path):
+    path = tmp_path / "d"
+    t = DiskTier(make_spec(path))
+    contents = store(t, [0])
+    t.close()
+    before = {p: p.read_bytes() for p in (path / RANK0).iterdir()}
+    with pytest.raises(
+        ValidationError, match=r"bytes_to_use: .* this model's cache at .* made with 528384 bytes"
+    ):
+        DiskTier(make_spec(path, num_slots=32, role="index"))
+    bigger = DiskTier(make_spec(path, num_slots=65))
+    assert bigger.num_slots == 64, "a namespace is not resized by a later bytes_to_use"
+    assert load(bigger, [0]) == ([OK], contents)
+    bigger.close()
+    assert {p: p.read_bytes() for p in (path / RANK0).iterdir()} == before
+    DiskTier(make_spec(path, role="index")).close()  # the lock was released by the refusal
+
+
+def test_a_slot_size_change_is_another_namespace(tmp_path):
+    path = tmp_path / "d"
+    t = DiskTier(make_spec(path))
+    contents = store(t, [0])
+    t.close()
+    wider = DiskTier(make_spec(path, num_slots=128, slot_bytes=12288))
+    assert wider.namespace != t.namespace and wider.num_slots >= 1
+    wider.close()
+    t = DiskTier(make_spec(path))
+    assert load(t, [0]) == ([OK], contents)
+    t.close()
+
+
+def test_blocks_of_a_tree_from_before_namespaces_move_into_the_model_s_namespace(tmp_path, caplog):
+    path = tmp_path / "d"
+    t = DiskTier(make_spec(path, num_slots=128, role="index"))
+    t.close()
+    t = DiskTier(make_spec(path, num_slots=128))
+    contents = store(t, [3])
+    t.close()
+    namespace = Path(t.namespace)
+    (namespace / "rank0of1").rename(path / TREE / "rank0of1")  # the layout kvhal wrote before
+    (namespace / "namespace.json").unlink()
+    # another model's rank directory of that layout: never moved, counted against the budget
+    other = {**FP, "model": "second"}
+    o = DiskTier(make_spec(tmp_path / "o", num_slots=128, world_size=2, fingerprint=other, rank=1))
+    store(o, [1])
+    o.close()
+    (Path(o.namespace) / "rank1of2").rename(path / TREE / "rank1of2")
+    with caplog.at_level("INFO", logger="kvhal"):
+        t = DiskTier(make_spec(path, num_slots=128))
+    assert load(t, [3]) == ([OK], contents)
+    t.close()
+    assert "moved into" in caplog.text
+    assert not (path / TREE / "rank0of1").exists()
+    assert (path / TREE / "rank1of2" / "index.bin").exists()
+    with pytest.raises(ValidationError, match=r"rank1of2 \(an earlier kvhal's rank directory"):
+        DiskTier(make_spec(path, num_slots=128, fingerprint={**FP, "model": "third"}))
+
+
+def test_a_namespace_being_sized_by_another_engine_is_waited_for_at_most_its_deadline(tmp_path, monkeypatch):
+    path = tmp_path / "d"
+    DiskTier(make_spec(path)).close()
+    monkeypatch.setattr(namespaces, "BUDGET_WAIT_S", 0.2)
+    fd = os.open(path / TREE / "BUDGET", os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # another engine, stuck while sizing
+    try:
+        with pytest.raises(TierError, match="BUDGET: another engine held it for 0 s"):
+            DiskTier(make_spec(path))
+    finally:
+        os.close(fd)
+    DiskTier(make_spec(path)).close()  # control: released, it opens
 
 
 class TornTier(DiskTier):
@@ -260,8 +396,8 @@ def test_recover_keeps_slots_every_rank_holds_with_the_same_key(tmp_path):
     assert index.recover() == ([0, 1, 2], keys_for([0, 1, 2]))
     index.close()
     # rank 0's record copied into rank 1's index: the digest names the rank, so it is foreign there
-    src = path / TREE / "rank0of2" / "index.bin"
-    dst = path / TREE / "rank1of2" / "index.bin"
+    src = path / rank_dir(rank=0, world_size=2, num_slots=128) / "index.bin"
+    dst = path / rank_dir(rank=1, world_size=2, num_slots=128) / "index.bin"
     dst.write_bytes(src.read_bytes())
     rank1 = DiskTier(make_spec(path, rank=1, world_size=2, num_slots=128))
     assert load(rank1, [0])[0] == [FOREIGN]
@@ -276,7 +412,7 @@ def test_recover_keeps_slots_every_rank_holds_with_the_same_key(tmp_path):
 
 def test_second_engine_refused_until_the_first_closes(tmp_path):
     first = DiskTier(make_spec(tmp_path / "d", role="index"))
-    with pytest.raises(TierError, match=rf"in use by another engine \(pid {os.getpid()}\)"):
+    with pytest.raises(TierError, match=rf"in use by another engine of this model \(pid {os.getpid()}\)"):
         DiskTier(make_spec(tmp_path / "d", role="index"))
     worker = DiskTier(make_spec(tmp_path / "d"))  # workers of the owning engine do not lock
     worker.close()
@@ -336,34 +472,19 @@ def test_modes_private(tmp_path):
     finally:
         os.umask(old)
     root = tmp_path / "d"
-    dirs = [root, root / TREE, root / RANK0]
-    files = [root / TREE / "LOCK", *(root / RANK0).iterdir()]
+    namespace = (root / RANK0).parent
+    dirs = [root, root / TREE, namespace, root / RANK0]
+    files = [root / TREE / "BUDGET", *namespace.glob("*.json"), namespace / "LOCK", *(root / RANK0).iterdir()]
     assert {stat.S_IMODE(p.stat().st_mode) for p in dirs} == {0o700}
     assert {stat.S_IMODE(p.stat().st_mode) for p in files} == {0o600}
     assert {p.name for p in (root / RANK0).iterdir()} == {"meta.json", "data-0.bin", "index.bin"}
 
 
-def test_other_geometry_refused_and_nothing_lost(tmp_path):
-    t = DiskTier(make_spec(tmp_path / "d"))
-    contents = store(t, [0])
-    t.close()
-    before = {p: p.read_bytes() for p in (tmp_path / "d" / RANK0).iterdir()}
-    with pytest.raises(TierError, match=r"slot_bytes: on disk 8192, asked 12288.*use another path or remove"):
-        DiskTier(make_spec(tmp_path / "d", slot_bytes=12288))
-    with pytest.raises(TierError, match=r"num_slots: on disk 64, asked 65"):
-        DiskTier(make_spec(tmp_path / "d", num_slots=65, role="index"))
-    assert {p: p.read_bytes() for p in (tmp_path / "d" / RANK0).iterdir()} == before
-    t = DiskTier(make_spec(tmp_path / "d"))
-    assert load(t, [0]) == ([OK], contents)
-    t.close()
-    DiskTier(make_spec(tmp_path / "d", role="index")).close()  # the lock was released by the refusals
-
-
-def test_fingerprint_change_reaches_meta_json(tmp_path):
+def test_each_namespace_names_its_model_for_people(tmp_path):
     DiskTier(make_spec(tmp_path / "d", role="index")).close()
-    DiskTier(make_spec(tmp_path / "d", role="index", fingerprint={"model": "other"})).close()
-    meta = (tmp_path / "d" / RANK0 / "meta.json").read_text()
-    assert '"other"' in meta
+    DiskTier(make_spec(tmp_path / "d", role="index", num_slots=128, fingerprint={"model": "other"})).close()
+    assert '"other"' in (tmp_path / "d" / rank_dir(fingerprint={"model": "other"}) / "meta.json").read_text()
+    assert '"other"' not in (tmp_path / "d" / RANK0 / "meta.json").read_text()
 
 
 # ---------------------------------------------------------------- options

@@ -234,12 +234,12 @@ def test_hits_read_from_disk_are_prefetched_and_loaded_in_their_step(model, tmp_
 
 
 def test_second_engine_on_the_same_disk_path_is_refused(model, tmp_path):
-    """A process holds the disk tier as a running engine's scheduler does; an engine
-    started on the same path must fail, naming the reason, and leave the tier alone."""
+    """A process holds the model's namespace as a running engine's scheduler does; an engine
+    of that model started on the same path must fail, naming the reason, and leave the tier alone."""
+    populate(model, tmp_path, prompts(1, LENGTH, seed=26))  # makes the model's namespace
+    (lock,) = tmp_path.glob("kvhal-tier-v1/m-*/LOCK")
     holder = subprocess.Popen(
-        [sys.executable, "-c", _HOLD.format(path=str(tmp_path), slot=BLOCK_BYTES, size=AMPLE_DISK)],
-        stdout=subprocess.PIPE,
-        text=True,
+        [sys.executable, "-c", _HOLD.format(lock=str(lock))], stdout=subprocess.PIPE, text=True
     )
     try:
         assert holder.stdout.readline().strip() == "held"
@@ -251,10 +251,9 @@ def test_second_engine_on_the_same_disk_path_is_refused(model, tmp_path):
 
 
 _HOLD = """
-import time
-from kvhal.tiers.backend import TierSpec
-from kvhal.tiers.disk import DiskTier
-tier = DiskTier(TierSpec({{"path": {path!r}, "bytes_to_use": {size}}}, {slot}, role="index"))
+import fcntl, os, time
+fd = os.open({lock!r}, os.O_RDWR)
+fcntl.flock(fd, fcntl.LOCK_EX)
 print("held", flush=True)
 time.sleep(600)
 """

@@ -71,7 +71,7 @@ def ttft(folder: str, prompt_len: int, repeats: int, models: Path, progress: Pro
     }
     recompute, host = rig.recompute(), rig.host_hit()
     written = rig.populate("writing the prompts to disk", {"cpu_bytes_to_use": 2 << 30, **disk})
-    tier_files = glob.glob(os.path.join(disk["disk_path"], TREE, "rank*", "*.bin"))
+    tier_files = glob.glob(os.path.join(disk["disk_path"], TREE, "m-*", "rank*", "*.bin"))
     drop_cache(tier_files)  # nothing there with O_DIRECT; a buffered fallback's pages go too
     from_disk = rig.hits(
         "disk hit (a fresh engine)", {"cpu_bytes_to_use": rig.small_host, **disk}, "disk hit"

@@ -21,7 +21,7 @@ from kvhal.bench.common import KEY_BYTES, size_name
 from kvhal.registry import PluginRegistry
 from kvhal.tiers.backend import TierSpec
 from kvhal.tiers.disk import DiskTier
-from kvhal.tiers.disk.format import ALIGN, RECORD_BYTES, TREE, pack_record
+from kvhal.tiers.disk.format import ALIGN, RECORD_BYTES, pack_record
 from kvhal.tiers.disk.io import aligned_buffer, preadv_all, pwritev_all
 from kvhal.tiers.index import TierIndex
 
@@ -117,7 +117,7 @@ class TierRig:
         self.block_bytes = block_bytes
         self.blocks = blocks
         self.keys = [b"kvhal-bench-disk" + i.to_bytes(KEY_BYTES - 16, "big") for i in range(blocks)]
-        self.data_files = sorted(glob.glob(os.path.join(self.folder, TREE, "rank0of1", "data-*.bin")))
+        self.data_files = sorted(glob.glob(os.path.join(self.tier.namespace, "rank0of1", "data-*.bin")))
         # Written extents, as in a tier in use (preallocation leaves them unwritten), untimed.
         chunk = aligned_buffer(LIMIT_CHUNK)
         for path in self.data_files:
@@ -314,9 +314,10 @@ def warm_restart(folder: str, blocks: int, policy: str = "clock") -> dict:
         role="index",
     )
     try:
-        DiskTier(spec).close()  # creates and preallocates the files
+        tier = DiskTier(spec)  # creates and preallocates the files
+        tier.close()
         digest = spec.digest()
-        index_path = os.path.join(path, TREE, "rank0of1", "index.bin")
+        index_path = os.path.join(tier.namespace, "rank0of1", "index.bin")
         fd = os.open(index_path, os.O_WRONLY | os.O_CLOEXEC)
         try:
             step = 1 << 16

@@ -5,8 +5,9 @@ Options (``TierSpec.options``):
 - ``path`` (str, required): a directory; created (mode 0700) if missing. An
   existing one must be a real directory (not a symbolic link) that other users
   cannot write (not world-writable).
-- ``bytes_to_use`` (int, required): disk space for the whole engine; each
-  tensor-parallel rank gets ``bytes_to_use // world_size``, as many whole slots
+- ``bytes_to_use`` (int, required): disk space for everything kvhal keeps under ``path``
+  (models share it: see :mod:`kvhal.tiers.disk.namespaces`); of its model's share, each
+  tensor-parallel rank gets ``1 / world_size``, as many whole slots
   as fit (a slot takes its size rounded up to 4 KiB plus a 64-byte record).
   Preallocated when the tier opens, so a full disk is an error at start-up
   naming the free bytes, never a failure mid-run.
@@ -21,16 +22,17 @@ Options (``TierSpec.options``):
 
 What it writes, under ``<path>/kvhal-tier-v1/`` (directories 0700, files 0600,
 all opened relative to directory descriptors with ``O_NOFOLLOW``; keys never
-become file names):
+become file names), one directory per model (``m-<digest>/``, its size recorded in
+``namespace.json``: :mod:`kvhal.tiers.disk.namespaces`), holding:
 
 - ``LOCK``: held with ``flock`` by the engine's scheduler (``role="index"``)
-  while open, holding its pid; a second engine on the same path is refused.
+  while open, holding its pid; a second engine of the model on the same path is refused.
   Workers (``role="io"``) do not lock: they belong to the engine holding it.
-- ``rank{r}of{n}/meta.json``: the slot geometry (checked on every open: a
-  directory made for another slot size or ``bytes_to_use`` is refused, never
-  reinitialised, so nothing stored is lost to a configuration mistake) and, for
-  people, the fingerprint of the KV it holds. A damaged one (not a regular file,
-  unreadable, not kvhal's JSON) starts the rank empty, with one warning.
+- ``rank{r}of{n}/meta.json``: the slot geometry (checked on every open against the
+  namespace's size: a disagreeing one is refused, never reinitialised, so nothing stored is
+  lost to a configuration mistake) and, for people, the fingerprint of the KV it holds. A
+  damaged one (not a regular file, unreadable, not kvhal's JSON) starts the rank empty, with
+  one warning.
 - ``rank{r}of{n}/data-{i}.bin``: the payloads, file-major (see
   :class:`~kvhal.tiers.disk.format.Geometry`): ascending slots are contiguous,
   so a run of them moves in one request.
@@ -55,7 +57,7 @@ from typing import Any
 import numpy as np
 
 from kvhal.errors import TierError, ValidationError, check_int
-from kvhal.tiers.disk.format import RECORD_BYTES, TREE
+from kvhal.tiers.disk.format import RECORD_BYTES
 
 __all__ = [
     "DamagedMeta",
@@ -179,9 +181,10 @@ def open_file(dir_fd: int, name: str, flags: int, where: str) -> int:
     return fd
 
 
-def take_lock(tree_fd: int, path: str) -> int:
-    """Hold ``LOCK`` in the tree with ``flock``, holding this pid; another engine's is an error."""
-    fd = open_file(tree_fd, "LOCK", os.O_RDWR | os.O_CREAT, os.path.join(path, TREE))
+def take_lock(dir_fd: int, where: str, path: str) -> int:
+    """Hold ``LOCK`` in ``dir_fd`` (a model's namespace at ``where``) with ``flock``, holding this
+    pid; another engine's is an error naming ``path``, the engine's ``disk_path``."""
+    fd = open_file(dir_fd, "LOCK", os.O_RDWR | os.O_CREAT, where)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -190,7 +193,8 @@ def take_lock(tree_fd: int, path: str) -> int:
         raise TierError(
             "disk",
             path,
-            f"in use by another engine (pid {holder}); stop it or give this engine another path",
+            f"in use by another engine of this model (pid {holder}); stop it or give this engine "
+            "another path",
         ) from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
@@ -206,8 +210,8 @@ class DamagedMeta(Exception):
 META_MAX_BYTES = 64 << 10
 
 
-def read_meta(dir_fd: int, where: str) -> dict[str, Any] | None:
-    """The rank's ``meta.json``, or ``None`` if there is none.
+def read_meta(dir_fd: int, where: str, name: str = "meta.json") -> dict[str, Any] | None:
+    """The rank's ``meta.json`` (or another of kvhal's JSON files, ``name``), or ``None`` if there is none.
 
     Opened without following a link and without blocking (a FIFO put in its place would
     block a plain open forever), and read only if it is a regular file of bounded size.
@@ -215,25 +219,25 @@ def read_meta(dir_fd: int, where: str) -> dict[str, Any] | None:
     :raises DamagedMeta: it is not a regular file, unreadable, too large, or not a JSON object.
     """
     try:
-        fd = os.open("meta.json", os.O_RDONLY | os.O_NONBLOCK | FILE_FLAGS, dir_fd=dir_fd)
+        fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | FILE_FLAGS, dir_fd=dir_fd)
     except FileNotFoundError:
         return None
     except OSError as exc:
         why = "is a symbolic link" if exc.errno == errno.ELOOP else f"cannot be opened ({exc.strerror})"
-        raise DamagedMeta(f"meta.json {why}") from exc
+        raise DamagedMeta(f"{name} {why}") from exc
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise DamagedMeta("meta.json is not a regular file")
+            raise DamagedMeta(f"{name} is not a regular file")
         if st.st_size > META_MAX_BYTES:
-            raise DamagedMeta(f"meta.json has {st.st_size} bytes, more than kvhal ever writes")
+            raise DamagedMeta(f"{name} has {st.st_size} bytes, more than kvhal ever writes")
         meta = json.loads(os.pread(fd, META_MAX_BYTES + 1, 0))
     except (OSError, ValueError) as exc:
-        raise DamagedMeta(f"meta.json is unreadable ({exc})") from exc
+        raise DamagedMeta(f"{name} is unreadable ({exc})") from exc
     finally:
         os.close(fd)
     if not isinstance(meta, dict):
-        raise DamagedMeta("meta.json is not a JSON object")
+        raise DamagedMeta(f"{name} is not a JSON object")
     return meta
 
 
@@ -267,16 +271,16 @@ def clear_rank(dir_fd: int, where: str) -> None:
             raise TierError("disk", os.path.join(where, name), f"cannot be removed: {exc.strerror}") from exc
 
 
-def write_meta(dir_fd: int, text: bytes) -> None:
-    """Replace ``meta.json`` atomically (a reader sees the old or the new one, whole)."""
-    temp = f"meta.json.{os.getpid()}.{threading.get_ident()}"
+def write_meta(dir_fd: int, text: bytes, name: str = "meta.json") -> None:
+    """Replace ``meta.json`` (or ``name``) atomically (a reader sees the old or the new one, whole)."""
+    temp = f"{name}.{os.getpid()}.{threading.get_ident()}"
     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | FILE_FLAGS, 0o600, dir_fd=dir_fd)
     try:
         os.write(fd, text)
         os.fsync(fd)
     finally:
         os.close(fd)
-    os.replace(temp, "meta.json", src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    os.replace(temp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     os.fsync(dir_fd)
 
 

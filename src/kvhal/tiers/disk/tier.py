@@ -69,6 +69,7 @@ from kvhal.tiers.disk.format import (
     valid_records,
 )
 from kvhal.tiers.disk.io import aligned_buffer, is_aligned, preadv_all, pwritev_all
+from kvhal.tiers.disk.namespaces import budget_lock, namespace_name, size_namespace
 
 __all__ = ["DiskTier"]
 
@@ -113,18 +114,39 @@ class DiskTier(TierBackend):
         self.direct = False
         self._digest = spec.digest()
         self._closed = False
-        self._root_fd = self._tree_fd = self._lock_fd = self._index_fd = -1
+        self._root_fd = self._tree_fd = self._ns_fd = self._lock_fd = self._index_fd = -1
         self._rank_fds: dict[int, int] = {}
         self._data_fds: list[int] = []
         self._pools: dict[str, ThreadPoolExecutor] = {}  # "read", "write"
         self._local = threading.local()
+        tree = os.path.join(self.path, TREE)
+        #: This model's directory under the path (:mod:`kvhal.tiers.disk.namespaces`).
+        self.namespace = os.path.join(tree, namespace_name(spec))
         try:
             self._root_fd = open_root(self.path)
             self._tree_fd = open_dir(self._root_fd, TREE, self.path)
+            self._ns_fd = open_dir(self._tree_fd, os.path.basename(self.namespace), tree)
             if spec.role == "index":
-                self._lock_fd = take_lock(self._tree_fd, self.path)
+                self._lock_fd = take_lock(self._ns_fd, self.namespace, self.path)
             ranks = range(world_size) if spec.role == "index" else [spec.rank]
-            self._ensure_ranks(ranks)
+
+            def make(size: int) -> None:
+                self.geometry = Geometry.plan(slot_bytes, size // world_size)
+                self.num_slots = self.geometry.num_slots
+                if self.num_slots < 1:
+                    raise TierError("disk", self.namespace, f"was made with {size} bytes, less than a slot")
+                self._ensure_ranks(ranks)
+
+            with budget_lock(self._tree_fd, tree):
+                size_namespace(
+                    spec,
+                    self._tree_fd,
+                    self._ns_fd,
+                    self.namespace,
+                    self.path,
+                    self.options.bytes_to_use,
+                    make,
+                )
             if spec.role == "io":
                 self._open_io()
         except BaseException:
@@ -480,7 +502,7 @@ class DiskTier(TierBackend):
     # ------------------------------------------------------------------ opening the medium
 
     def _rank_dir(self, rank: int) -> str:
-        return os.path.join(self.path, TREE, f"rank{rank}of{self.spec.world_size}")
+        return os.path.join(self.namespace, f"rank{rank}of{self.spec.world_size}")
 
     def _write_meta(self, dir_fd: int, rank: int) -> None:
         spec = self.spec
@@ -498,9 +520,7 @@ class DiskTier(TierBackend):
         new: list[int] = []
         for rank in ranks:
             where = self._rank_dir(rank)
-            fd = self._rank_fds[rank] = open_dir(
-                self._tree_fd, os.path.basename(where), os.path.dirname(where)
-            )
+            fd = self._rank_fds[rank] = open_dir(self._ns_fd, os.path.basename(where), self.namespace)
             try:
                 meta = read_meta(fd, where)
                 lacking = [n for n in self.geometry.fields() if meta is not None and n not in meta]
@@ -592,12 +612,13 @@ class DiskTier(TierBackend):
             *self._data_fds,
             self._index_fd,
             *self._rank_fds.values(),
+            self._ns_fd,
             self._tree_fd,
             self._root_fd,
             self._lock_fd,
         ]
         self._data_fds, self._rank_fds = [], {}
-        self._index_fd = self._tree_fd = self._root_fd = self._lock_fd = -1
+        self._index_fd = self._ns_fd = self._tree_fd = self._root_fd = self._lock_fd = -1
         for fd in fds:
             if fd >= 0:
                 with contextlib.suppress(OSError):
