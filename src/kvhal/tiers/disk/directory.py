@@ -139,10 +139,13 @@ def open_root(path: str) -> int:
             "kvhal's files; use a directory others cannot write",
         )
     fd = os.open(path, DIR_FLAGS)
-    opened = os.fstat(fd)
-    if (opened.st_dev, opened.st_ino) != (st.st_dev, st.st_ino):
+    try:
+        opened = os.fstat(fd)
+        if (opened.st_dev, opened.st_ino) != (st.st_dev, st.st_ino):
+            raise TierError("disk", path, "was replaced while being opened")
+    except BaseException:
         os.close(fd)
-        raise TierError("disk", path, "was replaced while being opened")
+        raise
     return fd
 
 
@@ -156,12 +159,15 @@ def open_dir(parent: int, name: str, where: str) -> int:
     except OSError as exc:
         why = "is a symbolic link" if exc.errno in (errno.ELOOP, errno.ENOTDIR) else exc.strerror
         raise TierError("disk", path, f"cannot be used: {why}") from exc
-    st = os.fstat(fd)
-    if st.st_uid != os.geteuid():
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid():
+            raise TierError("disk", path, f"belongs to another user (uid {st.st_uid})")
+        if st.st_mode & 0o077:  # kvhal's own directory: keep it private whatever happened to it
+            os.fchmod(fd, 0o700)
+    except BaseException:
         os.close(fd)
-        raise TierError("disk", path, f"belongs to another user (uid {st.st_uid})")
-    if st.st_mode & 0o077:  # kvhal's own directory: keep it private whatever happened to it
-        os.fchmod(fd, 0o700)
+        raise
     return fd
 
 
@@ -175,7 +181,12 @@ def open_file(dir_fd: int, name: str, flags: int, where: str) -> int:
     except OSError as exc:
         why = "is a symbolic link" if exc.errno == errno.ELOOP else exc.strerror
         raise TierError("disk", path, f"cannot be used: {why}") from exc
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
+    try:
+        regular = stat.S_ISREG(os.fstat(fd).st_mode)
+    except BaseException:
+        os.close(fd)
+        raise
+    if not regular:
         os.close(fd)
         raise TierError("disk", path, "is not a regular file")
     return fd
@@ -196,8 +207,12 @@ def take_lock(dir_fd: int, where: str, path: str) -> int:
             f"in use by another engine of this model (pid {holder}); stop it or give this engine "
             "another path",
         ) from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except BaseException:
+        os.close(fd)  # and the flock with it: a failed start must not keep the model's cache locked
+        raise
     return fd
 
 
@@ -276,11 +291,16 @@ def write_meta(dir_fd: int, text: bytes, name: str = "meta.json") -> None:
     temp = f"{name}.{os.getpid()}.{threading.get_ident()}"
     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | FILE_FLAGS, 0o600, dir_fd=dir_fd)
     try:
-        os.write(fd, text)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(temp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        try:
+            os.write(fd, text)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(temp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temp, dir_fd=dir_fd)  # no half-written temporary left beside the files
+        raise
     os.fsync(dir_fd)
 
 

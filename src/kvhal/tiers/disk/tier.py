@@ -149,6 +149,9 @@ class DiskTier(TierBackend):
                 )
             if spec.role == "io":
                 self._open_io()
+        except OSError as exc:  # the file system failed (EIO, ENOSPC, ...): a clear error at start
+            self._release()
+            raise TierError("disk", self.path, f"cannot be opened: {exc.strerror or exc}") from exc
         except BaseException:
             self._release()
             raise
@@ -162,6 +165,15 @@ class DiskTier(TierBackend):
         slots whose ranks disagree are left out (the chain overwrites them).
         """
         self._check_open("recover", "index")
+        try:
+            return self._recover(progress)
+        except OSError as exc:  # a cache: what cannot be read is not offered, and the tier serves
+            log.warning(
+                "kvhal: disk tier at %s: reading its index failed (%s); it starts empty", self.path, exc
+            )
+            return [], []
+
+    def _recover(self, progress: Callable[[int, int], None] | None) -> tuple[list[int], list[bytes]]:
         total = self.num_slots
         digests = [self.spec.digest(r) for r in range(self.spec.world_size)]
         fds = [
