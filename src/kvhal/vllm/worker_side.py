@@ -2,9 +2,9 @@
 
 On ``register_kv_caches`` it picks the kvhal device plugin for the device the
 engine's KV cache lives on (or the one the user named), wraps each offloaded
-KV cache group's layer tensors (one tensor per layer, or a (K, V) pair as
-vllm-ascend passes) as a :class:`~kvhal.cache.KVCache` and lays the same group
-geometry over one pinned host buffer.
+KV cache group's layer tensors (one tensor per layer, a (K, V) pair as
+vllm-ascend passes, or another shape :mod:`kvhal.vllm.cache_shapes` takes) as a
+:class:`~kvhal.cache.KVCache` and lays the same group geometry over one pinned host buffer.
 
 Nothing here waits for a copy on the engine's thread except a fence the
 scheduler asked for and a synchronous load: a host hit vLLM scheduled in this
