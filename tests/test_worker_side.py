@@ -213,8 +213,8 @@ def test_split_cache_loads_each_part_from_the_host_tier():
 @pytest.mark.parametrize(
     ("value", "phrase"),
     [
-        ((torch.zeros(2, 2),), "expected a tensor or a \\(k_cache, v_cache\\) pair"),
-        ([torch.zeros(2), torch.zeros(2), torch.zeros(2)], "pair of tensors, got list"),
+        ((torch.zeros(2, 2),), "its k_cache has 2 dimensions, not 4"),
+        ([torch.zeros(2), torch.zeros(2), torch.zeros(2)], "Mamba state .* got list of 3"),
         ("kv", "got str"),
     ],
 )

@@ -16,7 +16,7 @@ from kvhal.copyplan import CopyPlan
 from kvhal.cpu import memory
 from kvhal.cpu.copy_engine import CopyEngine
 from kvhal.cpu.streams import CPUEvent, CPUStream, InlineStream
-from kvhal.descriptor import Capability, DeviceDescriptor, Refusal
+from kvhal.descriptor import Capability, DeviceDescriptor, Refusal, dtype_capability
 from kvhal.geometry import KVGeometry
 from kvhal.hookspecs import hookimpl
 from kvhal.layouts import BLHNC, BLNHC, LBHNC, STANDARD_LAYOUTS, KVLayout, layouts_from_engine
@@ -58,6 +58,9 @@ class CPUPlugin:
             Capability.ASYNC_COPY,
             Capability.BATCHED_COPY,
             Capability.FP8,
+            # raw bytes: kvhal.vllm.cache_shapes moves K and V of different dtypes as uint8
+            # rows; the copies are memcpy of byte runs, so any dtype copies alike
+            dtype_capability(torch.uint8),
         }
         if policy.lock:
             caps.add(Capability.PINNED_HOST)

@@ -86,8 +86,9 @@ class KVHALConnector(KVConnectorBase_V1, SupportsHMA):
         assert self.worker_side is not None, "worker-side call on the scheduler-side connector"
         return self.worker_side
 
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        # vllm-ascend passes a (k_cache, v_cache) pair per layer: WorkerSide takes both
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        # vllm-ascend passes (k_cache, v_cache) pairs, 1-tuples and Mamba lists too:
+        # kvhal.vllm.cache_shapes says which WorkerSide offloads and which it refuses
         self._worker().register(kv_caches)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:

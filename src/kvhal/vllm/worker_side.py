@@ -2,9 +2,9 @@
 
 On ``register_kv_caches`` it picks the kvhal device plugin for the device the
 engine's KV cache lives on (or the one the user named), wraps each offloaded
-KV cache group's layer tensors (one tensor per layer, or a (K, V) pair as
-vllm-ascend passes) as a :class:`~kvhal.cache.KVCache` and lays the same group
-geometry over one pinned host buffer.
+KV cache group's layer tensors (one tensor per layer, a (K, V) pair as
+vllm-ascend passes, or another shape :mod:`kvhal.vllm.cache_shapes` takes) as a
+:class:`~kvhal.cache.KVCache` and lays the same group geometry over one pinned host buffer.
 
 Nothing here waits for a copy on the engine's thread except a fence the
 scheduler asked for and a synchronous load: a host hit vLLM scheduled in this
@@ -42,7 +42,6 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-import torch
 from vllm.logger import init_logger
 
 from kvhal.cache import KVCache
@@ -57,6 +56,7 @@ from kvhal.tiers.backend import OK, TierBackend
 from kvhal.tiers.io import TierIO
 from kvhal.tiers.remote.tier import RemoteTier
 from kvhal.vllm import local
+from kvhal.vllm.cache_shapes import group_views
 from kvhal.vllm.config import ConnectorConfig
 from kvhal.vllm.lower_tier import open_lower_tier
 from kvhal.vllm.metadata import (
@@ -172,28 +172,23 @@ class WorkerSide:
 
     # -- set-up ------------------------------------------------------------------
 
-    def register(self, kv_caches: dict[str, torch.Tensor | tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def register(self, kv_caches: dict[str, Any]) -> None:
         """Wrap the engine's KV cache and allocate the host tier.
 
-        :param kv_caches: per layer name, a logical ``[B, H, N, C]`` tensor, or a
-            ``(k_cache, v_cache)`` pair of them (split K and V, as vllm-ascend has).
-        :raises ValidationError: a layer is missing or malformed, or its blocks do
-            not hold the bytes vLLM's KV cache spec says (naming the layer).
+        :param kv_caches: per layer name, a logical ``[B, H, N, C]`` tensor, a
+            ``(k_cache, v_cache)`` pair of them (split K and V, as vllm-ascend has; of other
+            sizes or dtypes too), or a 1-tuple ``(k_cache,)``; :mod:`kvhal.vllm.cache_shapes`
+            says which shapes are offloaded and which refused.
+        :raises ValidationError: a layer is missing or of a shape kvhal refuses, or its blocks
+            do not hold the bytes vLLM's KV cache spec says (naming the layer).
         """
-        layers = {name: _layer_parts(name, value) for name, value in kv_caches.items()}
-        if not layers:
-            raise ValidationError("kv_caches", "vLLM registered no KV cache layer")
-        first = next(iter(layers.values()))[0]
+        views = group_views(kv_caches, self.config.groups)
+        first = next(iter(views.values())).layers[0][0]
         self.device = select_device(self.config.device, device_type=first.device.type)
         layout = layout_by_name(self.config.layout)
         for group in self.config.groups:
-            missing = [name for name in group.layer_names if name not in layers]
-            if missing:
-                raise ValidationError(
-                    "kv_caches", f"KV cache group {group.group_id} has no tensor for layers {missing}"
-                )
-            views = [layers[name] for name in group.layer_names]
-            cache = KVCache.wrap(views, layout, head_size=group.head_size)
+            tensors = views[group.group_id]
+            cache = KVCache.wrap(tensors.layers, layout, head_size=tensors.head_size)
             if cache.geometry.block_bytes != group.slot_bytes:
                 raise ValidationError(
                     "kv_caches",
@@ -691,20 +686,3 @@ def _tensor_parallel_rank() -> int:
     from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, model_parallel_is_initialized
 
     return get_tensor_model_parallel_rank() if model_parallel_is_initialized() else 0
-
-
-def _layer_parts(name: str, value: Any) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """One layer's KV tensor, or its (K, V) pair, checked; naming the layer otherwise."""
-    if isinstance(value, torch.Tensor):
-        return value
-    pair = isinstance(value, (tuple, list)) and len(value) == 2
-    if pair and all(isinstance(t, torch.Tensor) for t in value):
-        k, v = value
-        if k.device != v.device:
-            raise ValidationError("kv_caches", f"layer {name!r}: K is on {k.device}, V on {v.device}")
-        return (k, v)
-    raise ValidationError(
-        "kv_caches",
-        f"layer {name!r}: expected a tensor or a (k_cache, v_cache) pair of tensors, "
-        f"got {type(value).__name__}",
-    )
