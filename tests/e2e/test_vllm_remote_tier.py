@@ -44,7 +44,10 @@ def redis_cluster() -> Iterator:
 def mooncake() -> Iterator:
     from kvhal.testing.mooncake_servers import MooncakeCluster
 
-    with MooncakeCluster() as cluster:
+    # every engine of the module writes here, and Mooncake evicts only past its high watermark:
+    # 256MB filled up on a loaded CI machine (BatchPut ... insufficient space, so a later engine
+    # found nothing to load)
+    with MooncakeCluster(segment="1GB") as cluster:
         yield cluster
 
 
