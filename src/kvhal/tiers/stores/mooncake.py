@@ -35,7 +35,10 @@ outside every registered range is copied through a registered staging area of th
 RDMA can only reach registered memory, and registering the caller's buffer for the call is
 not an option because Mooncake refuses a region overlapping one already registered (rc -600),
 which two concurrent calls over the same buffer would hit. (The TCP transport would accept
-unregistered memory; kvhal does not rely on it.)
+unregistered memory; kvhal does not rely on it.) The parts of a value of at most
+``COALESCE_BYTES`` (1 MiB: kvhal's header and a small block) are staged together too, so that
+the value moves as one slice: Mooncake's TCP transport pays per slice about as much as for a
+small block (BENCHMARKS.md, "Shared tier").
 
 Mooncake's return codes (``ErrorCode`` in ``mooncake-store/include/types.h``) are mapped:
 ``OBJECT_NOT_FOUND`` (-704) and ``REPLICA_IS_NOT_READY`` (-703, a put still in flight) read
@@ -89,6 +92,9 @@ PROBE_TIMEOUT = 3.0
 CONCURRENCY = 4
 #: the smallest staging area this client allocates and registers
 MIN_STAGING = 1 << 20
+#: a value of several parts (kvhal's header and block) up to this size moves as one slice,
+#: staged: a second slice costs about 85 us over TCP, a memcpy of 64 KiB about 5 us
+COALESCE_BYTES = 1 << 20
 
 # Mooncake's ErrorCode values (mooncake-store/include/types.h)
 OBJECT_NOT_FOUND = -704
@@ -532,7 +538,8 @@ def _bytes(memory: memoryview, argument: str, *, writable: bool) -> np.ndarray:
 
 
 class _Plan:
-    """One call's pointers and sizes, with its parts outside registered memory staged."""
+    """One call's pointers and sizes, with its parts outside registered memory staged, and the
+    parts of a small value staged together, as one slice (:data:`COALESCE_BYTES`)."""
 
     def __init__(self, store: MooncakeStore, values: list[list[np.ndarray]]) -> None:
         self.store = store
@@ -541,31 +548,43 @@ class _Plan:
         # staged parts: (value, offset in the staging area, offset in the value, part)
         self.staged: list[tuple[int, int, int, np.ndarray]] = []
         self.area: _Staging | None = None
+        pending: list[tuple[int, int, int]] = []  # (value, slice, offset in the staging area)
         staged_bytes = 0
         for i, parts in enumerate(values):
-            ptrs, sizes, at = [], [], 0
-            for part in parts:
-                if not part.nbytes:
-                    continue  # Mooncake refuses zero-length slices; they carry nothing
-                address = int(part.ctypes.data)
-                if store._registered(address, part.nbytes):
-                    ptrs.append(address)
-                else:
-                    ptrs.append(-1)  # filled in once the staging area exists
+            parts = [p for p in parts if p.nbytes]  # Mooncake refuses zero-length slices
+            total = sum(p.nbytes for p in parts)
+            ptrs: list[int] = []
+            sizes: list[int] = []
+            if len(parts) > 1 and total <= COALESCE_BYTES:
+                # one slice costs Mooncake's TCP transport about as much as the block it
+                # carries (BENCHMARKS.md, "Shared tier"): a memcpy of a small value is cheaper
+                pending.append((i, 0, staged_bytes))
+                at = 0
+                for part in parts:
                     self.staged.append((i, staged_bytes, at, part))
                     staged_bytes += part.nbytes
-                sizes.append(part.nbytes)
-                at += part.nbytes
+                    at += part.nbytes
+                ptrs.append(-1)
+                sizes.append(total)
+            else:
+                at = 0
+                for part in parts:
+                    address = int(part.ctypes.data)
+                    if store._registered(address, part.nbytes):
+                        ptrs.append(address)
+                    else:
+                        pending.append((i, len(ptrs), staged_bytes))
+                        ptrs.append(-1)  # filled in once the staging area exists
+                        self.staged.append((i, staged_bytes, at, part))
+                        staged_bytes += part.nbytes
+                    sizes.append(part.nbytes)
+                    at += part.nbytes
             self.ptrs.append(ptrs)
             self.sizes.append(sizes)
         if staged_bytes:
             self.area = store._take_staging(staged_bytes)
-            base = self.area.address
-            fill = iter(self.staged)
-            for ptrs in self.ptrs:
-                for j, ptr in enumerate(ptrs):
-                    if ptr == -1:
-                        ptrs[j] = base + next(fill)[1]
+            for i, j, offset in pending:
+                self.ptrs[i][j] = self.area.address + offset
 
     def stage_in(self) -> None:
         if self.area is not None:
