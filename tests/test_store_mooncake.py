@@ -20,7 +20,7 @@ from kvhal.registry import PluginRegistry
 from kvhal.testing.mooncake_servers import MooncakeCluster, free_port
 from kvhal.tiers.media import open_store
 from kvhal.tiers.remote.store import ABSENT, FAILED, StoreUnavailable
-from kvhal.tiers.stores import mooncake as mooncake_module
+from kvhal.tiers.stores import mooncake_staging
 from kvhal.tiers.stores.mooncake import MooncakeStore, parse_url
 
 pytest.importorskip("mooncake.store", reason="Mooncake's client is not installed")
@@ -98,7 +98,7 @@ class SliceSpy:
 def test_a_small_value_of_two_parts_moves_as_one_slice(store, registered, monkeypatch, coalesce):
     """Up to COALESCE_BYTES, header and block are staged into one slice (a slice costs Mooncake's
     TCP transport about as much as a small block); above it, each part moves from where it lies."""
-    monkeypatch.setattr(mooncake_module, "COALESCE_BYTES", coalesce)
+    monkeypatch.setattr(mooncake_staging, "COALESCE_BYTES", coalesce)
     spy = SliceSpy(store._client)
     monkeypatch.setattr(store, "_client", spy)
     src, dst = registered
@@ -113,7 +113,7 @@ def test_a_small_value_of_two_parts_moves_as_one_slice(store, registered, monkey
 
 
 def test_round_trip_from_and_into_registered_memory(store, registered, monkeypatch):
-    monkeypatch.setattr(mooncake_module, "COALESCE_BYTES", 0)  # every part where it lies
+    monkeypatch.setattr(mooncake_staging, "COALESCE_BYTES", 0)  # every part where it lies
     staged = []
     monkeypatch.setattr(store, "_take_staging", lambda size: staged.append(size))
     src, dst = registered

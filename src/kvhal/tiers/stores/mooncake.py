@@ -73,11 +73,10 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
-import numpy as np
-
 from kvhal.errors import ValidationError
 from kvhal.tiers.remote.store import ABSENT, FAILED, RemoteStore, StoreUnavailable
 from kvhal.tiers.remote.urls import redact
+from kvhal.tiers.stores.mooncake_staging import MIN_STAGING, Plan, Staging, as_bytes
 
 __all__ = ["MooncakeOptions", "MooncakeStore", "parse_url"]
 
@@ -90,11 +89,6 @@ DEFAULT_BUFFER = 16 << 20
 PROBE_TIMEOUT = 3.0
 #: how many calls kvhal may run at once on one client (see MooncakeStore.concurrency)
 CONCURRENCY = 4
-#: the smallest staging area this client allocates and registers
-MIN_STAGING = 1 << 20
-#: a value of several parts (kvhal's header and block) up to this size moves as one slice,
-#: staged: a second slice costs about 85 us over TCP, a memcpy of 64 KiB about 5 us
-COALESCE_BYTES = 1 << 20
 
 # Mooncake's ErrorCode values (mooncake-store/include/types.h)
 OBJECT_NOT_FOUND = -704
@@ -261,16 +255,6 @@ def _probe(what: str, host: str, port: int, where: str) -> None:
         raise StoreUnavailable(f"{where}: cannot connect to the {what} at {address} ({exc})") from exc
 
 
-class _Staging:
-    """A registered area of this client that parts outside registered memory are copied through."""
-
-    def __init__(self, client: Any, size: int) -> None:
-        self.array = np.empty(size, dtype=np.uint8)
-        self.address = int(self.array.ctypes.data)
-        self.size = size
-        self.rc = int(client.register_buffer(self.address, size))
-
-
 class MooncakeStore(RemoteStore):
     """A connected Mooncake Store client (see the module's docstring).
 
@@ -292,8 +276,8 @@ class MooncakeStore(RemoteStore):
         self._ranges: list[tuple[int, int]] = []  # registered memory: [start, end)
         self._register_lock = threading.Lock()  # two registrations of one range: Mooncake refuses the second
         self._staging_lock = threading.Lock()
-        self._free_staging: list[_Staging] = []
-        self._all_staging: list[_Staging] = []
+        self._free_staging: list[Staging] = []
+        self._all_staging: list[Staging] = []
 
     @classmethod
     def from_url(cls, url: str) -> MooncakeStore:
@@ -385,7 +369,7 @@ class MooncakeStore(RemoteStore):
         (e.g. it overlaps a registered range), a warning is logged and parts in it are copied
         through the staging area.
         """
-        view = _bytes(memory, "memory", writable=False)
+        view = as_bytes(memory, "memory", writable=False)
         if not view.nbytes:
             return
         start = int(view.ctypes.data)
@@ -423,7 +407,7 @@ class MooncakeStore(RemoteStore):
         if not names:
             return []
         with self._call() as client:
-            plan = _Plan(self, [[_bytes(p, "values", writable=False) for p in parts] for parts in values])
+            plan = Plan(self, [[as_bytes(p, "values", writable=False) for p in parts] for parts in values])
             try:
                 plan.stage_in()
                 codes = list(client.batch_put_from_multi_buffers(names, plan.ptrs, plan.sizes, self._config))
@@ -439,7 +423,7 @@ class MooncakeStore(RemoteStore):
         if not names:
             return []
         with self._call() as client:
-            plan = _Plan(self, [[_bytes(p, "buffers", writable=True) for p in parts] for parts in buffers])
+            plan = Plan(self, [[as_bytes(p, "buffers", writable=True) for p in parts] for parts in buffers])
             try:
                 codes = list(client.batch_get_into_multi_buffers(names, plan.ptrs, plan.sizes))
                 self._check_answered("batch_get_into_multi_buffers", codes, len(names))
@@ -449,7 +433,7 @@ class MooncakeStore(RemoteStore):
                 plan.release()
         return [code if code >= 0 else ABSENT if code in NOT_HELD else FAILED for code in codes]
 
-    def _shorter_values(self, client: Any, names: list[str], plan: _Plan, codes: list[int]) -> list[int]:
+    def _shorter_values(self, client: Any, names: list[str], plan: Plan, codes: list[int]) -> list[int]:
         """Read again the values shorter than their buffers, into the buffers' first bytes.
 
         Mooncake's transfer fails (TRANSFER_FAIL) unless the buffers add up to the value's
@@ -479,21 +463,21 @@ class MooncakeStore(RemoteStore):
 
     # -- staging ------------------------------------------------------------------------
 
-    def _take_staging(self, size: int) -> _Staging:
+    def _take_staging(self, size: int) -> Staging:
         with self._staging_lock:
             fits = [s for s in self._free_staging if s.size >= size]
             if fits:
                 area = min(fits, key=lambda s: s.size)
                 self._free_staging.remove(area)
                 return area
-        area = _Staging(self._client, max(MIN_STAGING, 1 << (size - 1).bit_length()))
+        area = Staging(self._client, max(MIN_STAGING, 1 << (size - 1).bit_length()))
         if area.rc != 0:
             raise StoreUnavailable(f"{self.options.where}: registering a staging area failed (rc {area.rc})")
         with self._staging_lock:
             self._all_staging.append(area)
         return area
 
-    def _give_staging(self, area: _Staging) -> None:
+    def _give_staging(self, area: Staging) -> None:
         with self._staging_lock:
             self._free_staging.append(area)
             if len(self._free_staging) <= self.concurrency:
@@ -522,96 +506,3 @@ class MooncakeStore(RemoteStore):
             self._free_staging.clear()
             self._all_staging.clear()
             self._client.close()
-
-
-def _bytes(memory: memoryview, argument: str, *, writable: bool) -> np.ndarray:
-    """``memory`` as a flat uint8 array (its address is ``.ctypes.data``)."""
-    if not isinstance(memory, memoryview):
-        memory = memoryview(memory)
-    if not memory.c_contiguous:
-        raise ValidationError(argument, "a part is not contiguous memory")
-    if writable and memory.readonly:
-        raise ValidationError(argument, "a buffer is read-only")
-    if not memory.nbytes:
-        return np.empty(0, dtype=np.uint8)
-    return np.frombuffer(memory, np.uint8)
-
-
-class _Plan:
-    """One call's pointers and sizes, with its parts outside registered memory staged, and the
-    parts of a small value staged together, as one slice (:data:`COALESCE_BYTES`)."""
-
-    def __init__(self, store: MooncakeStore, values: list[list[np.ndarray]]) -> None:
-        self.store = store
-        self.ptrs: list[list[int]] = []
-        self.sizes: list[list[int]] = []
-        # staged parts: (value, offset in the staging area, offset in the value, part)
-        self.staged: list[tuple[int, int, int, np.ndarray]] = []
-        self.area: _Staging | None = None
-        pending: list[tuple[int, int, int]] = []  # (value, slice, offset in the staging area)
-        staged_bytes = 0
-        for i, parts in enumerate(values):
-            parts = [p for p in parts if p.nbytes]  # Mooncake refuses zero-length slices
-            total = sum(p.nbytes for p in parts)
-            ptrs: list[int] = []
-            sizes: list[int] = []
-            if len(parts) > 1 and total <= COALESCE_BYTES:
-                # one slice costs Mooncake's TCP transport about as much as the block it
-                # carries (BENCHMARKS.md, "Shared tier"): a memcpy of a small value is cheaper
-                pending.append((i, 0, staged_bytes))
-                at = 0
-                for part in parts:
-                    self.staged.append((i, staged_bytes, at, part))
-                    staged_bytes += part.nbytes
-                    at += part.nbytes
-                ptrs.append(-1)
-                sizes.append(total)
-            else:
-                at = 0
-                for part in parts:
-                    address = int(part.ctypes.data)
-                    if store._registered(address, part.nbytes):
-                        ptrs.append(address)
-                    else:
-                        pending.append((i, len(ptrs), staged_bytes))
-                        ptrs.append(-1)  # filled in once the staging area exists
-                        self.staged.append((i, staged_bytes, at, part))
-                        staged_bytes += part.nbytes
-                    sizes.append(part.nbytes)
-                    at += part.nbytes
-            self.ptrs.append(ptrs)
-            self.sizes.append(sizes)
-        if staged_bytes:
-            self.area = store._take_staging(staged_bytes)
-            for i, j, offset in pending:
-                self.ptrs[i][j] = self.area.address + offset
-
-    def stage_in(self) -> None:
-        if self.area is not None:
-            for _, offset, _, part in self.staged:
-                self.area.array[offset : offset + part.nbytes] = part
-
-    def stage_out(self, delivered: list[int]) -> None:
-        """Copy out the staged bytes of the values delivered (``delivered[i]`` bytes of value i)."""
-        if self.area is None:
-            return
-        for i, offset, at, part in self.staged:
-            n = min(part.nbytes, delivered[i] - at)
-            if n > 0:
-                part[:n] = self.area.array[offset : offset + n]
-
-    def trim(self, i: int, size: int) -> None:
-        """Cut value ``i``'s slices to its first ``size`` bytes."""
-        ptrs, sizes, left = [], [], size
-        for ptr, n in zip(self.ptrs[i], self.sizes[i], strict=True):
-            if left <= 0:
-                break
-            ptrs.append(ptr)
-            sizes.append(min(n, left))
-            left -= n
-        self.ptrs[i], self.sizes[i] = ptrs, sizes
-
-    def release(self) -> None:
-        if self.area is not None:
-            self.store._give_staging(self.area)
-            self.area = None
