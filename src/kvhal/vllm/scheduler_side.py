@@ -62,6 +62,7 @@ from kvhal.tiers.chain import LoadPlan, TierChain, WritePlan
 from kvhal.tiers.index import TierIndex
 from kvhal.tiers.remote.tier import RemoteTier
 from kvhal.vllm.config import ConnectorConfig
+from kvhal.vllm.fences import StoreFences
 from kvhal.vllm.keys import offload_key, split_offload_key
 from kvhal.vllm.lower_tier import open_lower_tier
 from kvhal.vllm.metadata import (
@@ -153,10 +154,7 @@ class SchedulerSide:
         )
         self._last_step: tuple[float, int] | None = None  # the last step's start, its tokens
         self._next_job = 0
-        # block id -> store jobs in flight reading it (ids are shared by every
-        # group's layers in vLLM's one block pool, so groups are not told apart)
-        self._readers: dict[int, set[int]] = {}
-        self._load_blocks: set[int] = set()  # blocks this step's loads write
+        self.fences = StoreFences(self.config.block_size, self.stats)  # the stores a step may overwrite
         self._quarantined: dict[int, _Quarantine] = {}  # write job id -> the failed store it reads
         self._held: list[str] = []  # finished requests to announce to the workers
         self._holding: set[str] = set()  # held requests not yet reported in finished_sending
@@ -279,7 +277,7 @@ class SchedulerSide:
                 key = offload_key(hashes[index], group.group_id)
                 keys.append(key)
                 block_of[key] = index
-            self._load_blocks.update(ids)
+            self.fences.load_blocks.update(ids)
         plan = self.chain.prepare_load(keys, fetch=state.fetch)
         groups: dict[int, tuple[list[int], list[int]]] = {}
         reads = remote_reads = None
@@ -329,8 +327,7 @@ class SchedulerSide:
         blocks = frozenset()
         if kind is JobKind.STORE:
             blocks = frozenset(b for ids, _ in groups.values() for b in ids)
-            for block in blocks:
-                self._readers.setdefault(block, set()).add(job_id)
+            self.fences.add(job_id, blocks)
         self._jobs[job_id] = _Job(kind, req_id, keys, blocks, plan=plan)
         return TransferJob(job_id, kind, req_id, groups)
 
@@ -405,44 +402,11 @@ class SchedulerSide:
             stores.append(job)
         return stores
 
-    def _allocated_blocks(self, scheduler_output: SchedulerOutput) -> set[int]:
-        """Blocks vLLM handed out this step: the ones this step may write."""
-        bs = self.config.block_size
-        blocks = set(self._load_blocks)
-        for new in scheduler_output.scheduled_new_reqs:
-            first = new.num_computed_tokens // bs  # before it: prefix-cache hits, only read
-            for ids in new.block_ids:
-                blocks.update(ids[first:])
-        for ids in scheduler_output.scheduled_cached_reqs.new_block_ids:
-            for group_ids in ids or ():  # appended blocks, or a resumed request's whole table
-                blocks.update(group_ids)
-        for copy in scheduler_output.kv_cache_block_copies or ():
-            blocks.add(copy.dst_block_id)
-        blocks.update(scheduler_output.new_block_ids_to_zero or ())
-        blocks.discard(0)  # the null block is never written
-        return blocks
-
-    def _fence(self, scheduler_output: SchedulerOutput) -> list[int]:
-        """Store jobs in flight whose source blocks this step may rewrite."""
-        jobs: set[int] = set()
-        if self._readers:
-            for block in self._allocated_blocks(scheduler_output):
-                jobs.update(self._readers.get(block, ()))
-        for req_id in scheduler_output.preempted_req_ids or ():
-            state = self._requests.get(req_id)
-            if state is not None:
-                # vLLM freed its blocks; once fenced, those stores no longer
-                # hold back the request's end (its new blocks are other ones)
-                jobs.update(state.store_jobs)
-                state.store_jobs.clear()
-        self.stats.add("fenced_stores", len(jobs))
-        return sorted(jobs)
-
     def build_meta(self, scheduler_output: SchedulerOutput) -> KVHALMetadata:
         self.prefetcher.poll_local_reads(self.chain)  # an aborted request's read ends here
         self._time_steps(scheduler_output.total_num_scheduled_tokens)
         # fences first: this step's own stores are ordered after its compute anyway
-        fence = self._fence(scheduler_output)
+        fence = self.fences.take(scheduler_output, self._requests)
         stores = self._plan_stores(scheduler_output)
         meta = KVHALMetadata(
             prefetches=self.prefetcher.take_jobs(),
@@ -458,7 +422,6 @@ class SchedulerSide:
         meta.send_stats = not STATS_NEED_REQUEST_OUTPUTS or self._samples(scheduler_output)
         self._send_stats = meta.send_stats
         self._pending_loads, self._held = [], []
-        self._load_blocks = set()
         return meta
 
     def _samples(self, scheduler_output: SchedulerOutput) -> bool:
@@ -543,11 +506,7 @@ class SchedulerSide:
                     self.chain.complete_store(quarantine.keys, success=False)
             return
         if job.kind is JobKind.STORE:
-            for block in job.blocks:
-                readers = self._readers[block]
-                readers.discard(job_id)
-                if not readers:
-                    del self._readers[block]
+            self.fences.remove(job_id, job.blocks)
             if state is not None:
                 state.store_jobs.discard(job_id)
             self._storing.difference_update(job.keys)
