@@ -11,8 +11,8 @@ without a prefetch, or any hit of a model with several KV cache groups, whose
 failed loads vLLM can recompute only when they are asynchronous) are loaded
 asynchronously: vLLM parks the request until the workers report the load.
 Blocks that become full during a step are stored by the workers right after
-it. Job results come back through the workers'
-metadata and complete the manager's loads and stores.
+it. Job results come back through the workers' metadata (counted per job in a
+:class:`~kvhal.vllm.job_table.JobTable`) and complete the manager's loads and stores.
 
 Stores run while later steps compute. A store's source blocks must not be
 rewritten before it has read them, so: a finished request with stores in
@@ -20,7 +20,9 @@ flight keeps its blocks (``request_finished`` returns True) until every
 worker reports it in ``finished_sending``; and each step's metadata names the
 stores whose blocks vLLM may rewrite in that step (the request was preempted,
 or a block was allocated again, as sliding-window blocks are while their
-request runs) for the workers to fence. No other store delays a step.
+request runs) for the workers to fence (:mod:`kvhal.vllm.fences`). No other
+store delays a step. The host tier's changes reach vLLM as KV events
+(:mod:`kvhal.vllm.kv_events`).
 
 With a tier below host memory (``disk_path``, or a plugin's backend), a
 :class:`~kvhal.tiers.chain.TierChain` holds both tiers' indexes: a hit found
@@ -47,7 +49,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
+from vllm.distributed.kv_events import KVCacheEvent
 from vllm.logger import init_logger
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.sched.output import SchedulerOutput
@@ -63,7 +65,9 @@ from kvhal.tiers.index import TierIndex
 from kvhal.tiers.remote.tier import RemoteTier
 from kvhal.vllm.config import ConnectorConfig
 from kvhal.vllm.fences import StoreFences
-from kvhal.vllm.keys import offload_key, split_offload_key
+from kvhal.vllm.job_table import JobTable
+from kvhal.vllm.keys import offload_key
+from kvhal.vllm.kv_events import kv_events
 from kvhal.vllm.lower_tier import open_lower_tier
 from kvhal.vllm.metadata import (
     JobKind,
@@ -82,8 +86,6 @@ from kvhal.vllm.versions import STATS_NEED_REQUEST_OUTPUTS, BlockTables, failed_
 
 logger = init_logger("vllm." + __name__)  # under "vllm": its handlers and level
 
-#: The medium kvhal's host tier appears as in vLLM's KV events.
-MEDIUM = "CPU"
 #: The key of ``RequestOutput.kv_transfer_params`` that says how many prompt
 #: tokens kvhal loaded for the request (0 after a failed load).
 LOADED_TOKENS = "kvhal_loaded_tokens"
@@ -92,21 +94,6 @@ LOADED_TOKENS = "kvhal_loaded_tokens"
 def _log_recovery(done: int, total: int) -> None:
     """Progress of a warm restart's index rebuild (the backend calls it now and then)."""
     logger.info("kvhal: recovering the lower tier's index: %d of %d slots read", done, total)
-
-
-@dataclass
-class _Job:
-    kind: JobKind
-    req_id: str
-    keys: list[bytes]
-    blocks: frozenset[int] = frozenset()  # a store's source block ids, every group's
-    reports: int = 0
-    ok: bool = True
-    plan: LoadPlan | WritePlan | None = None  # a load's or a write's plan in the tier chain
-    remote: WritePlan | None = None  # a store's write-through to the remote tier
-    prefetch: bool = False  # a load that only reads the lower tier into host slots
-    started: float = 0.0  # a prefetch's start (its read's time, to the step that reports it)
-    writes: list[int] = field(default_factory=list)  # a store's write jobs (lower, remote)
 
 
 @dataclass
@@ -136,7 +123,7 @@ class SchedulerSide:
         self._block_tables = BlockTables()  # device blocks per request (vLLM 0.32 hands its own)
         self._hold_stats = False  # keep this step's counters for the next (see take_stats)
         self._send_stats = True  # the last scheduled step's KVHALMetadata.send_stats
-        self._jobs: dict[int, _Job] = {}
+        self.jobs = JobTable(self.config.world_size)
         self._storing: set[bytes] = set()
         self._pending_loads: list[TransferJob] = []
         lower, remote = self.config.lower_tier, self.config.remote_tier
@@ -150,10 +137,9 @@ class SchedulerSide:
             WaitPolicy(remote.load_timeout_ms, remote.wait_policy, steps=self._step_times) if remote else None
         )
         self.prefetcher = Prefetcher(
-            self.config, self.stats, self.wait_policy, self.remote_wait, self._new_prefetch_job
+            self.config, self.stats, self.wait_policy, self.remote_wait, self.jobs.new_prefetch
         )
         self._last_step: tuple[float, int] | None = None  # the last step's start, its tokens
-        self._next_job = 0
         self.fences = StoreFences(self.config.block_size, self.stats)  # the stores a step may overwrite
         self._quarantined: dict[int, _Quarantine] = {}  # write job id -> the failed store it reads
         self._held: list[str] = []  # finished requests to announce to the workers
@@ -301,7 +287,7 @@ class SchedulerSide:
             if plan.fetched:
                 remote_reads = TierReads(plan.fetched, [], plan.fetched_host_slots)
                 self.stats.add("remote_hit_tokens", len({block_of[k] for k in plan.fetched}) * bs)
-        job = self._new_job(JobKind.LOAD, request.request_id, keys, groups, plan=plan)
+        job = self.jobs.new(JobKind.LOAD, request.request_id, keys, groups, plan=plan)
         job.sync = state.hit_sync
         if job.sync:
             self.stats.add("sync_hit_tokens", num_external_tokens)
@@ -313,32 +299,6 @@ class SchedulerSide:
         state.loaded_tokens = num_external_tokens
         self.stats.add("hit_tokens", num_external_tokens)
         self.stats.add("lookup_tokens", (len(request.block_hashes) - state.hit_start) * bs)
-
-    def _new_job(
-        self,
-        kind: JobKind,
-        req_id: str,
-        keys: list[bytes],
-        groups: dict[int, tuple[list[int], list[int]]],
-        plan: LoadPlan | WritePlan | None = None,
-    ) -> TransferJob:
-        job_id = self._next_job
-        self._next_job += 1
-        blocks = frozenset()
-        if kind is JobKind.STORE:
-            blocks = frozenset(b for ids, _ in groups.values() for b in ids)
-            self.fences.add(job_id, blocks)
-        self._jobs[job_id] = _Job(kind, req_id, keys, blocks, plan=plan)
-        return TransferJob(job_id, kind, req_id, groups)
-
-    def _new_prefetch_job(
-        self, req_id: str, keys: list[bytes], plan: LoadPlan, started: float
-    ) -> TransferJob:
-        """A workers' job that reads a prefetch into host slots (see :class:`Prefetcher`)."""
-        job = self._new_job(JobKind.LOAD, req_id, keys, {}, plan=plan)
-        job.prefetch = self._jobs[job.job_id].prefetch = True
-        self._jobs[job.job_id].started = started
-        return job
 
     # -- stores ----------------------------------------------------------------
 
@@ -387,17 +347,18 @@ class SchedulerSide:
                 ids.append(block_id)
                 slots.append(slot)
             self._storing.update(plan.keys)
-            job = self._new_job(JobKind.STORE, req_id, plan.keys, groups, plan=write)
+            job = self.jobs.new(JobKind.STORE, req_id, plan.keys, groups, plan=write)
+            self.fences.add(job.job_id, self.jobs[job.job_id].blocks)
             if write is not None:
-                job.write = self._write_job(write)
-                self._jobs[job.job_id].writes.append(job.write.job_id)
+                job.write = self.jobs.new_write(write)
+                self.jobs[job.job_id].writes.append(job.write.job_id)
             if self.remote is not None:
                 # a block loaded from the remote tier is there already
                 remote = self.chain.remote_write(plan, [k for k in plan.keys if k not in state.fetch])
                 if remote is not None and self._admit_remote_write(len(remote.keys)):
-                    self._jobs[job.job_id].remote = remote
-                    job.remote_write = self._write_job(remote)
-                    self._jobs[job.job_id].writes.append(job.remote_write.job_id)
+                    self.jobs[job.job_id].remote = remote
+                    job.remote_write = self.jobs.new_write(remote)
+                    self.jobs[job.job_id].writes.append(job.remote_write.job_id)
             state.store_jobs.add(job.job_id)
             stores.append(job)
         return stores
@@ -452,13 +413,9 @@ class SchedulerSide:
         self._remote_writing += blocks
         return True
 
-    def _write_job(self, plan: WritePlan) -> TierWrite:
-        job = self._new_job(JobKind.WRITE, "", plan.keys, {}, plan=plan)
-        return TierWrite(job.job_id, plan.keys, plan.host_slots, plan.lower_slots, plan.snapshot, plan.remote)
-
     def _plan_writes(self) -> list[TierWrite]:
         """Write-back snapshots of the blocks this step's stores and promotions evicted."""
-        writes = [self._write_job(plan) for plan in self.chain.take_writes()]
+        writes = [self.jobs.new_write(plan) for plan in self.chain.take_writes()]
         self.stats.add("tier_write_skipped_blocks", self.chain.skipped_writes)
         self.stats.add("tier_evicted_blocks", self.chain.lower_evictions)
         self.chain.skipped_writes = self.chain.lower_evictions = 0
@@ -482,12 +439,9 @@ class SchedulerSide:
                 state.loaded_tokens = 0
 
     def _report(self, job_id: int, count: int, ok: bool) -> None:
-        job = self._jobs[job_id]
-        job.reports += count
-        job.ok &= ok
-        if job.reports < self.config.world_size:
+        job = self.jobs.report(job_id, count, ok)
+        if job is None:  # other workers have yet to report it
             return
-        del self._jobs[job_id]
         state = self._requests.get(job.req_id)
         if job.kind is JobKind.WRITE:
             assert isinstance(job.plan, WritePlan)
@@ -511,7 +465,7 @@ class SchedulerSide:
                 state.store_jobs.discard(job_id)
             self._storing.difference_update(job.keys)
             write = job.plan if isinstance(job.plan, WritePlan) else None
-            running = {w for w in job.writes if w in self._jobs}
+            running = {w for w in job.writes if w in self.jobs}
             if not job.ok and running and self.config.world_size > 1:
                 # A rank whose own share stored is writing it below from these host slots:
                 # freed now, a new store could overwrite them mid-write (wrong KV below).
@@ -577,26 +531,8 @@ class SchedulerSide:
         return hold, {LOADED_TOKENS: state.loaded_tokens if state else 0}
 
     def take_events(self) -> list[KVCacheEvent]:
-        events: list[KVCacheEvent] = []
-        for event in self.manager.take_events():
-            for key in event.keys:
-                block_hash, group_id = split_offload_key(key)
-                if event.removed:
-                    events.append(BlockRemoved(block_hashes=[block_hash], medium=MEDIUM, group_idx=group_id))
-                else:
-                    events.append(
-                        BlockStored(
-                            block_hashes=[block_hash],
-                            parent_block_hash=None,
-                            token_ids=[],
-                            block_size=self.config.block_size,
-                            lora_id=None,
-                            medium=MEDIUM,
-                            lora_name=None,
-                            group_idx=group_id,
-                        )
-                    )
-        return events
+        """What the host tier stored and evicted since the last call, as vLLM's KV events."""
+        return kv_events(self.manager.take_events(), self.config.block_size)
 
     def take_stats(self) -> KVHALStats | None:
         """This step's counters for vLLM, or None to carry them into the next step: where vLLM
@@ -611,7 +547,7 @@ class SchedulerSide:
 
     def has_jobs_in_flight(self) -> bool:
         self.prefetcher.poll_local_reads(self.chain)
-        return bool(self._jobs or self.prefetcher.local_reads)
+        return bool(self.jobs or self.prefetcher.local_reads)
 
     def has_held_blocks(self) -> bool:
         """Whether finished requests' blocks will be freed once their stores finish."""
