@@ -34,6 +34,8 @@ class Prefetch:
 
 @dataclass
 class RequestState:
+    """A request the scheduler side tracks, from its first lookup until it finishes."""
+
     request: Request
     stored_upto: int = 0  # blocks [0, stored_upto) were considered for storing
     hit_start: int = 0  # the last lookup's hit, in blocks

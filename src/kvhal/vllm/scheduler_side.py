@@ -480,8 +480,8 @@ class SchedulerSide:
         elif job.prefetch:
             assert isinstance(job.plan, LoadPlan)
             # timed to the step that reports it: an upper bound
-            end = time.monotonic() - job.started
-            self.prefetcher.end_read(self.chain, state, job_id, job.plan, job.ok, end)
+            seconds = time.monotonic() - job.started
+            self.prefetcher.end_read(self.chain, state, job_id, job.plan, job.ok, seconds)
         else:
             if state is not None and state.loading == job_id:
                 state.loading = None
