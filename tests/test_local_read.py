@@ -84,7 +84,7 @@ def test_a_disk_hit_is_read_in_the_lookup_and_loaded_in_its_step(tmp_path):
     b = request("b")
     scheduler.track(b)
     assert scheduler.lookup(b, 0) == (8, False)  # read while vLLM asked: a host hit at once
-    assert scheduler.stats.data["tier_loaded_blocks"] == 2 and not scheduler._local_reads
+    assert scheduler.stats.data["tier_loaded_blocks"] == 2 and not scheduler.prefetcher.local_reads
     loaded_in_its_step(scheduler, worker, caches, b, source=caches)
     assert scheduler.stats.data["tier_hit_tokens"] == 8
     worker.shutdown()

@@ -85,7 +85,7 @@ def test_a_store_hit_is_read_by_the_lookup_and_loaded_in_its_step(server):
     scheduler.track(b)
     answer, _ = lookup(scheduler, b)
     assert answer == (8, False), "a host hit, loaded in the step that schedules it"
-    assert scheduler.stats.data["remote_loaded_blocks"] == 2 and not scheduler._local_reads
+    assert scheduler.stats.data["remote_loaded_blocks"] == 2 and not scheduler.prefetcher.local_reads
     loaded_in_its_step(scheduler, worker, caches, b, source=caches_a)
     assert scheduler.stats.data["remote_hit_tokens"] == 8
     worker.shutdown()

@@ -105,7 +105,7 @@ def test_a_failed_read_leaves_nothing_to_load(tmp_path):
     reported(scheduler, [prefetch.job_id], ok=False)
     assert scheduler.lookup(b, 0) == (0, False)  # forgotten in both tiers (it may be corrupt)
     assert scheduler.stats.data["tier_failed_loads"] == 1
-    assert scheduler._prefetching == 0 and not scheduler.has_jobs_in_flight()
+    assert scheduler.prefetcher.reading == 0 and not scheduler.has_jobs_in_flight()
 
 
 @pytest.mark.parametrize("slow", [True, False])
@@ -172,7 +172,7 @@ def test_an_aborted_request_leaves_its_read_to_finish(tmp_path):
     b, prefetch = waiting(scheduler)
     assert scheduler.request_finished(b)[0] is False  # nothing to hold: it has no blocks
     reported(scheduler, [prefetch.job_id])
-    assert not scheduler.has_jobs_in_flight() and scheduler._prefetching == 0
+    assert not scheduler.has_jobs_in_flight() and scheduler.prefetcher.reading == 0
     c = request("c")
     scheduler.track(c)
     assert scheduler.lookup(c, 0) == (8, False)

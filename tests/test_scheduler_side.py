@@ -167,7 +167,7 @@ def test_a_finished_request_keeps_its_blocks_until_every_worker_stored_them(worl
     assert scheduler.build_meta(output()).held == []
     for worker in range(world_size):
         assert scheduler.has_jobs_in_flight()
-        assert scheduler.manager.lookup([k for k in scheduler._jobs[job].keys]) == 0  # not loadable yet
+        assert scheduler.manager.lookup([k for k in scheduler.jobs[job].keys]) == 0  # not loadable yet
         last = worker == world_size - 1
         # vLLM's aggregator passes "a" on only when every worker reported it
         reported(scheduler, [job], sent={"a"} if last else set())

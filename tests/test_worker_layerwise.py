@@ -15,7 +15,7 @@ pytest.importorskip("vllm")
 
 from kvhal.descriptor import Capability
 from kvhal.hookspecs import hookimpl
-from kvhal.vllm import worker_side
+from kvhal.vllm import layer_gate
 from kvhal.vllm.metadata import KVHALMetadata
 from kvhal.vllm.worker_side import WorkerSide
 from tests.test_worker_side import (
@@ -77,9 +77,9 @@ def equal(caches: dict, a: int, b: int, layer: str) -> bool:
 
 def test_loads_go_layer_by_layer_once_vllm_is_seen_to_wait_per_layer(gate):
     side, caches = worker("layerwise")
-    assert not side.layerwise
+    assert not side.layer_gate.layerwise
     forward(side, KVHALMetadata(loads=[sync_load(1, "b", [9, 10], [0, 1])]))  # whole: not seen yet
-    assert side.layerwise and "layerwise_loads" not in side.stats.data
+    assert side.layer_gate.layerwise and "layerwise_loads" not in side.stats.data
     forward(side, KVHALMetadata(loads=[sync_load(2, "c", [11, 12], [0, 1])]))
     assert side.stats.data["layerwise_loads"] == 1
     assert all(equal(caches, 11, 3, name) and equal(caches, 12, 4, name) for name in LAYERS)
@@ -118,7 +118,7 @@ def test_a_layer_that_ran_without_waiting_gets_its_blocks_recomputed(gate):
     forward(side, KVHALMetadata())
     forward(side, KVHALMetadata(loads=[sync_load(1, "b", [9, 10], [0, 1])]), waited=LAYERS[:1])
     assert side.take_load_errors() == {9, 10}
-    assert not side.layerwise
+    assert not side.layer_gate.layerwise
     side.shutdown()
 
 
@@ -134,7 +134,7 @@ def test_a_layer_that_ran_without_waiting_gets_its_blocks_recomputed(gate):
 )
 def test_which_loads_go_layer_by_layer(gate, monkeypatch, mode, overlapped, min_bytes, layer_by_layer):
     if min_bytes is not None:
-        monkeypatch.setattr(worker_side, "LAYERWISE_MIN_BYTES", min_bytes)
+        monkeypatch.setattr(layer_gate, "LAYERWISE_MIN_BYTES", min_bytes)
     side, caches = worker(mode)
     if overlapped:  # as a GPU plugin declares it
         caps = side.device.descriptor.capabilities | {Capability.OVERLAPPED_COPY.value}

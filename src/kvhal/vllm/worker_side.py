@@ -10,13 +10,16 @@ Nothing here waits for a copy on the engine's thread except a fence the
 scheduler asked for and a synchronous load: a host hit vLLM scheduled in this
 step is submitted before the forward, and the compute stream waits for it (on
 a device with streams the thread does not; on the CPU it waits for the copy).
-A failed one is reported as invalid blocks, which vLLM recomputes.
+A failed one is reported as invalid blocks, which vLLM recomputes; a large one may
+be copied layer by layer (:mod:`kvhal.vllm.layer_gate`).
 Asynchronous loads are polled: a request parked for its load is reported in
 the step its load is found done. Stores are submitted after the forward, ordered after its compute
 by the device facade, and overlap the following steps; the compute stream
 waits only for the stores the step's metadata names (their blocks may be
 rewritten), and a finished request the scheduler held is reported in
-``finished_sending`` once this worker's stores of it finished.
+``finished_sending`` once this worker's stores of it finished. What it has yet to
+report, to vLLM and to the scheduler side, is kept in a
+:class:`~kvhal.vllm.worker_reports.WorkerReports`.
 
 With a tier below host memory, this worker reads and writes its own share of
 each block there (:class:`~kvhal.tiers.io.TierIO`, on the backend's threads): a
@@ -45,7 +48,6 @@ from typing import Any, TypeVar
 from vllm.logger import init_logger
 
 from kvhal.cache import KVCache
-from kvhal.descriptor import Capability
 from kvhal.device import Device
 from kvhal.errors import ValidationError
 from kvhal.layouts import layout_by_name
@@ -58,6 +60,7 @@ from kvhal.tiers.remote.tier import RemoteTier
 from kvhal.vllm import local
 from kvhal.vllm.cache_shapes import group_views
 from kvhal.vllm.config import ConnectorConfig
+from kvhal.vllm.layer_gate import LayerGate
 from kvhal.vllm.lower_tier import open_lower_tier
 from kvhal.vllm.metadata import (
     JobKind,
@@ -69,7 +72,8 @@ from kvhal.vllm.metadata import (
 )
 from kvhal.vllm.remote import open_remote_tier
 from kvhal.vllm.stats import REMOTE_READ_COUNTERS, TIER_READ_COUNTERS, KVHALStats
-from kvhal.vllm.versions import REQUEST_LEVEL_LOAD_FAILURES, STATS_NEED_REQUEST_OUTPUTS
+from kvhal.vllm.versions import STATS_NEED_REQUEST_OUTPUTS
+from kvhal.vllm.worker_reports import WorkerReports
 
 logger = init_logger("vllm." + __name__)  # under "vllm": its handlers and level
 F = TypeVar("F", bound=Callable[..., Any])
@@ -80,11 +84,6 @@ F = TypeVar("F", bound=Callable[..., Any])
 #: request arriving meanwhile waits at most this.
 IDLE_WAIT_S = 0.02
 IDLE_POLL_S = 0.002
-#: A synchronous load of at least this many bytes (this worker's share) is copied layer by
-#: layer, once vLLM is seen to wait per layer (``wait_for_layer_load``): each layer's
-#: attention waits for its own copy, so the first layers compute while the later ones copy.
-#: A smaller one is one copy, waited for whole before the forward (fewer submissions).
-LAYERWISE_MIN_BYTES = 4 << 20
 #: How long shutdown waits for the reads and writes of the tiers below still in flight.
 #: Past it, their host memory and their tiers are left as they are (not freed, not closed: a
 #: late read must not land in freed memory), and the engine's shutdown goes on.
@@ -143,26 +142,11 @@ class WorkerSide:
         self.host_views: dict[int, KVCache] = {}
         self._running: dict[int, _Running] = {}
         self._by_engine_job: dict[int, int] = {}
-        self._succeeded: dict[int, int] = {}
-        self._failed: dict[int, int] = {}
-        self._finished_loads: set[str] = set()
-        self._failed_loads: set[str] = set()
-        self._load_errors: set[int] = set()  # device blocks loads failed to fill
+        self.reports = WorkerReports()  # what this worker has yet to report
         self._stores_started: KVHALMetadata | None = None  # the step whose stores were submitted
-        self._load_failed_in_step = False  # see take_stats
         self._sync_jobs: set[int] = set()  # synchronous loads not yet reported
         self._idle = False  # this step computes nothing and no request waits (KVHALMetadata.idle)
-        # layer by layer: layer name -> (group, index); per group and layer, (device, host)
-        # one-layer views; the copies each layer's attention waits for in this step; the
-        # layers vLLM waited for in this forward; whether it waits for every layer
-        self._layer_of: dict[str, tuple[int, int]] = {}
-        self._layer_views: dict[int, list[tuple[KVCache, KVCache]]] = {}
-        self._layer_copies: dict[str, list[int]] = {}
-        self._waited: set[str] = set()
-        self.layerwise = False
-        self._stores_of: dict[str, set[int]] = {}  # request -> its store jobs running here
-        self._held: set[str] = set()  # held by the scheduler until their stores finish
-        self._finished_sending: set[str] = set()
+        self.layer_gate = LayerGate(self.config)  # large synchronous loads, layer by layer
         self.busy_seconds = 0.0
         self.lower_backend: TierBackend | None = None
         self.tier_io: TierIO | None = None
@@ -206,10 +190,7 @@ class WorkerSide:
             # say) fails engine start, naming the plugin, rather than every job later
             self.device.plan_copy(cache, host, [(0, 0)])
         for group in self.config.groups:
-            cache, host = self.caches[group.group_id], self.host_views[group.group_id]
-            views = [(cache.of_layers([i]), host.of_layers([i])) for i in range(len(group.layer_names))]
-            self._layer_views[group.group_id] = views
-            self._layer_of.update({name: (group.group_id, i) for i, name in enumerate(group.layer_names)})
+            self.layer_gate.add_group(group, self.caches[group.group_id], self.host_views[group.group_id])
         self.engine = TransferEngine(self.device)
         if self.config.lower_tier is not None:
             self.lower_backend = open_lower_tier(self.config, role="io", rank=_tensor_parallel_rank())
@@ -245,10 +226,7 @@ class WorkerSide:
             self._start_reads(job)
         self._idle = meta.idle
         for req_id in meta.held:
-            if self._stores_of.get(req_id):
-                self._held.add(req_id)
-            else:  # its stores finished here already (or it had none on this worker)
-                self._finished_sending.add(req_id)
+            self.reports.hold(req_id)
 
     @_on_engine_thread
     def start_loads(self, meta: KVHALMetadata) -> None:
@@ -265,7 +243,7 @@ class WorkerSide:
                 self._finish(job.job_id)
             elif job.reads is not None or job.remote_reads is not None:
                 self._start_reads(job)
-            elif job.sync and self._goes_by_layer(job):
+            elif job.sync and self.layer_gate.takes(job, self.device):
                 by_layer.append(job)
             else:
                 self._submit(job)
@@ -279,77 +257,36 @@ class WorkerSide:
             self.engine.order_after(self.device.current_stream(), sync_copies)
 
     def _submit_by_layer(self, jobs: list[TransferJob]) -> None:
-        """Submit synchronous loads layer by layer, every job's first layer first (the copies
-        run in submission order): the attention of layer ``name`` waits for its copies only,
-        in :meth:`wait_for_layer`."""
+        """Submit synchronous loads layer by layer (:class:`~kvhal.vllm.layer_gate.LayerGate`):
+        the attention of each layer waits for its copies only, in :meth:`wait_for_layer`."""
         assert self.engine is not None
         self.stats.add("layerwise_loads", len(jobs))
-        running = {job.job_id: _Running(job, set()) for job in jobs}
-        self._running.update(running)
-        for name, (group_id, index) in self._layer_of.items():
-            cache, host = self._layer_views[group_id][index]
-            for job in jobs:
-                block_ids, slots = job.groups.get(group_id, ([], []))
-                if not block_ids or not running[job.job_id].ok:
-                    continue
-                try:
-                    engine_job = self.engine.submit_load(
-                        (), host, cache, list(zip(slots, block_ids, strict=True))
-                    )
-                except Exception:  # a refused copy fails the job: its blocks are load errors
-                    logger.exception("kvhal: load job %d refused at layer %r", job.job_id, name)
-                    running[job.job_id].ok = False
-                    continue
-                running[job.job_id].engine_jobs.add(engine_job)
-                self._by_engine_job[engine_job] = job.job_id
-                self._layer_copies.setdefault(name, []).append(engine_job)
-        for job_id, run in running.items():
-            if not run.engine_jobs:
-                self._finish(job_id)
-
-    def _goes_by_layer(self, job: TransferJob) -> bool:
-        if not self.layerwise or self.config.load_mode == "sync":
-            return False
-        if self.config.load_mode == "layerwise":
-            return True
-        # auto: where copies run beside compute (a GPU's DMA engines), not on its cores
-        assert self.device is not None
-        return (
-            self.device.descriptor.supports(Capability.OVERLAPPED_COPY)
-            and job.num_blocks * self.config.slot_bytes >= LAYERWISE_MIN_BYTES
-        )
+        copies, refused = self.layer_gate.submit(self.engine, jobs)
+        for job in jobs:
+            engine_jobs = copies[job.job_id]
+            self._running[job.job_id] = _Running(job, engine_jobs, ok=job.job_id not in refused)
+            self._by_engine_job.update(dict.fromkeys(engine_jobs, job.job_id))
+            if not engine_jobs:
+                self._finish(job.job_id)
 
     @_on_engine_thread
     def wait_for_layer(self, name: str) -> None:
         """vLLM's attention of layer ``name`` is about to run: its copies come first."""
-        self._waited.add(name)
-        copies = self._layer_copies.pop(name, None)
+        copies = self.layer_gate.wait_for(name)
         if copies:
             assert self.engine is not None and self.device is not None
             self.engine.order_after(self.device.current_stream(), copies)
 
     def _end_forward(self) -> None:
-        """After the forward: vLLM waits per layer if it waited for every layer in it (then
-        later loads may go layer by layer); a copy no layer waited for is waited for now."""
-        if not self.layerwise and self._layer_of and self._waited.issuperset(self._layer_of):
-            self.layerwise = True
-            logger.info("kvhal: vLLM waits for each layer's load: large synchronous loads go layer by layer")
-        left = [copy for copies in self._layer_copies.values() for copy in copies]
-        if left:  # a layer ran without waiting for its copy: its blocks are recomputed
-            logger.warning(
-                "kvhal: vLLM did not wait for the loads of layers %s; their blocks are recomputed, "
-                "and loads no longer go layer by layer",
-                sorted(self._layer_copies),
-            )
-            self.layerwise = False
+        """After the forward: a copy no layer waited for is waited for now, its job failed."""
+        left = self.layer_gate.end_forward()
+        if left:
             for copy in left:
                 running = self._running.get(self._by_engine_job.get(copy, -1))
                 if running is not None:
                     running.ok = False
             assert self.engine is not None and self.device is not None
             self.engine.order_after(self.device.current_stream(), left)
-        self._layer_copies.clear()
-        self._waited.clear()
 
     def _start_reads(self, job: TransferJob) -> None:
         reading = _Reading(job, [])
@@ -377,7 +314,7 @@ class WorkerSide:
                 self._finish(job.job_id)
                 return
             reading.gave_up = True  # the read started must end before its slots are released
-            self._give_up(job)
+            self.reports.give_up(job)
         self._reads[job.job_id] = reading
 
     @_on_engine_thread
@@ -395,7 +332,7 @@ class WorkerSide:
         assert self.engine is not None
         running = self._running[job.job_id] = _Running(job, set())
         if job.kind is JobKind.STORE:
-            self._stores_of.setdefault(job.req_id, set()).add(job.job_id)
+            self.reports.store_started(job)
         for group_id, (block_ids, slots) in job.groups.items():
             if not block_ids:
                 continue
@@ -432,23 +369,16 @@ class WorkerSide:
     def _finish(self, job_id: int) -> None:
         running = self._running.pop(job_id)
         job = running.job
-        outcome = self._succeeded if running.ok else self._failed
-        outcome[job_id] = outcome.get(job_id, 0) + 1
+        self.reports.ended(job_id, running.ok)
         # Bytes are counted where they move: each tensor-parallel worker copies its own
         # share, and vLLM sums the workers' stats. Blocks are counted once, scheduler-side.
         nbytes = job.num_blocks * self.config.slot_bytes  # one slot per (group, block)
         if job.kind is JobKind.LOAD and job.prefetch:
             pass  # no device copy, no request waiting in vLLM: the scheduler side hears of it
         elif job.kind is JobKind.LOAD:
-            if job.job_id in self._sync_jobs:  # vLLM is not waiting for it in finished_recving
-                self._sync_jobs.discard(job.job_id)
-                if not running.ok:
-                    self._load_errors.update(b for ids, _ in job.groups.values() for b in ids)
-                    self._load_failed_in_step = True
-            else:
-                self._finished_loads.add(job.req_id)
-                if not running.ok:
-                    self._fail_load(job)
+            sync = job.job_id in self._sync_jobs
+            self._sync_jobs.discard(job.job_id)
+            self.reports.load_ended(job, running.ok, sync)
             if running.ok and job.num_blocks:
                 self.stats.add("loaded_bytes", nbytes)
         else:
@@ -458,13 +388,7 @@ class WorkerSide:
                 self._start_write(job.write, stored=running.ok)
             if job.remote_write is not None:
                 self._start_write(job.remote_write, stored=running.ok)
-            stores = self._stores_of[job.req_id]
-            stores.discard(job_id)
-            if not stores:
-                del self._stores_of[job.req_id]
-                if job.req_id in self._held:  # failed stores too: the blocks are read no more
-                    self._held.discard(job.req_id)
-                    self._finished_sending.add(job.req_id)
+            self.reports.store_ended(job)
 
     @_on_engine_thread
     def collect(self) -> tuple[set[str], set[str], set[str]]:
@@ -475,12 +399,10 @@ class WorkerSide:
         self._poll()
         if self._idle and self.jobs_in_flight:
             deadline = time.monotonic() + IDLE_WAIT_S
-            while not self._has_news() and self.jobs_in_flight and time.monotonic() < deadline:
+            while not self.reports.has_news() and self.jobs_in_flight and time.monotonic() < deadline:
                 time.sleep(IDLE_POLL_S)
                 self._poll()
-        finished, failed, sent = self._finished_loads, self._failed_loads, self._finished_sending
-        self._finished_loads, self._failed_loads, self._finished_sending = set(), set(), set()
-        return finished, failed, sent
+        return self.reports.take_requests()
 
     def _poll(self) -> None:
         self._poll_tier()
@@ -493,14 +415,10 @@ class WorkerSide:
             for result in self.engine.poll():
                 self._on_result(result)
 
-    def _has_news(self) -> bool:
-        """Whether a job ended since the last report (to vLLM or to the scheduler side)."""
-        return bool(self._finished_loads or self._finished_sending or self._succeeded or self._failed)
-
     def _start_write(self, write: TierWrite, stored: bool = True) -> None:
         """Submit a write to the lower tier; a write-through whose store failed fails unrun."""
         if not stored:
-            self._failed[write.job_id] = 1
+            self.reports.ended(write.job_id, ok=False)
             return
         try:
             if write.remote:
@@ -511,7 +429,7 @@ class WorkerSide:
                 future = self.tier_io.write(write.keys, write.host_slots, write.lower_slots, write.snapshot)
         except Exception:  # a refused write leaves nothing loadable below
             logger.exception("kvhal: write job %d to the lower tier was refused", write.job_id)
-            self._failed[write.job_id] = 1
+            self.reports.ended(write.job_id, ok=False)
             return
         self._writes[write.job_id] = (write, future)
 
@@ -525,7 +443,7 @@ class WorkerSide:
                 stuck += not _ends_by(future, deadline)
                 written = _result(future, len(write.keys), False)
                 ok = all(written)
-                (self._succeeded if ok else self._failed)[job_id] = 1
+                self.reports.ended(job_id, ok)
                 counter = "remote_written_bytes" if write.remote else "tier_written_bytes"
                 self.stats.add(counter, sum(written) * self.config.slot_bytes)
         now = time.monotonic()
@@ -546,7 +464,7 @@ class WorkerSide:
                         job_id,
                         " and ".join(stalled),
                     )
-                    self._give_up(job)
+                    self.reports.give_up(job)
                 continue
             del self._reads[job_id]
             failures: list[str] = []
@@ -566,7 +484,7 @@ class WorkerSide:
                 self._submit(job)  # now a load of host slots, as any hit
                 continue
             if reading.gave_up:  # vLLM was told; now the job ends and its host slots are released
-                self._failed[job_id] = self._failed.get(job_id, 0) + 1
+                self.reports.ended(job_id, ok=False)
                 continue
             total = sum(len(reads.keys) for reads, _, _ in reading.reads)
             logger.warning(
@@ -584,7 +502,7 @@ class WorkerSide:
         """This step's counters for vLLM, or None to keep them for a later step: when the
         scheduler side says the step has no request outputs (``send`` False), or a load failed
         in it (its request is skipped, perhaps the only one)."""
-        failed, self._load_failed_in_step = self._load_failed_in_step, False
+        failed = self.reports.take_load_failed()
         if not send or (failed and STATS_NEED_REQUEST_OUTPUTS):
             return None
         return self.stats.take()
@@ -592,26 +510,7 @@ class WorkerSide:
     def take_load_errors(self) -> set[int]:
         """Device blocks loads failed to fill since the last call (vLLM recomputes): synchronous
         loads', and asynchronous ones' where vLLM takes no request-level failure."""
-        errors, self._load_errors = self._load_errors, set()
-        return errors
-
-    def _give_up(self, job: TransferJob) -> None:
-        """Report ``job``'s load failed to vLLM now (its request is recomputed); the job
-        itself ends later, in :meth:`_poll_tier`, once its reads into host slots end."""
-        if job.prefetch:
-            return  # vLLM waits for no prefetch: the scheduler side hears of it
-        self._finished_loads.add(job.req_id)
-        self._fail_load(job)
-
-    def _fail_load(self, job: TransferJob) -> None:
-        """Tell vLLM an asynchronous load failed: per request where it takes that, else its
-        blocks as load errors (vLLM recomputes from the first; one KV cache group, checked at
-        start)."""
-        self._load_failed_in_step = True
-        if REQUEST_LEVEL_LOAD_FAILURES:
-            self._failed_loads.add(job.req_id)
-        else:
-            self._load_errors.update(b for ids, _ in job.groups.values() for b in ids)
+        return self.reports.take_load_errors()
 
     @property
     def jobs_in_flight(self) -> int:
@@ -620,11 +519,7 @@ class WorkerSide:
 
     def worker_meta(self) -> KVHALWorkerMetadata | None:
         """The jobs finished since the last call, for the scheduler side (``None`` if none)."""
-        if not self._succeeded and not self._failed:
-            return None
-        meta = KVHALWorkerMetadata(succeeded=self._succeeded, failed=self._failed)
-        self._succeeded, self._failed = {}, {}
-        return meta
+        return self.reports.worker_meta()
 
     def shutdown(self) -> None:
         """Wait for every copy in flight (none may write a freed buffer), then free the tier.

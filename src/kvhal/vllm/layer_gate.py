@@ -1,0 +1,108 @@
+"""The workers' layer-by-layer load gate: a large synchronous load copied one layer at a time.
+
+Once vLLM is seen to wait for each layer's load (``wait_for_layer_load`` called for every
+layer of a forward), a synchronous load of at least :data:`LAYERWISE_MIN_BYTES` (where
+copies run beside compute; always with ``load_mode="layerwise"``) is submitted layer by
+layer, and each layer's attention waits for its own copies only: the first layers compute
+while the later ones copy. A layer that runs without waiting for its copies has its blocks
+recomputed, and loads no longer go layer by layer.
+"""
+
+from __future__ import annotations
+
+from vllm.logger import init_logger
+
+from kvhal.cache import KVCache
+from kvhal.descriptor import Capability
+from kvhal.device import Device
+from kvhal.offload.transfer import TransferEngine
+from kvhal.vllm.config import ConnectorConfig, GroupInfo
+from kvhal.vllm.metadata import TransferJob
+
+logger = init_logger("vllm." + __name__)  # under "vllm": its handlers and level
+
+#: A synchronous load of at least this many bytes (this worker's share) is copied layer by
+#: layer, once vLLM is seen to wait per layer (``wait_for_layer_load``): each layer's
+#: attention waits for its own copy, so the first layers compute while the later ones copy.
+#: A smaller one is one copy, waited for whole before the forward (fewer submissions).
+LAYERWISE_MIN_BYTES = 4 << 20
+
+
+class LayerGate:
+    """One worker's per-layer views of its KV caches and the copies each layer waits for."""
+
+    def __init__(self, config: ConnectorConfig) -> None:
+        self.config = config
+        # layer name -> (group, index); per group and layer, (device, host) one-layer views;
+        # the copies each layer's attention waits for in this step; the layers vLLM waited
+        # for in this forward; whether it waits for every layer
+        self._layer_of: dict[str, tuple[int, int]] = {}
+        self._layer_views: dict[int, list[tuple[KVCache, KVCache]]] = {}
+        self._layer_copies: dict[str, list[int]] = {}
+        self._waited: set[str] = set()
+        self.layerwise = False
+
+    def add_group(self, group: GroupInfo, cache: KVCache, host: KVCache) -> None:
+        """Take ``group``'s layers: its device cache and its host view, one layer at a time."""
+        views = [(cache.of_layers([i]), host.of_layers([i])) for i in range(len(group.layer_names))]
+        self._layer_views[group.group_id] = views
+        self._layer_of.update({name: (group.group_id, i) for i, name in enumerate(group.layer_names)})
+
+    def takes(self, job: TransferJob, device: Device | None) -> bool:
+        """Whether the synchronous load ``job`` goes layer by layer (on ``device``)."""
+        if not self.layerwise or self.config.load_mode == "sync":
+            return False
+        if self.config.load_mode == "layerwise":
+            return True
+        # auto: where copies run beside compute (a GPU's DMA engines), not on its cores
+        assert device is not None
+        return (
+            device.descriptor.supports(Capability.OVERLAPPED_COPY)
+            and job.num_blocks * self.config.slot_bytes >= LAYERWISE_MIN_BYTES
+        )
+
+    def submit(self, engine: TransferEngine, jobs: list[TransferJob]) -> tuple[dict[int, set[int]], set[int]]:
+        """Submit ``jobs``' copies layer by layer, every job's first layer first (the copies run
+        in submission order): each job's copies, and the jobs a copy of which was refused (no
+        later layer of them is submitted; logged). :meth:`wait_for` hands out each layer's."""
+        copies: dict[int, set[int]] = {job.job_id: set() for job in jobs}
+        refused: set[int] = set()
+        for name, (group_id, index) in self._layer_of.items():
+            cache, host = self._layer_views[group_id][index]
+            for job in jobs:
+                block_ids, slots = job.groups.get(group_id, ([], []))
+                if not block_ids or job.job_id in refused:
+                    continue
+                try:
+                    engine_job = engine.submit_load((), host, cache, list(zip(slots, block_ids, strict=True)))
+                except Exception:  # a refused copy fails the job: its blocks are load errors
+                    logger.exception("kvhal: load job %d refused at layer %r", job.job_id, name)
+                    refused.add(job.job_id)
+                    continue
+                copies[job.job_id].add(engine_job)
+                self._layer_copies.setdefault(name, []).append(engine_job)
+        return copies, refused
+
+    def wait_for(self, name: str) -> list[int] | None:
+        """vLLM's attention of layer ``name`` is about to run: the copies it waits for."""
+        self._waited.add(name)
+        return self._layer_copies.pop(name, None)
+
+    def end_forward(self) -> list[int]:
+        """After the forward: vLLM waits per layer if it waited for every layer in it (then
+        later loads may go layer by layer). The copies no layer waited for (their blocks are
+        recomputed, and loads no longer go layer by layer)."""
+        if not self.layerwise and self._layer_of and self._waited.issuperset(self._layer_of):
+            self.layerwise = True
+            logger.info("kvhal: vLLM waits for each layer's load: large synchronous loads go layer by layer")
+        left = [copy for copies in self._layer_copies.values() for copy in copies]
+        if left:  # a layer ran without waiting for its copy: its blocks are recomputed
+            logger.warning(
+                "kvhal: vLLM did not wait for the loads of layers %s; their blocks are recomputed, "
+                "and loads no longer go layer by layer",
+                sorted(self._layer_copies),
+            )
+            self.layerwise = False
+        self._layer_copies.clear()
+        self._waited.clear()
+        return left
