@@ -8,7 +8,7 @@ import torch
 from kvhal.descriptor import Capability, DeviceDescriptor, Refusal
 from kvhal_cuda.facts import TorchFacts, gather_torch_facts
 from kvhal_cuda.plugin import CUDAPlugin
-from kvhal_cuda.probe import decide_cuda, format_cuda_version
+from kvhal_cuda.probe import decide_cuda, format_cuda_version, gpu_descriptor
 
 CPU_TORCH = TorchFacts(torch_version="2.13.0+cpu")
 CUDA_TORCH = TorchFacts(
@@ -60,6 +60,14 @@ def test_a_cuda_machine_is_described():
     assert d.details["copy_engine"] == "cuMemcpyBatchAsync"
     assert d.details["copy_engine_fallbacks"] == "cudaMemcpyAsync, torch.copy_"
     assert d.details["driver"] == "12.9"
+
+
+def test_raw_bytes_are_declared_for_cuda_and_not_for_the_shared_gpu_base():
+    """dtype.uint8 (K and V of different dtypes, as uint8 rows) is kvhal-cuda's: verified by its
+    conformance run on a GPU; kvhal-rocm, built on the same descriptor, does not inherit it."""
+    assert decide(CUDA_TORCH).supports("dtype.uint8")
+    base = gpu_descriptor("x", "y", CUDA_TORCH, pinned_host=True, engines=ENGINES, batched=True, details={})
+    assert not base.supports("dtype.uint8")
 
 
 def test_capabilities_follow_pinning_and_batching():

@@ -20,13 +20,20 @@ GPU_CAPABILITIES = frozenset(
 )
 
 
-def gpu_capabilities(pinned_host: bool, batched_copy: bool) -> frozenset[str]:
-    caps = set(GPU_CAPABILITIES)
+#: Raw bytes (``dtype_capability(torch.uint8)``): kvhal.vllm moves K and V of different dtypes
+#: as uint8 rows. kvhal-cuda's engines copy byte runs, whatever the dtype.
+UINT8 = "dtype.uint8"
+
+
+def gpu_capabilities(
+    pinned_host: bool, batched_copy: bool, extra: frozenset[str] = frozenset()
+) -> frozenset[str]:
+    caps: set[str] = set(GPU_CAPABILITIES) | set(extra)
     if pinned_host:
         caps.add(Capability.PINNED_HOST)
     if batched_copy:
         caps.add(Capability.BATCHED_COPY)
-    return frozenset(c.value for c in caps)
+    return frozenset(getattr(c, "value", c) for c in caps)
 
 
 def format_cuda_version(version: int | None) -> str:
@@ -45,6 +52,7 @@ def gpu_descriptor(
     engines: list[str],
     batched: bool,
     details: Mapping[str, str],
+    extra: frozenset[str] = frozenset(),
 ) -> DeviceDescriptor:
     """A present torch.cuda device (NVIDIA or AMD: both use torch device type ``"cuda"``).
 
@@ -52,12 +60,13 @@ def gpu_descriptor(
     :param engines: copy engines offered, best first.
     :param batched: the first engine sends a batch in one call.
     :param details: vendor facts for ``kvhal devices``.
+    :param extra: capabilities this vendor's plugin adds (verified on its hardware).
     """
     return DeviceDescriptor(
         name=name,
         torch_device_type="cuda",
         vendor=vendor,
-        capabilities=gpu_capabilities(pinned_host, batched),
+        capabilities=gpu_capabilities(pinned_host, batched, extra),
         priority=100,
         device_count=facts.device_count,
         details={"torch": facts.torch_version, **details, **engine_details(engines)},
@@ -94,4 +103,5 @@ def decide_cuda(
             "torch.version.cuda": facts.cuda_version,
             "driver": format_cuda_version(facts.driver_version),
         },
+        extra=frozenset({UINT8}),
     )
