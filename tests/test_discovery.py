@@ -382,3 +382,31 @@ def test_a_refused_hook_signature_is_named_without_parsing_pluggys_message(regis
 
     info = registry.register(Misnamed(), "misnamed", "kvhal-misnamed 0.1")
     assert info.error is not None and info.error.hook == "kvhal_copy_blocks"
+
+
+def test_an_entry_point_whose_name_is_taken_is_reported_not_dropped(install, caplog):
+    """A third party's ``cpu`` (kvhal's built-in name) and a second ``fakeaccel``: neither loads,
+    each says why in the registry (what ``kvhal devices`` lists) and in one warning."""
+    install_fake_accel(install)
+    install(
+        "third-party-cpu",
+        "cpu",
+        "third_cpu",
+        FAKE_ACCEL.format(name="cpu", priority=5),
+        "third_cpu:FakeAccelerator",
+    )
+    install(
+        "other-accel",
+        "fakeaccel",
+        "other_accel",
+        FAKE_ACCEL.format(name="fakeaccel", priority=7),
+        "other_accel:FakeAccelerator",
+    )
+    with caplog.at_level("WARNING", logger="kvhal.registry"):
+        registry = PluginRegistry()
+    blocked = {p.distribution: p.blocked_by for p in registry.plugins if p.blocked_by}
+    assert "taken by kvhal's built-in plugin" in blocked["third-party-cpu 1.0"]
+    assert "taken by distribution " in blocked[next(d for d in blocked if d != "third-party-cpu 1.0")]
+    assert len([r for r in caplog.records if "not loaded" in r.getMessage()]) == 2
+    loaded = [p for p in registry.plugins if p.name == "fakeaccel" and p.loaded]
+    assert len(loaded) == 1, "exactly one of the two fakeaccel entry points is loaded"

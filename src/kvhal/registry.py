@@ -23,6 +23,7 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import inspect
+import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -45,6 +46,7 @@ from kvhal.errors import (
 )
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "kvhal.plugins"
 ENV_DEVICE = "KVHAL_DEVICE"
@@ -213,12 +215,15 @@ class PluginRegistry:
         return None
 
     def _load_entry_points(self) -> None:
-        seen = {p.name for p in self.plugins}
+        seen: dict[str, tuple[str | None, str]] = {p.name: (p.distribution, "") for p in self.plugins}
         for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-            if ep.name in seen:
-                continue
-            seen.add(ep.name)
             dist = _distribution_of(ep)
+            if ep.name in seen:
+                holder, value = seen[ep.name]
+                if (holder, value) != (dist, ep.value):  # not one install found twice on sys.path
+                    self._name_taken(ep, dist, holder)
+                continue
+            seen[ep.name] = (dist, ep.value)
             refusal = self._refusal_to_load(ep.name)
             if refusal:
                 self.plugins.append(PluginInfo(ep.name, dist, blocked_by=refusal))
@@ -235,6 +240,16 @@ class PluginRegistry:
                 self.plugins.append(PluginInfo(ep.name, dist, error=error))
                 continue
             self.register(obj, ep.name, dist)
+
+    def _name_taken(self, ep: importlib.metadata.EntryPoint, dist: str | None, holder: str | None) -> None:
+        """An entry point whose name an earlier plugin holds is not loaded: say so, never silently."""
+        by = "kvhal's built-in plugin" if holder == BUILTIN_DISTRIBUTION else f"distribution {holder}"
+        reason = (
+            f"the name {ep.name!r} is taken by {by}, loaded first (sys.path order); a plugin's "
+            "entry point name must be unique: rename it in its package's entry points"
+        )
+        log.warning("kvhal: entry point %r of %s (%s) not loaded: %s", ep.name, dist, ep.value, reason)
+        self.plugins.append(PluginInfo(ep.name, dist, blocked_by=reason))
 
     def register(self, plugin: object, name: str, distribution: str | None = None) -> PluginInfo:
         """Register a plugin object (what entry points do; tests use it directly).
