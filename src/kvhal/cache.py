@@ -316,9 +316,13 @@ def dense_kv_cache(
     """Lay ``geometry`` out in ``layout`` over a flat byte ``buffer``.
 
     Each part (K and V of a SPLIT cache) gets one region starting at an
-    ``alignment``-byte offset; inside it the five logical dims are dense in the
-    layout's order. In a cross-layer layout each block of all layers of a part
-    is one contiguous region.
+    ``alignment``-byte offset from the buffer's start (offsets are aligned, not the
+    buffer's address: allocate an aligned buffer where the device needs one); inside it
+    the five logical dims are dense in the layout's order. In a cross-layer layout each
+    block of all layers of a part is one contiguous region.
+
+    ``buffer`` needs :func:`dense_nbytes` ``(geometry, alignment)`` bytes: more than
+    ``geometry.total_bytes`` where the parts' alignment adds padding.
     """
     if buffer.dim() != 1 or buffer.element_size() != 1:
         raise ValidationError(
@@ -326,7 +330,11 @@ def dense_kv_cache(
         )
     need = dense_nbytes(geometry, alignment)
     if buffer.numel() < need:
-        raise ValidationError("buffer", f"{buffer.numel()} bytes given, {need} needed")
+        raise ValidationError(
+            "buffer",
+            f"{buffer.numel()} bytes given, {need} needed (kvhal.dense_nbytes(geometry, alignment="
+            f"{alignment}): each part starts at an aligned offset, so it can exceed geometry.total_bytes)",
+        )
     if buffer.data_ptr() % geometry.itemsize or alignment % geometry.itemsize:
         raise ValidationError(
             "buffer", f"address and alignment must be multiples of the {geometry.dtype} item size"
