@@ -69,7 +69,8 @@ def judge(address: int, nbytes: int, mappings: list[Mapping]) -> Witnessed:
             break  # a hole: ``at`` is not mapped
         if not mapping.fully_locked:
             flags = "VmFlags lo" if mapping.vm_locked else "no VmFlags lo"
-            why = f"in a mapping with {flags}, Locked {mapping.locked_bytes >> 10} kB of {(mapping.end - mapping.start) >> 10} kB"
+            size_kb = (mapping.end - mapping.start) >> 10
+            why = f"in a mapping with {flags}, Locked {mapping.locked_bytes >> 10} kB of {size_kb} kB"
             return Witnessed(False, at - address, f"{SMAPS}: the byte at offset {at - address} is {why}")
         at = max(at, mapping.end)
         if at >= end:
