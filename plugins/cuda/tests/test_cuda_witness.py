@@ -3,6 +3,8 @@ pointer attributes, not the registrar's bookkeeping."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from kvhal_cuda.fakes import FakeRuntime, FakeVendorLibrary
@@ -76,7 +78,7 @@ def test_probes_cover_every_page_of_small_buffers_and_spread_over_large_ones():
     offsets = probe_offsets(4 * GiB)
     assert len(offsets) == MAX_PROBES + 1
     assert offsets[0] == 0 and offsets[-2] == 4 * GiB - PAGE and offsets[-1] == 4 * GiB - 1
-    assert max(b - a for a, b in zip(offsets, offsets[1:])) <= (4 * GiB) // (MAX_PROBES - 1) + PAGE
+    assert max(b - a for a, b in itertools.pairwise(offsets)) <= (4 * GiB) // (MAX_PROBES - 1) + PAGE
 
 
 def test_unavailable_without_a_runtime_or_its_call():
