@@ -85,6 +85,21 @@ def test_a_vendor_witness_for_its_own_device_type_is_used_and_an_unavailable_one
     )
 
 
+def test_an_offer_that_raises_or_is_no_witness_is_named_not_skipped_silently():
+    class Raising(MetaPlugin):
+        @hookimpl
+        def kvhal_pinning_witnesses(self) -> tuple[PinningWitness, ...]:
+            raise OSError("libacme.so: cannot open shared object file")
+
+    choice = pinning.choose(Target.of_plugin(Raising(), "meta"))
+    assert choice.summary() == (
+        "pinning: not witnessed (no witness for device type 'meta' (ignored: plugin 'meta''s "
+        "kvhal_pinning_witnesses raised OSError: libacme.so: cannot open shared object file))"
+    )
+    choice = pinning.choose(Target.of_plugin(offering("acme")(), "meta"))  # type: ignore[arg-type]
+    assert "offered 'acme', not a PinningWitness" in choice.summary()
+
+
 @pytest.mark.parametrize(
     ("available", "limit", "expected", "why"),
     [

@@ -73,23 +73,28 @@ def _size(nbytes: int) -> str:
     return f"{nbytes} bytes"
 
 
-def offers(target: Target) -> list[Offer]:
-    """Every witness every plugin of the target's registry offers (a hook that raises offers none)."""
+def offers(target: Target) -> tuple[list[Offer], list[str]]:
+    """Every witness every plugin of the target's registry offers, and what went wrong asking
+    (a hook that raised, an offer that is no :class:`~kvhal.witness.PinningWitness`)."""
     caller = getattr(target.registry.pm.hook, HOOK, None)
     found: list[Offer] = []
-    if caller is None:
-        return found
-    for impl in caller.get_hookimpls():
+    problems: list[str] = []
+    for impl in caller.get_hookimpls() if caller is not None else ():
         if impl.hookwrapper or getattr(impl, "wrapper", False):
             continue
         try:
             result = impl.function()
-        except Exception:  # a broken offer leaves the others; the report names none from it
+        except Exception as exc:
+            problems.append(f"plugin {impl.plugin_name!r}'s {HOOK} raised {type(exc).__name__}: {exc}")
             continue
         for witness in result or ():
             if isinstance(witness, PinningWitness):
                 found.append(Offer(witness, impl.plugin_name, impl.plugin))
-    return found
+            else:
+                problems.append(
+                    f"plugin {impl.plugin_name!r}'s {HOOK} offered {witness!r:.60}, not a PinningWitness"
+                )
+    return found, problems
 
 
 def chosen(target: Target) -> Choice:
@@ -107,7 +112,8 @@ def choose(target: Target) -> Choice:
     own = target.info.plugin
     seen: set[str] = set()
     candidates: list[Offer] = []
-    all_offers = offers(target)
+    all_offers, problems = offers(target)
+    ignored = f" (ignored: {'; '.join(problems)})" if problems else ""
     # another plugin's witness first: the plugin under test vouches for no one, itself included
     ranked = [o for o in all_offers if o.owner is not own] + [o for o in all_offers if o.owner is own]
     for offer in ranked:
@@ -115,7 +121,7 @@ def choose(target: Target) -> Choice:
             seen.add(offer.witness.name)
             candidates.append(offer)
     if not candidates:
-        return Choice(device_type, None, f"no witness for device type {device_type!r}")
+        return Choice(device_type, None, f"no witness for device type {device_type!r}{ignored}")
     reasons = []
     for offer in candidates:
         try:
@@ -126,7 +132,9 @@ def choose(target: Target) -> Choice:
             return Choice(device_type, offer)
         reasons.append(f"{offer.label}: {reason}")
     return Choice(
-        device_type, None, f"no witness available for device type {device_type!r}: {'; '.join(reasons)}"
+        device_type,
+        None,
+        f"no witness available for device type {device_type!r}: {'; '.join(reasons)}{ignored}",
     )
 
 
