@@ -44,7 +44,7 @@ class Choice:
     device_type: str
     offer: Offer | None
     why_none: str = ""
-    #: The buffers witnessed so far in this run: ``{"bytes", "pinned", "how"}`` each.
+    #: The buffers witnessed so far in this run: ``{"bytes", "pinned", "how", "bounded"}`` each.
     checked: list[dict[str, Any]] = field(default_factory=list)
 
     def as_report(self) -> dict[str, Any]:
