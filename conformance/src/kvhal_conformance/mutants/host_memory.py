@@ -165,8 +165,9 @@ class BooksUnlockedAsPinned(CPUPlugin):
 
     @hookimpl
     def kvhal_allocate_host_buffer(self, nbytes: int) -> torch.Tensor:
-        if nbytes < self.pin_below:
-            return memory.allocate(nbytes, memory.LockPolicy(True, "locked"))
+        # where this process may not lock, every buffer is only booked: the defect stays the same
+        if nbytes < self.pin_below and self.lock_policy().lock:
+            return memory.allocate(nbytes, self.lock_policy())
         buffer = memory.allocate(nbytes, memory.LockPolicy(False, "the lock was skipped"))
         with memory._lock:  # the plugin's own bookkeeping, which the pinned query reads
             memory._locked[buffer.data_ptr()] = (nbytes, StorageWeakRef(buffer.untyped_storage()))
