@@ -6,9 +6,10 @@ implement the *device hooks* below. kvhal calls a device hook only on the one
 device plugin it selected, plus any non-device plugin that wraps the hook (a
 ``hookwrapper``/``wrapper`` impl, say to trace or to inject faults).
 
-Any plugin, device or not, may also offer eviction policies
-(``kvhal_eviction_policies``), tier backends (``kvhal_tier_backends``) and
-remote stores (``kvhal_remote_stores``, the last hook); they are no device hooks.
+Any plugin, device or not, may also offer pinning witnesses
+(``kvhal_pinning_witnesses``), eviction policies (``kvhal_eviction_policies``),
+tier backends (``kvhal_tier_backends``) and remote stores
+(``kvhal_remote_stores``, the last hook); they are no device hooks.
 
 Every device hook is required: a device plugin that lacks one is refused at
 selection with :class:`~kvhal.errors.MissingHookError` naming the plugin and
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
     from kvhal.descriptor import DeviceDescriptor, Refusal
     from kvhal.geometry import KVGeometry
     from kvhal.layouts import KVLayout
+    from kvhal.witness import PinningWitness
 
 PROJECT = "kvhal"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -221,6 +223,11 @@ def kvhal_host_buffer_is_pinned(buffer: torch.Tensor) -> bool:
       of its own buffers or not.
     - ``pinned.truthful``: ``True`` only for memory this plugin pinned or
       registered: a plain torch tensor is ``False``.
+    - ``pinned.witness``: for a plugin declaring ``host.pinned``, every byte
+      of a buffer it says is pinned is pinned as a witness of its torch
+      device type sees it (:func:`kvhal_pinning_witnesses`: the kernel's
+      ``smaps`` for ``mlock``, the runtime's pointer attributes for CUDA and
+      HIP), at every size up to gigabytes.
 
     Stop at first non-None result.
     """
@@ -444,6 +451,33 @@ DEVICE_HOOKS: tuple[str, ...] = (
     "kvhal_stream_wait_event",
     "kvhal_copy_blocks",
 )
+
+
+# --------------------------------------------------------------------------
+# Pinning witnesses (not a device hook: any plugin may offer witnesses)
+# --------------------------------------------------------------------------
+
+
+@hookspec
+def kvhal_pinning_witnesses() -> Sequence[PinningWitness]:
+    """Witnesses that host memory is pinned, asked of the kernel or the device
+    runtime instead of any plugin's bookkeeping.
+
+    Not a device hook, and optional: kvhal calls it on every registered
+    plugin and merges the answers (the built-in CPU plugin offers the
+    ``mlock`` witness for torch device type ``cpu``, kvhal-cuda the CUDA and
+    HIP runtimes' for ``cuda``). The conformance suite checks every host
+    buffer a plugin declaring ``host.pinned`` says is pinned against a
+    witness of the plugin's torch device type (``pinned.witness``),
+    preferring one another plugin offers; with none available its report
+    says "not witnessed". A witness is cheap to create and must not touch
+    the device: ask the runtime only in
+    :meth:`~kvhal.witness.PinningWitness.witness`.
+
+    :return: :class:`~kvhal.witness.PinningWitness` objects, one per torch
+        device type and pinning mechanism, each with a unique ``name``.
+        Every plugin's result is used (not first-result).
+    """
 
 
 # --------------------------------------------------------------------------

@@ -37,22 +37,24 @@ SEED = 20261122
 #: A plugin that does not pin may not keep the runs waiting for background pinning.
 PIN_TIMEOUT_S = 2.0
 #: Slow mutants first, so that parallel jobs end together.
-SLOW_FIRST = ("IdleRecordNeedsSync", "NeverPins", "SlowLargeCopies", "ThreadPoolStream")
+SLOW_FIRST = ("PinsOnlyUnder2GiB", "IdleRecordNeedsSync", "NeverPins", "SlowLargeCopies", "ThreadPoolStream")
 
 
 @dataclass(frozen=True)
 class Job:
-    """One run of the suite: the plugin's name, its ``MODULE:ATTR``, its throughput floor."""
+    """One run of the suite: the plugin's name, its ``MODULE:ATTR``, its throughput floor, and
+    the size preset when not the run's."""
 
     name: str
     spec: str
     floor: float = 0.0
+    sizes: str = ""
 
 
 def mutant_jobs(names: Sequence[str] = ()) -> list[Job]:
     chosen = [MUTANTS[n] for n in names] if names else list(MUTANTS.values())
     chosen.sort(key=lambda m: (m.name not in SLOW_FIRST, list(MUTANTS).index(m.name)))
-    return [Job(m.name, f"{__package__}.mutants:{m.name}", m.floor or 0.0) for m in chosen]
+    return [Job(m.name, f"{__package__}.mutants:{m.name}", m.floor or 0.0, m.sizes or "") for m in chosen]
 
 
 def suite_args(job: Job, out: Path, sizes: str, seed: int) -> list[str]:
@@ -65,7 +67,7 @@ def suite_args(job: Job, out: Path, sizes: str, seed: int) -> list[str]:
         "--pyargs", __package__,
         "--kvhal-device", job.name,
         "--kvhal-plugin", job.spec,
-        "--kvhal-sizes", sizes,
+        "--kvhal-sizes", job.sizes or sizes,
         "--kvhal-seed", str(seed),
         "--kvhal-report", str(out),
         "--kvhal-throughput-floor", str(job.floor),
@@ -104,7 +106,7 @@ def run_jobs(
     for share in shares:
         if not share:
             continue
-        specs = [f"{j.name}={j.spec}@{j.floor}" for j in share]
+        specs = [f"{j.name}={j.spec}@{j.floor}@{j.sizes}" for j in share]
         command = [
             sys.executable,
             "-m",
@@ -216,12 +218,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     out = Path(args.out).resolve()
-    if args.worker:  # NAME=SPEC@FLOOR from a parent process
+    if args.worker:  # NAME=SPEC@FLOOR@SIZES from a parent process
         jobs = []
         for item in args.names:
             name, rest = item.split("=", 1)
-            spec, floor = rest.rsplit("@", 1)
-            jobs.append(Job(name, spec, float(floor)))
+            spec, floor, sizes = rest.rsplit("@", 2)
+            jobs.append(Job(name, spec, float(floor), sizes))
         run_here(jobs, out, args.sizes, args.seed)
         return 0
     out.mkdir(parents=True, exist_ok=True)

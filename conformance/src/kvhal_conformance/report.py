@@ -85,7 +85,14 @@ def build(settings: Settings, target: Target | None, results: dict[str, TestResu
             for clause, status, tests in by_clause(results)
         ],
         "throughput": target.metrics.get("throughput", {}) if target else {},
+        "pinning": _pinning(target),
     }
+
+
+def _pinning(target: Target | None) -> dict[str, Any] | None:
+    """What witnessed the plugin's pinning, and at which sizes (None when no check asked)."""
+    choice = target.metrics.get("pinning") if target else None
+    return choice.as_report() if choice is not None else None
 
 
 def _cell(text: str) -> str:
@@ -137,6 +144,7 @@ def to_markdown(report: dict[str, Any]) -> str:
         )
     lines += _clause_lines(report.get("clauses", []))
     lines += _throughput_lines(report["throughput"])
+    lines += _pinning_lines(report.get("pinning"))
     failures = [(c, t) for c in report["contracts"] for t in c["tests"] if t["outcome"] == FAIL]
     if failures:
         lines += ["", "## Failures", ""]
@@ -200,6 +208,20 @@ def _throughput_lines(throughput: dict[str, Any]) -> list[str]:
             f"{m['descriptors']} | {m['plugin_gib_s']:.2f} | "
             f"{m['torch_gib_s']:.2f} | {m['ratio']:.2f} | {m['floor']} | {m['status']} |"
         )
+    return lines
+
+
+def _pinning_lines(pinning: dict[str, Any] | None) -> list[str]:
+    if not pinning:
+        return []
+    lines = ["", "## Pinning", "", _cell(pinning["summary"])]
+    if pinning["checked"]:
+        lines += ["", "| Bytes | Witnessed pinned | What the witness read | Bounded |", "|---|---|---|---|"]
+        lines += [
+            f"| {c['bytes']} | {'yes' if c['pinned'] else '**no**'} | {_cell(c['how'])} "
+            f"| {_cell(c['bounded'] or '')} |"
+            for c in pinning["checked"]
+        ]
     return lines
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -26,6 +26,9 @@ class Sizes:
     :param tier_bytes: the host buffer the size of a host tier (zeroing, reuse, pinning).
     :param throughput_bytes: bytes moved per throughput measurement.
     :param throughput_repeats: measurements per side (the fastest counts).
+    :param witness_bytes: the large host buffers whose pinning is witnessed, each bounded by
+        the memory the machine has available (:mod:`kvhal_conformance.pinning`); none: the
+        host tier's size.
     """
 
     busy_seconds: float
@@ -36,6 +39,7 @@ class Sizes:
     tier_bytes: int
     throughput_bytes: int
     throughput_repeats: int
+    witness_bytes: tuple[int, ...] = ()
 
 
 #: The presets, the fields of :class:`Sizes` in order, every ``*_bytes`` in MiB. ``full`` is for
@@ -50,6 +54,14 @@ PRESETS = {
         "tiny":  (0.03,  8,       256,   4,          16,    16,   16,         2),
     }.items()
 }  # fmt: skip
+#: The large buffers whose pinning is witnessed, per preset: just over 256 MiB and just over
+#: 2 GiB (where a 32-bit size overflows), a host tier, 4 GiB; one of gigabytes in ``quick``.
+WITNESS_BYTES = {
+    "full": (257 * MiB, 1024 * MiB, 2112 * MiB, 4096 * MiB),
+    "quick": (2112 * MiB,),
+    "tiny": (257 * MiB,),
+}
+PRESETS = {name: replace(sizes, witness_bytes=WITNESS_BYTES[name]) for name, sizes in PRESETS.items()}
 FULL, QUICK, TINY = PRESETS["full"], PRESETS["quick"], PRESETS["tiny"]
 
 

@@ -140,6 +140,24 @@ def test_host_buffers_get_registered_and_released(monkeypatch):
     assert not buffer.is_pinned()
 
 
+def test_the_runtime_witness_sees_registered_buffers_and_not_pageable_ones(monkeypatch):
+    """cudaPointerGetAttributes: host (1) inside a registered buffer, up to gigabytes; not for a
+    plain tensor or a freed buffer; torch's own pinned memory is host too."""
+    device, plugin = cuda_device(monkeypatch)
+    (witness,) = plugin.kvhal_pinning_witnesses()
+    assert witness.unavailable() is None
+    for nbytes in (4096, (16 << 20) + 3, (2 << 30) + (64 << 20)):
+        buffer = device.allocate_host_buffer(nbytes)
+        seen = witness.witness(buffer.data_ptr(), nbytes)
+        assert seen.pinned, seen.how
+        device.free_host_buffer(buffer)
+        assert witness.witness(buffer.data_ptr(), nbytes).unpinned_at == 0
+    plain = torch.zeros(1 << 20, dtype=torch.uint8)
+    assert not witness.witness(plain.data_ptr(), 1 << 20).pinned
+    pinned = torch.zeros(1 << 20, dtype=torch.uint8, pin_memory=True)
+    assert witness.witness(pinned.data_ptr(), 1 << 20).pinned
+
+
 @pytest.mark.parametrize("engine", ENGINES)
 def test_copies_spanning_registration_chunks_round_trip(monkeypatch, engine):
     device, plugin = cuda_device(monkeypatch, engine)

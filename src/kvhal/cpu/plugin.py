@@ -16,10 +16,12 @@ from kvhal.copyplan import CopyPlan
 from kvhal.cpu import memory
 from kvhal.cpu.copy_engine import CopyEngine
 from kvhal.cpu.streams import CPUEvent, CPUStream, InlineStream
+from kvhal.cpu.witness import MlockWitness
 from kvhal.descriptor import Capability, DeviceDescriptor, Refusal, dtype_capability
 from kvhal.geometry import KVGeometry
 from kvhal.hookspecs import hookimpl
 from kvhal.layouts import BLHNC, BLNHC, LBHNC, STANDARD_LAYOUTS, KVLayout, layouts_from_engine
+from kvhal.witness import PinningWitness
 
 #: vLLM 0.32's CPU backends that read fixed layouts (backend name -> layouts, preferred first),
 #: used when vLLM itself does not answer: the CPU attention backend reads only LBHNC
@@ -106,6 +108,11 @@ class CPUPlugin:
     @hookimpl
     def kvhal_host_buffer_is_pinned(self, buffer: torch.Tensor) -> bool:
         return memory.is_locked(buffer)
+
+    @hookimpl
+    def kvhal_pinning_witnesses(self) -> Sequence[PinningWitness]:
+        # The kernel's view of mlock, for every plugin whose buffers are cpu tensors.
+        return (MlockWitness(),)
 
     @hookimpl
     def kvhal_create_stream(self, device: torch.device) -> CPUStream:

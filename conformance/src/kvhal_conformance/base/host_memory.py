@@ -2,7 +2,9 @@
 ``kvhal_free_host_buffer``).
 
 Sizes run from one byte through odd sizes (no multiple of a page) to a buffer
-the size of a host tier (``Sizes.tier_bytes``: 64 MiB quick, 1 GiB full).
+the size of a host tier (``Sizes.tier_bytes``: 64 MiB quick, 1 GiB full); pinning
+is witnessed up to ``Sizes.witness_bytes`` (gigabytes), bounded by the machine
+(:mod:`kvhal_conformance.pinning`).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import torch
 
 from kvhal.descriptor import Capability
 from kvhal.device import HOST_ALIGNMENT, Device
-from kvhal_conformance import guarded, timing
+from kvhal_conformance import guarded, pinning, timing
 from kvhal_conformance.base.fixtures import ContractFixtures, final
 from kvhal_conformance.clauses import covers, expect, violated
 from kvhal_conformance.settings import Sizes
@@ -251,3 +253,52 @@ class HostMemoryContract(ContractFixtures):
             )
         finally:
             guarded.free_buffer(kvhal_device, buffer)
+
+    @final
+    @covers("pinned.witness", "host.pinned")
+    @pytest.mark.parametrize("size", ("4096", "16MiB+3", "large"))
+    def test_pinning_is_witnessed(
+        self, kvhal_target: Target, kvhal_device: Device, kvhal_sizes: Sizes, size: str
+    ) -> None:
+        """With host.pinned declared, every buffer the plugin says is pinned is pinned as a witness
+        of its torch device type sees it (the kernel for mlock, the runtime for CUDA and HIP), not
+        only as the plugin says, up to gigabytes (``large``: the preset's ``witness_bytes``, each
+        bounded by the memory this machine has available)."""
+        kvhal_target.require(Capability.PINNED_HOST)
+        choice = pinning.chosen(kvhal_target)
+        if choice.offer is None:
+            pytest.skip(choice.summary())
+        witness = choice.offer.witness
+        asked = {"4096": (4096,), "16MiB+3": ((16 << 20) + 3,)}.get(size) or (
+            kvhal_sizes.witness_bytes or (kvhal_sizes.tier_bytes,)
+        )
+        for wanted in asked:
+            nbytes, bound = pinning.bounded(wanted, witness)
+            buffer = guarded.host_buffer(kvhal_device, nbytes)
+            try:
+                expect(
+                    wait_pinned(kvhal_device, buffer),
+                    "host.pinned",
+                    f"plugin {kvhal_target.name!r} declares {Capability.PINNED_HOST.value} but {IS_PINNED} "
+                    f"says a {nbytes}-byte buffer from {ALLOCATE} is not pinned "
+                    f"({timing.pin_wait_note(kvhal_device)})",
+                )
+                try:
+                    seen = witness.witness(buffer.data_ptr(), nbytes)
+                except Exception as exc:  # the witness's fault, not the plugin's: no clause
+                    pytest.fail(f"pinning witness {choice.offer.label} raised {type(exc).__name__}: {exc}")
+                choice.checked.append(
+                    {"bytes": nbytes, "pinned": seen.pinned, "how": seen.how, "bounded": bound or None}
+                )
+                if not seen.pinned:
+                    violated(
+                        "pinned.witness",
+                        f"plugin {kvhal_target.name!r} declares {Capability.PINNED_HOST.value} and "
+                        f"{IS_PINNED} says a {nbytes}-byte buffer from {ALLOCATE} is pinned, but the pinning "
+                        f"witness {choice.offer.label} sees it not pinned from byte {seen.unpinned_at} on "
+                        f"({seen.how}): the plugin's answer must be what the kernel or runtime shows"
+                        + (f" (size {bound})" if bound else ""),
+                    )
+            finally:
+                guarded.free_buffer(kvhal_device, buffer)
+                del buffer

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from kvhal.cpu import CPUPlugin, memory
 from kvhal.descriptor import Capability, DeviceDescriptor, Refusal
@@ -149,3 +150,50 @@ class PinnedLiar(CPUPlugin):
     @hookimpl
     def kvhal_host_buffer_is_pinned(self, buffer: torch.Tensor) -> bool:
         return True
+
+
+class BooksUnlockedAsPinned(CPUPlugin):
+    """Declares ``host.pinned`` and locks buffers under ``pin_below`` bytes; larger ones stay
+    pageable but are booked as locked, so ``kvhal_host_buffer_is_pinned`` says True (a base of
+    defects, not a mutant itself)."""
+
+    pin_below = 0
+
+    @hookimpl
+    def kvhal_probe(self) -> DeviceDescriptor | Refusal:
+        return _replace_caps(super().kvhal_probe(), add={Capability.PINNED_HOST.value})
+
+    @hookimpl
+    def kvhal_allocate_host_buffer(self, nbytes: int) -> torch.Tensor:
+        # where this process may not lock, every buffer is only booked: the defect stays the same
+        if nbytes < self.pin_below and self.lock_policy().lock:
+            return memory.allocate(nbytes, self.lock_policy())
+        buffer = memory.allocate(nbytes, memory.LockPolicy(False, "the lock was skipped"))
+        with memory._lock:  # the plugin's own bookkeeping, which the pinned query reads
+            memory._locked[buffer.data_ptr()] = (nbytes, StorageWeakRef(buffer.untyped_storage()))
+        return buffer
+
+
+@mutant("pinned.witness")
+class PinsNothingSaysPinned(BooksUnlockedAsPinned):
+    """Declares ``host.pinned`` and books every buffer as locked, but the locking call was left
+    out: ``kvhal_host_buffer_is_pinned`` says True for memory nobody pinned."""
+
+
+@mutant("pinned.witness")
+class PinsOnlyUnder256MiB(BooksUnlockedAsPinned):
+    """Locks host buffers from a pinned pool of 256 MiB; larger ones come from pageable memory
+    and are booked as locked all the same."""
+
+    pin_below = 256 << 20
+
+
+@mutant("pinned.witness", sizes="quick")
+class PinsOnlyUnder2GiB(BooksUnlockedAsPinned):
+    """Passes the size to the locking call as a 32-bit int: buffers of 2 GiB or more are not
+    locked (the call's error ignored) and are booked as locked all the same.
+
+    The tiny preset's largest witnessed buffer is 257 MiB: this mutant runs with the quick
+    preset (2112 MiB, where the machine has 4 times that available)."""
+
+    pin_below = 2 << 30

@@ -32,6 +32,8 @@ class Mutant:
     :param also: clauses it may report broken too, as a consequence of the defect.
     :param why: why those are broken too.
     :param floor: the throughput floor to run with (None: 0, throughput not judged).
+    :param sizes: the size preset to run with, where the mutation run's own (``tiny``) is too
+        small to reach the defect (None: the run's).
     """
 
     name: str
@@ -40,6 +42,7 @@ class Mutant:
     also: tuple[str, ...] = ()
     why: str = ""
     floor: float | None = None
+    sizes: str | None = None
 
     @property
     def defect(self) -> str:
@@ -50,10 +53,14 @@ MUTANTS: dict[str, Mutant] = {}
 
 
 def mutant(
-    *breaks: str, also: Sequence[str] = (), why: str = "", floor: float | None = None
+    *breaks: str,
+    also: Sequence[str] = (),
+    why: str = "",
+    floor: float | None = None,
+    sizes: str | None = None,
 ) -> Callable[[type], type]:
     def register(cls: type) -> type:
-        MUTANTS[cls.__name__] = Mutant(cls.__name__, cls, tuple(breaks), tuple(also), why, floor)
+        MUTANTS[cls.__name__] = Mutant(cls.__name__, cls, tuple(breaks), tuple(also), why, floor, sizes)
         return cls
 
     return register

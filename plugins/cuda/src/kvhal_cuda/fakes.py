@@ -109,6 +109,7 @@ class FakeVendorLibrary:
 _HOST_REGISTER_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint)
 _HOST_UNREGISTER_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
 _GET_LAST_ERROR_FN = ctypes.CFUNCTYPE(ctypes.c_int)
+_POINTER_ATTRIBUTES_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
 
 
 class FakeRuntime(FakeVendorLibrary):
@@ -118,19 +119,32 @@ class FakeRuntime(FakeVendorLibrary):
 
     :param register_codes: codes successive ``<prefix>HostRegister`` calls return (then 0).
     :param unregister_code: what every ``<prefix>HostUnregister`` returns.
+    :param attributes_code: what every ``<prefix>PointerGetAttributes`` returns (0: it
+        answers memory type 1, host, inside a range registered and not unregistered, else 0,
+        unregistered, as CUDA 11+ does).
+
+    ``registered`` maps the address of each successful registration to its size.
     """
 
     def __init__(
-        self, prefix: str = "cuda", register_codes: tuple[int, ...] = (), unregister_code: int = 0, **kw: Any
+        self,
+        prefix: str = "cuda",
+        register_codes: tuple[int, ...] = (),
+        unregister_code: int = 0,
+        attributes_code: int = 0,
+        **kw: Any,
     ) -> None:
         super().__init__(prefix=prefix, **kw)
         self.register_codes = list(register_codes)
         self.unregister_code = unregister_code
+        self.attributes_code = attributes_code
+        self.registered: dict[int, int] = {}
         self.pending = 0
         self.calls: list[tuple[Any, ...]] = []
         setattr(self, f"{prefix}HostRegister", _HOST_REGISTER_FN(self._register))
         setattr(self, f"{prefix}HostUnregister", _HOST_UNREGISTER_FN(self._unregister))
         setattr(self, f"{prefix}GetLastError", _GET_LAST_ERROR_FN(self._get_last_error))
+        setattr(self, f"{prefix}PointerGetAttributes", _POINTER_ATTRIBUTES_FN(self._attributes))
 
     def _fail(self, code: int) -> int:
         if code:
@@ -139,11 +153,24 @@ class FakeRuntime(FakeVendorLibrary):
 
     def _register(self, address: Any, nbytes: int, flags: int) -> int:
         self.calls.append(("HostRegister", address or 0, nbytes, flags))
-        return self._fail(self.register_codes.pop(0) if self.register_codes else 0)
+        code = self.register_codes.pop(0) if self.register_codes else 0
+        if code == 0:
+            self.registered[address or 0] = nbytes
+        return self._fail(code)
 
     def _unregister(self, address: Any) -> int:
         self.calls.append(("HostUnregister", address or 0))
+        if self.unregister_code == 0:
+            self.registered.pop(address or 0, None)
         return self._fail(self.unregister_code)
+
+    def _attributes(self, attributes: Any, address: Any) -> int:
+        if self.attributes_code:
+            return self._fail(self.attributes_code)
+        address = address or 0
+        inside = any(start <= address < start + size for start, size in self.registered.items())
+        native.PointerAttributes.from_address(attributes).type = 1 if inside else 0
+        return 0
 
     def _memcpy_impl(self, dst: int, src: int, nbytes: int, kind: int, stream: Any) -> int:
         return self._fail(super()._memcpy_impl(dst, src, nbytes, kind, stream))

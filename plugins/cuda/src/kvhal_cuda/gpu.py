@@ -41,9 +41,11 @@ from kvhal.errors import ValidationError
 from kvhal.geometry import KVGeometry
 from kvhal.hookspecs import hookimpl
 from kvhal.layouts import KVLayout
+from kvhal.witness import PinningWitness
 from kvhal_cuda import native
 from kvhal_cuda.facts import TorchFacts, gather_torch_facts
 from kvhal_cuda.host_memory import HostRegistrar
+from kvhal_cuda.witness import RuntimePinningWitness
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +114,11 @@ class TorchGpuPlugin(TorchAcceleratorPlugin):
                     mode = PinMode.OFF
             self._registrar = runtime_registrar(mode, self.stream_module(), runtime)
         return self._registrar
+
+    @hookimpl
+    def kvhal_pinning_witnesses(self) -> tuple[PinningWitness, ...]:
+        # The runtime's own record of what is registered: kvhal's bookkeeping is not asked.
+        return (RuntimePinningWitness(self.runtime_prefix),)
 
     # -- copies -------------------------------------------------------------------
 

@@ -20,7 +20,9 @@ version and a missing symbol is a fallback, not an import error.
   still hand out the 12.8 one (NVIDIA's cuGetProcAddress documentation; the
   same request vLLM's C++ and Python paths make);
 - ``hipMemcpyBatchAsync`` (ROCm 7.1+), same nine-argument shape;
-- ``cuDriverGetVersion`` and ``hipRuntimeGetVersion``.
+- ``cuDriverGetVersion`` and ``hipRuntimeGetVersion``;
+- ``cudaPointerGetAttributes`` / ``hipPointerGetAttributes``, which the pinning
+  witness (:mod:`kvhal_cuda.witness`) asks whether host memory is registered.
 """
 
 from __future__ import annotations
@@ -90,6 +92,20 @@ def find_loaded_library(prefix: str, maps: str = "/proc/self/maps") -> str | Non
     except OSError:
         return None
     return None
+
+
+class PointerAttributes(ctypes.Structure):
+    """``cudaPointerAttributes`` (CUDA 11+) / ``hipPointerAttribute_t`` (ROCm 6+): their common
+    head, then room for the fields either runtime adds after it (HIP's ``isManaged`` and
+    ``allocationFlags``), so a longer struct of a newer runtime never writes past this one."""
+
+    _fields_ = [
+        ("type", ctypes.c_int),
+        ("device", ctypes.c_int),
+        ("devicePointer", ctypes.c_void_p),
+        ("hostPointer", ctypes.c_void_p),
+        ("_room", ctypes.c_uint8 * 64),
+    ]
 
 
 class MemLocation(ctypes.Structure):
@@ -242,6 +258,18 @@ class RuntimeLibrary:
         if code != 0:
             self.clear_error()
         return code
+
+    def pointer_type(self, address: int) -> int | None:
+        """``<prefix>PointerGetAttributes(&attrs, address)``'s memory type (0 unregistered, 1 host:
+        pinned or registered, 2 device, 3 managed), or ``None`` when the call failed (its pending
+        error cleared). Raises ``AttributeError`` when the library lacks the call."""
+        fn = self._function("PointerGetAttributes", [ctypes.POINTER(PointerAttributes), ctypes.c_void_p])
+        attributes = PointerAttributes()
+        code = int(fn(ctypes.byref(attributes), address))
+        if code != 0:
+            self.clear_error()
+            return None
+        return int(attributes.type)
 
     def error_string(self, code: int) -> str:
         try:
