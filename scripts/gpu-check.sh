@@ -25,8 +25,8 @@ timeout 180 python3 -m pytest plugins/cuda/tests -q -p no:cacheprovider --timeou
     | tee "$OUT/cuda-tests.log" | tail -40
 
 step conformance
-timeout 200 $KVHAL conformance --device cuda --report "$OUT" -q 2>&1 | tee "$OUT/conformance.log" | tail -40
+timeout 300 $KVHAL conformance --device cuda --report "$OUT" -q 2>&1 | tee "$OUT/conformance.log" | tail -40
 
 step bench copy
-timeout 120 $KVHAL bench copy --device cuda --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -30
+timeout 90 $KVHAL bench copy --device cuda --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -30
 step done
