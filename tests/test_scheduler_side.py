@@ -8,6 +8,8 @@ of a preempted request, or blocks vLLM allocates again) -- no other.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 pytest.importorskip("vllm")
@@ -118,16 +120,24 @@ def output(
     )
 
 
+#: vLLM 0.27.1 to 0.31 require a field 0.32 dropped (0.30 and 0.31 have the block table too)
+OLD_FIELDS = (
+    {"num_common_prefix_blocks": [0]}
+    if "num_common_prefix_blocks" in {f.name for f in dataclasses.fields(SchedulerOutput)}
+    else {}
+)
+
+
 def block_state(tables: dict[str, list[int]]) -> dict:
     """The scheduler output's block table: vLLM 0.32's field, or none in 0.27.1's shape."""
-    if KVConnectorBlockState is None:  # vLLM 0.27.1: no such field, and one 0.32 dropped
-        return {"num_common_prefix_blocks": [0]}
+    if KVConnectorBlockState is None:  # vLLM 0.27.1: no such field
+        return OLD_FIELDS
     if shape["now"] == "0.27.1":
-        return {"kv_connector_block_state": None}
+        return {**OLD_FIELDS, "kv_connector_block_state": None}
     state = KVConnectorBlockState(
         req_ids=set(tables), resolve_block_ids=lambda req_id: (tables[req_id],), boundary_state_offloads={}
     )
-    return {"kv_connector_block_state": state}
+    return {**OLD_FIELDS, "kv_connector_block_state": state}
 
 
 def reported(scheduler: SchedulerSide, job_ids, sent: set[str] = frozenset(), ok: bool = True) -> None:
