@@ -11,12 +11,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 import torch
 
 pytest.importorskip("vllm")
 
 from kvhal.errors import ValidationError
+from kvhal.tiers.backend import OK, TierSpec
+from kvhal.tiers.disk import DiskTier
 from kvhal.vllm.cache_shapes import ACCEPTED
 from kvhal.vllm.config import ConnectorConfig, GroupInfo
 from kvhal.vllm.metadata import JobKind, TransferJob
@@ -127,6 +130,33 @@ def test_each_shape_is_offloaded_and_restored_byte_for_byte(shape):
     before, seven, nine = round_trip(worker, caches)
     assert seven == before[5] and nine == before[3]
     assert seven != before[7] and nine != before[9]  # they held other bytes before the load
+    worker.shutdown()
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_each_shape_round_trips_through_the_disk_tier_byte_for_byte(shape, tmp_path):
+    """Host slots 0 and 1 (blocks 3 and 5) written to a real disk tier, read back into slots 2
+    and 3, then loaded into blocks 7 and 9: the lower tier keeps every shape's bytes."""
+    caches = caches_of(shape)
+    worker = WorkerSide(config(caches))
+    worker.register(caches)
+    before = {b: snapshot(caches, b) for b in (3, 5, 7, 9)}
+    step(worker, stores=[store(0, [3, 5], [0, 1])])
+    settle(worker)
+    host = worker.host_tier  # a layer-major host tier: a slot's bytes are gathered, as TierIO does
+    rows, back = (np.zeros((2, host.slot_bytes), np.uint8) for _ in range(2))
+    host.gather_slots([0, 1], rows)
+    spec = TierSpec({"path": str(tmp_path), "bytes_to_use": 1 << 20}, host.slot_bytes, {"shape": shape})
+    disk, keys = DiskTier(spec), [b"block-3", b"block-5"]
+    assert disk.write([0, 1], keys, [memoryview(r) for r in rows]).result(timeout=30) == [True] * 2
+    assert disk.read([0, 1], keys, [memoryview(r) for r in back]).result(timeout=30) == [OK] * 2
+    disk.close()
+    host.scatter_slots([3, 2], back)
+    step(worker, loads=[load(1, [7, 9], [2, 3])])
+    finished, failed, _ = settle(worker)
+    assert finished == {"b"} and not failed
+    assert snapshot(caches, 7) == before[5] and snapshot(caches, 9) == before[3]
+    assert snapshot(caches, 7) != before[7]  # the control: block 7 held other bytes
     worker.shutdown()
 
 
