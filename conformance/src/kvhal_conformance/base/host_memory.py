@@ -49,6 +49,16 @@ def _dirt(buffer: torch.Tensor, value: int) -> int:
     return value - 256 if buffer.dtype == torch.int8 and value > 127 else value
 
 
+def expect_pinned(target: Target, device: Device, buffer: torch.Tensor, nbytes: int) -> None:
+    """``host.pinned``: the plugin says (within the pin timeout) that ``buffer`` is pinned."""
+    expect(
+        wait_pinned(device, buffer),
+        "host.pinned",
+        f"plugin {target.name!r} declares {Capability.PINNED_HOST.value} but {IS_PINNED} "
+        f"says a {nbytes}-byte buffer from {ALLOCATE} is not pinned ({timing.pin_wait_note(device)})",
+    )
+
+
 class HostMemoryContract(ContractFixtures):
     """Contract ``host_memory``: host buffers of any size are flat, zeroed (also reused),
     4 KiB-aligned CPU byte tensors, independent while alive, freed without error, pinned when
@@ -238,13 +248,7 @@ class HostMemoryContract(ContractFixtures):
         nbytes = (16 << 20) + 3 if size == "16MiB+3" else nbytes_of(size, kvhal_sizes)
         buffer = guarded.host_buffer(kvhal_device, nbytes)
         try:
-            expect(
-                wait_pinned(kvhal_device, buffer),
-                "host.pinned",
-                f"plugin {kvhal_target.name!r} declares {Capability.PINNED_HOST.value} but {IS_PINNED} "
-                f"says a {nbytes}-byte buffer from {ALLOCATE} is not pinned "
-                f"({timing.pin_wait_note(kvhal_device)})",
-            )
+            expect_pinned(kvhal_target, kvhal_device, buffer, nbytes)
             plain = torch.zeros(nbytes, dtype=torch.uint8)
             expect(
                 not guarded.is_pinned(kvhal_device, plain),
@@ -276,13 +280,7 @@ class HostMemoryContract(ContractFixtures):
             nbytes, bound = pinning.bounded(wanted, witness)
             buffer = guarded.host_buffer(kvhal_device, nbytes)
             try:
-                expect(
-                    wait_pinned(kvhal_device, buffer),
-                    "host.pinned",
-                    f"plugin {kvhal_target.name!r} declares {Capability.PINNED_HOST.value} but {IS_PINNED} "
-                    f"says a {nbytes}-byte buffer from {ALLOCATE} is not pinned "
-                    f"({timing.pin_wait_note(kvhal_device)})",
-                )
+                expect_pinned(kvhal_target, kvhal_device, buffer, nbytes)
                 try:
                     seen = witness.witness(buffer.data_ptr(), nbytes)
                 except Exception as exc:  # the witness's fault, not the plugin's: no clause
