@@ -53,6 +53,8 @@ class Target:
     device: Device | None
     error: str | None
     metrics: dict[str, Any] = field(default_factory=dict)
+    #: checks failed because the plugin could not be bound (the reason is said in full once)
+    unbound_failures: int = 0
 
     @classmethod
     def find(cls, name: str, plugin_specs: tuple[str, ...] = ()) -> Target:
@@ -124,10 +126,21 @@ class Target:
     # -- what tests use -------------------------------------------------------
 
     def require_device(self) -> Device:
-        """The bound device, or fail the calling test with why it could not be bound."""
+        """The bound device, or fail the calling test with why it could not be bound: the whole
+        reason at the first check, a short line naming it at the others (a run of a plugin that
+        cannot be bound would repeat it in every check; :meth:`unbound_summary` gives the count)."""
         if self.device is None:
-            pytest.fail(f"{self.label} could not be bound, nothing else can be checked: {self.error}")
+            self.unbound_failures += 1
+            if self.unbound_failures == 1:
+                pytest.fail(f"{self.label} could not be bound, nothing else can be checked: {self.error}")
+            pytest.fail(f"{self.label} could not be bound (the reason is given once, at the first check)")
         return self.device
+
+    def unbound_summary(self) -> str | None:
+        """``N checks failed: PLUGIN could not be bound: WHY``, once per run, or None."""
+        if not self.unbound_failures:
+            return None
+        return f"{self.unbound_failures} checks failed: {self.label} could not be bound: {self.error}"
 
     def declares(self, capability: Capability | str) -> bool:
         return self.descriptor is not None and self.descriptor.supports(capability)

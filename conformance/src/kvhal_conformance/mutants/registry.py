@@ -32,6 +32,8 @@ class Mutant:
     :param also: clauses it may report broken too, as a consequence of the defect.
     :param why: why those are broken too.
     :param floor: the throughput floor to run with (None: 0, throughput not judged).
+    :param not_judged: clauses the report must read "not judged" (their checks rest on a clause
+        the defect breaks); for ``copy.throughput``, every throughput row too.
     """
 
     name: str
@@ -40,6 +42,7 @@ class Mutant:
     also: tuple[str, ...] = ()
     why: str = ""
     floor: float | None = None
+    not_judged: tuple[str, ...] = ()
 
     @property
     def defect(self) -> str:
@@ -50,10 +53,16 @@ MUTANTS: dict[str, Mutant] = {}
 
 
 def mutant(
-    *breaks: str, also: Sequence[str] = (), why: str = "", floor: float | None = None
+    *breaks: str,
+    also: Sequence[str] = (),
+    why: str = "",
+    floor: float | None = None,
+    not_judged: Sequence[str] = (),
 ) -> Callable[[type], type]:
     def register(cls: type) -> type:
-        MUTANTS[cls.__name__] = Mutant(cls.__name__, cls, tuple(breaks), tuple(also), why, floor)
+        MUTANTS[cls.__name__] = Mutant(
+            cls.__name__, cls, tuple(breaks), tuple(also), why, floor, tuple(not_judged)
+        )
         return cls
 
     return register
