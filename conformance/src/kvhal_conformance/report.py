@@ -98,6 +98,7 @@ def build(settings: Settings, target: Target | None, results: dict[str, TestResu
             for clause, status, tests in by_clause(results)
         ],
         "throughput": throughput_rows(target, results),
+        "first_probe": target.metrics.get("first_probe", {}) if target else {},
     }
 
 
@@ -165,6 +166,16 @@ def to_markdown(report: dict[str, Any]) -> str:
         )
     lines += _clause_lines(report.get("clauses", []))
     lines += _throughput_lines(report["throughput"])
+    probe = report.get("first_probe") or {}
+    if probe:
+        lines += [
+            "",
+            "## First probe",
+            "",
+            f"What the plugin's first probe kept (measured right before and after it): threads "
+            f"{', '.join(probe['threads_kept']) or 'none'}; host memory {probe['host_memory']}; device "
+            f"memory {probe['device_memory']} ({_cell(probe['device_memory_measured_by'])}).",
+        ]
     failures: dict[tuple[str, str], list[str]] = {}  # a message repeated by many checks, said once
     for c in report["contracts"]:
         for t in c["tests"]:

@@ -13,6 +13,7 @@ from kvhal.descriptor import Capability, DeviceDescriptor
 from kvhal.device import Device
 from kvhal.errors import KVHALError
 from kvhal.registry import BUILTIN_DISTRIBUTION, PluginInfo, PluginRegistry
+from kvhal_conformance.footprint import Footprint, Snapshot
 
 
 def load_object(spec: str) -> object:
@@ -45,6 +46,8 @@ class Target:
     :param device: the bound :class:`~kvhal.device.Device`, or None when binding failed.
     :param error: why binding failed (a missing hook, a refusal, a load error), naming the plugin.
     :param metrics: measurements the tests leave for the report (throughput).
+    :param first_probe: what the plugin's first probe left behind (threads, host and device
+        memory), measured around it when the target was bound (``probe.no_work``).
     """
 
     registry: PluginRegistry
@@ -53,6 +56,7 @@ class Target:
     device: Device | None
     error: str | None
     metrics: dict[str, Any] = field(default_factory=dict)
+    first_probe: Footprint | None = None
     #: checks failed because the plugin could not be bound (the reason is said in full once)
     unbound_failures: int = 0
 
@@ -94,12 +98,14 @@ class Target:
         info = matches[-1]
         if info.blocked_by:
             raise pytest.UsageError(f"--kvhal-device {name!r}: plugin not loaded ({info.blocked_by})")
+        before = Snapshot.take()  # before the plugin's first probe: what it keeps shows
         outcome = registry.probe(info)
+        first_probe = Footprint.between(before, Snapshot.take())
         try:
             device = registry.select(name)
         except KVHALError as exc:
-            return cls(registry, info, outcome.descriptor, None, str(exc))
-        return cls(registry, info, device.descriptor, device, None)
+            return cls(registry, info, outcome.descriptor, None, str(exc), first_probe=first_probe)
+        return cls(registry, info, device.descriptor, device, None, first_probe=first_probe)
 
     # -- naming ---------------------------------------------------------------
 
