@@ -40,6 +40,8 @@ from kvhal_conformance.timing import Busy, poll, wait
 
 #: How long an event recorded on an idle stream may take to report complete.
 IDLE_LIMIT_S = 5.0
+#: Least time a copy queued behind a wait may take before the wait counts as deadlocked.
+WAIT_BINDS_LIMIT_S = 15.0
 
 
 class StreamsEventsContract(ContractFixtures):
@@ -372,6 +374,42 @@ class StreamsEventsContract(ContractFixtures):
         )
         wait(device, copied, f"{large.what} (its event)")
         synchronize_and_check(device, follower, small, "copy.event", f"{small.what} on the waiting stream")
+
+    @final
+    @covers("wait.binds")
+    def test_wait_binds_to_the_record_it_was_given(self, rig: Rig) -> None:
+        """A wait is for the event's last record when kvhal_stream_wait_event is called: recorded
+        again at once on the waiting stream itself, behind the wait, the event does not hold the
+        wait up (a wait that looks the record up only when its stream reaches it waits for a
+        record queued behind itself: a deadlock, reported as such after a deadline, never hung)."""
+        device, case = rig.device, rig.case("h2d", "small")
+        a, b = rig.new_stream(), rig.new_stream()
+        event = device.create_event()
+        _, busy_a = rig.busy.occupy(a, rig.sizes.busy_seconds)
+        device.record_event(event, a)  # the record the wait is given
+        _, busy_b = rig.busy.occupy(b, 5 * rig.sizes.busy_seconds)  # B reaches the wait later
+        device.stream_wait_event(b, event)
+        device.record_event(event, b)  # recorded again, behind the wait, before B reaches it
+        copied = case.submit(b)
+        limit_s = max(WAIT_BINDS_LIMIT_S, 20 * (busy_a + busy_b))
+        context = (
+            f"kvhal_stream_wait_event(stream B, event): the event was recorded on stream A behind "
+            f"{busy_a * 1e3:.0f} ms of copies, B (behind {busy_b * 1e3:.0f} ms of copies) was made to "
+            "wait for it, the event was recorded again on B behind the wait, then B got "
+            f"{case.what}"
+        )
+        try:
+            poll(device, copied, context, limit_s=limit_s)
+        except pytest.fail.Exception:
+            violated(
+                "wait.binds",
+                f"{context}: the copy had not completed after {limit_s:.0f} s: B waits for the record "
+                "queued behind its own wait (a deadlock). A wait must bind to the event's last record "
+                "at the time kvhal_stream_wait_event is called (as cudaStreamWaitEvent does); a later "
+                "record must not change what it waits for",
+            )
+        synchronize_and_check(device, copied, case, "copy.event", f"{context} (its event)")
+        wait(device, event, f"{context}: the event's second record")
 
     # -- what must not block --------------------------------------------------------
 
