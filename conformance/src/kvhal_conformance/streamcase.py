@@ -156,7 +156,8 @@ class Rig:
                 violated(
                     order_clause,
                     f"{context}: the copy wrote its destination while the work it must follow "
-                    f"({busy_s * 1e3:.0f} ms of copies) was still incomplete",
+                    f"({busy_s * 1e3:.0f} ms of copies) was still incomplete: a copy must not start before "
+                    "the work it follows has completed",
                 )
             for event, name in ((copied, "its event"), (after, "an event recorded after it")):
                 if device.query_event(event) and not device.query_event(earlier):

@@ -171,4 +171,7 @@ class Target:
             return self.caller(hook)(**kwargs)
         except Exception as exc:
             args = ", ".join(f"{k}={v!r:.60}" for k, v in kwargs.items())
-            pytest.fail(f"{self.label} hook {hook}({args}) raised {type(exc).__name__}: {exc}")
+            pytest.fail(
+                f"{self.label} hook {hook}({args}) raised {type(exc).__name__}: {exc}: the hook must "
+                "keep the promises kvhal.hookspecs lists for it (raising here is none of them)"
+            )

@@ -121,7 +121,8 @@ class Copier:
             violated(
                 "query.state",
                 f"{context}: kvhal_query_event reports a copy incomplete after "
-                "kvhal_synchronize_event returned for it",
+                "kvhal_synchronize_event returned for it: a query must report complete once the work "
+                "has completed",
             )
         dst_after = blockdata.read(dst)
         problems = [("copy.data", p) for p in mapped_problems(mapping, src_before, dst_before, dst_after)]

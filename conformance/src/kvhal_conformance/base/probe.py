@@ -22,10 +22,14 @@ KNOWN_CAPABILITIES = {c.value for c in Capability}
 def _descriptor(target: Target) -> DeviceDescriptor:
     outcome = target.registry.probe(target.info)
     if outcome.error is not None:
-        violated("probe.result", str(outcome.error))
+        violated(
+            "probe.result",
+            f"{outcome.error}: kvhal_probe() must return a DeviceDescriptor or a Refusal, never raise",
+        )
     if outcome.descriptor is None:
         pytest.fail(
-            f"{target.label}: kvhal_probe declined ({outcome.reason}); the suite needs the device present"
+            f"{target.label}: kvhal_probe() declined ({outcome.reason}); the suite needs the device present: "
+            "run it where kvhal_probe returns a DeviceDescriptor"
         )
     return outcome.descriptor
 
@@ -159,7 +163,8 @@ class ProbeContract(ContractFixtures):
         except RuntimeError as exc:
             violated(
                 "probe.descriptor",
-                f"kvhal_probe: torch_device_type {d.torch_device_type!r} is not a torch device type: {exc}",
+                f"kvhal_probe() of {kvhal_target.label}: torch_device_type {d.torch_device_type!r} is not "
+                f"a torch device type: {exc}; it must be one torch.device() accepts",
             )
         unknown = []
         for capability in sorted(d.capabilities):
@@ -172,5 +177,5 @@ class ProbeContract(ContractFixtures):
             not unknown,
             "probe.descriptor",
             f"kvhal_probe of {kvhal_target.label} declares unknown capabilities {unknown} (a typo?); known: "
-            f"{sorted(KNOWN_CAPABILITIES)} and dtype.<torch dtype>",
+            f"{sorted(KNOWN_CAPABILITIES)} and dtype.<torch dtype>; every capability must be one of them",
         )

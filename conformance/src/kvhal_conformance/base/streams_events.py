@@ -111,7 +111,8 @@ class StreamsEventsContract(ContractFixtures):
                 same,
                 "current.compute",
                 f"plugin {kvhal_target.name!r}: kvhal_current_stream returned {first!r}, not torch's current "
-                f"stream {torchs!r}: copies would not be ordered after the engine's compute",
+                f"stream {torchs!r}: copies would not be ordered after the engine's compute; it must return "
+                "torch.accelerator.current_stream() for the device",
             )
 
     @final
@@ -142,7 +143,8 @@ class StreamsEventsContract(ContractFixtures):
         expect(
             event is not recorded,
             "event.new",
-            "kvhal_create_event returned an event it had returned before (one now recorded on a busy stream)",
+            "kvhal_create_event returned an event it had returned before (one now recorded on a busy "
+            "stream): every call must return a new event",
         )
         expect(
             rig.device.query_event(event),
@@ -315,8 +317,10 @@ class StreamsEventsContract(ContractFixtures):
             chain.submit(chain.second, b),
             "kvhal_stream_wait_event: stream B waited for the event of a host->device copy on stream A, then "
             "copied those blocks device->host",
-            started_early="B's copy wrote its destination before the event on A that B waits for completed",
-            read_early="B's copy read the device blocks before A's copy wrote them",
+            started_early="B's copy wrote its destination before the event on A that B waits for completed: "
+            "work submitted to B after kvhal_stream_wait_event must not start before the event completes",
+            read_early="B's copy read the device blocks before A's copy wrote them: work submitted to B "
+            "after kvhal_stream_wait_event must not start before the event completes",
             earlier_is_first=True,
         )
 
@@ -370,7 +374,10 @@ class StreamsEventsContract(ContractFixtures):
         synchronize_and_check(device, event, large, "record.again", context)
         wait(device, event, f"{context}: synchronized a second time")
         expect(
-            device.query_event(event), "record.again", f"{context}: a synchronized event queries incomplete"
+            device.query_event(event),
+            "record.again",
+            f"{context}: kvhal_query_event reports incomplete an event kvhal_synchronize_event returned "
+            "for: a synchronized event must query complete until it is recorded again",
         )
         wait(device, copied, f"{large.what} (its event)")
         synchronize_and_check(device, follower, small, "copy.event", f"{small.what} on the waiting stream")
@@ -524,13 +531,15 @@ class StreamsEventsContract(ContractFixtures):
             q0,
             "query.error",
             "kvhal_query_event reported the event of a failed copy complete without raising TransferError "
-            "(kvhal_synchronize_event did raise it)",
+            "(kvhal_synchronize_event did raise it): a query must raise TransferError when the copy the "
+            "event follows failed",
         )
         expect(
             s0 and s1,
             "sync.error",
             "kvhal_synchronize_event returned normally for the event of a failed copy "
-            "(kvhal_query_event did raise TransferError)",
+            "(kvhal_query_event did raise TransferError): synchronize must raise TransferError when the "
+            "copy the event follows failed",
         )
         try:
             synchronize_and_check(

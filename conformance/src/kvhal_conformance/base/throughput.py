@@ -132,7 +132,7 @@ class ThroughputContract(ContractFixtures):
             lambda: (
                 f"kvhal_copy_blocks ({direction}, throughput run): sampled dst blocks "
                 f"{blockdata.id_list(rows[~arrived, 1])} do not hold their source "
-                "blocks: a wrong copy is not measured"
+                "blocks: every destination block must hold its source block (a wrong copy is not measured)"
             ),
         )
 
