@@ -161,6 +161,10 @@ def test_suite_catches_mutant(mutation_run: Path, name: str) -> None:
     assert not v["missed"], (
         f"{name} ({v['defect']}): the suite missed {v['missed']}; it reported {v['broken']}"
     )
+    assert not v.get("judged"), (
+        f"{name} ({v['defect']}): must read 'not judged' (their checks rest on a clause it breaks), "
+        f"but were judged: {v['judged']}"
+    )
     assert not v["stray"], (
         f"{name} ({v['defect']}): clauses its defect does not explain failed: "
         + "; ".join(f"{c}: {v['messages'].get(c, '')}" for c in v["stray"])

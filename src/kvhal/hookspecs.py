@@ -370,6 +370,10 @@ def kvhal_stream_wait_event(stream: Any, event: Any) -> None:
       start before the work before ``event``'s last record has completed,
       whatever its direction and size (an event never recorded holds nothing up).
     - ``wait.nonblocking``: it returns at once, without waiting for ``event``.
+    - ``wait.binds``: the wait is for ``event``'s last record at the time of
+      this call (as CUDA's ``cudaStreamWaitEvent``): recording ``event`` again
+      afterwards, even on ``stream`` behind this wait, does not change what
+      it waits for.
 
     "Without blocking" concerns streams from :func:`kvhal_create_stream`. On
     an inline compute stream (see :func:`kvhal_current_stream`) the work that

@@ -113,6 +113,31 @@ def clauses_of(func: object) -> tuple[str, ...]:
     return tuple(getattr(func, "kvhal_clauses", ()))
 
 
+def depends_on(*ids: str, judges: Sequence[str] = ()) -> Callable[[F], F]:
+    """Decorate a check whose verdict rests on other clauses holding (throughput timed by events
+    that may lie, copies judged through views whose layout may be wrong): when a check not
+    itself in doubt found one of ``ids`` broken, this check is reported "not judged: depends
+    on X, which failed", neither passed nor failed, for the clauses in ``judges`` (default: every
+    clause it covers; its verdict on the others stands). See
+    :func:`~kvhal_conformance.results.judge_dependencies`."""
+
+    def mark(func: F) -> F:
+        func.kvhal_depends = tuple(ids)  # type: ignore[attr-defined]
+        func.kvhal_judges = tuple(judges)  # type: ignore[attr-defined]
+        return func
+
+    return mark
+
+
+def dependencies_of(func: object) -> tuple[str, ...]:
+    return tuple(getattr(func, "kvhal_depends", ()))
+
+
+def doubtful_of(func: object) -> tuple[str, ...]:
+    """The clauses a check's verdict on is in doubt when a clause it depends on failed."""
+    return tuple(getattr(func, "kvhal_judges", ())) or clauses_of(func)
+
+
 def tag(ids: str | Sequence[str], message: str) -> str:
     """``[a, b] message``: a failure message naming the clauses broken."""
     names = (ids,) if isinstance(ids, str) else tuple(ids)

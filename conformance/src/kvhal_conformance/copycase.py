@@ -239,7 +239,11 @@ class CopyCase:
 
     def never_delivered(self, context: str) -> NoReturn:
         problems = "; ".join(p for _, p in self.problems()) or "sampled blocks were missing"
-        violated("copy.data", f"{context}, {self.what}: the copy never delivered its blocks: {problems}")
+        violated(
+            "copy.data",
+            f"{context}, {self.what}: the copy never delivered its blocks: {problems}: every destination "
+            "block of the plan must hold its source block's bytes once the copy's event completes",
+        )
 
 
 def _ids(ids: np.ndarray) -> str:

@@ -136,13 +136,15 @@ class Verdict:
     broken: tuple[str, ...] = ()
     missed: tuple[str, ...] = ()
     stray: tuple[str, ...] = ()
+    #: clauses (or ``throughput DIRECTION`` rows) that had to read "not judged" and did not
+    judged: tuple[str, ...] = ()
     seconds: float = 0.0
     error: str = ""
     messages: dict[str, str] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
-        return not (self.missed or self.stray or self.error)
+        return not (self.missed or self.stray or self.judged or self.error)
 
 
 #: Extra runs of a mutant whose breakage the suite missed (see :func:`main`).
@@ -162,6 +164,15 @@ def judge(m: Mutant, report: dict[str, Any] | None) -> Verdict:
     allowed = set(m.breaks) | set(m.also)
     if EVERY_CLAUSE not in allowed:
         verdict.stray = tuple(c for c in verdict.broken if c not in allowed)
+    status = {c["id"]: c["status"] for c in clauses}
+    judged = [c for c in m.not_judged if status.get(c) != "not judged"]
+    if "copy.throughput" in m.not_judged:
+        rows = report.get("throughput", {})
+        judged += [] if rows else ["throughput (no measurement)"]
+        judged += [
+            f"throughput {d}" for d, row in rows.items() if not str(row["status"]).startswith("not judged")
+        ]
+    verdict.judged = tuple(judged)
     verdict.seconds = float(report.get("seconds", 0.0))
     return verdict
 
@@ -190,6 +201,7 @@ def summary(verdicts: Sequence[Verdict]) -> str:
                 for part in (
                     f"MISSED {', '.join(v.missed)}" if v.missed else "",
                     f"ALSO BROKE {', '.join(v.stray)}" if v.stray else "",
+                    f"JUDGED {', '.join(v.judged)} (must read not judged)" if v.judged else "",
                 )
                 if part
             )

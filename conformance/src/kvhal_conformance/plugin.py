@@ -20,7 +20,17 @@ from kvhal.device import REQUIRED_DTYPES
 from kvhal_conformance import report as report_module
 from kvhal_conformance import timing
 from kvhal_conformance.contracts import Contract, contract_of_module
-from kvhal_conformance.results import FAIL, TestResult, by_clause, by_contract, contract_status, record
+from kvhal_conformance.results import (
+    FAIL,
+    NOT_JUDGED,
+    TestResult,
+    by_clause,
+    by_contract,
+    contract_status,
+    not_judged_message,
+    record,
+    unjudged_by,
+)
 from kvhal_conformance.settings import Settings, add_options
 from kvhal_conformance.target import Target
 
@@ -165,15 +175,23 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: p
         )
         for test in failed[:3]:
             write(f"    {test.name}: {test.message.splitlines()[0] if test.message else ''}"[:400])
-    broken = [clause.id for clause, status, _ in by_clause(state.results) if status == FAIL]
+    clauses = by_clause(state.results)
+    broken = [clause.id for clause, status, _ in clauses if status == FAIL]
     if broken:
         write(f"clauses broken: {', '.join(broken)}", red=True)
+    for clause, status, tests in clauses:
+        if status == NOT_JUDGED:
+            write(f"clause {clause.id}: {not_judged_message(unjudged_by(tests, clause.id))}", yellow=True)
     target = state.found
     if target is not None:
-        for direction, m in target.metrics.get("throughput", {}).items():
+        if target.unbound_summary():
+            write(str(target.unbound_summary()), red=True)
+        throughput = report_module.throughput_rows(target, state.results)
+        for direction, m in throughput.items():
+            status = "" if m["status"] in ("pass", "fail") else f": {m['status']}"
             write(
                 f"throughput {direction}: plugin {m['plugin_gib_s']:.2f} GiB/s, torch {m['torch_gib_s']:.2f} "
-                f"GiB/s, ratio {m['ratio']:.2f} (floor {m['floor']})"
+                f"GiB/s, ratio {m['ratio']:.2f} (floor {m['floor']}){status}"
             )
     for path in state.report_paths:
         write(f"report: {path}")

@@ -12,7 +12,19 @@ import torch
 
 import kvhal
 import kvhal_conformance
-from kvhal_conformance.results import FAIL, SKIP, TestResult, by_clause, by_contract, contract_status, verdict
+from kvhal_conformance.results import (
+    FAIL,
+    NOT_JUDGED,
+    PASS,
+    SKIP,
+    TestResult,
+    by_clause,
+    by_contract,
+    contract_status,
+    not_judged_message,
+    unjudged_by,
+    verdict,
+)
 from kvhal_conformance.settings import MiB, Settings
 from kvhal_conformance.target import Target
 
@@ -59,7 +71,7 @@ def build(settings: Settings, target: Target | None, results: dict[str, TestResu
                 "title": contract.title,
                 "checks": contract.checks,
                 "status": contract_status(tests),
-                "counts": {o: sum(t.outcome == o for t in tests) for o in ("pass", FAIL, SKIP)},
+                "counts": {o: sum(t.outcome == o for t in tests) for o in (PASS, FAIL, SKIP, NOT_JUDGED)},
                 "tests": [
                     {
                         "name": t.name,
@@ -81,10 +93,12 @@ def build(settings: Settings, target: Target | None, results: dict[str, TestResu
                 "status": status,
                 "checks": sorted({t.name for t in tests}),
                 "failures": [t.message for t in tests if clause.id in t.broken],
+                "note": not_judged_message(unjudged_by(tests, clause.id)) if status == NOT_JUDGED else "",
             }
             for clause, status, tests in by_clause(results)
         ],
-        "throughput": target.metrics.get("throughput", {}) if target else {},
+        "throughput": throughput_rows(target, results),
+        "first_probe": target.metrics.get("first_probe", {}) if target else {},
         "pinning": _pinning(target),
     }
 
@@ -93,6 +107,21 @@ def _pinning(target: Target | None) -> dict[str, Any] | None:
     """What witnessed the plugin's pinning, and at which sizes (None when no check asked)."""
     choice = target.metrics.get("pinning") if target else None
     return choice.as_report() if choice is not None else None
+
+
+def throughput_rows(target: Target | None, results: dict[str, TestResult]) -> dict[str, Any]:
+    """The throughput measurements; a direction whose check was not judged (it times copies by
+    events that may complete early) reads "not judged: depends on X, which failed"."""
+    rows = {d: dict(m) for d, m in (target.metrics.get("throughput", {}) if target else {}).items()}
+    for t in results.values():
+        direction = t.name.partition("[")[2].rstrip("]")
+        if t.contract.id == "throughput" and t.outcome == NOT_JUDGED and direction in rows:
+            rows[direction]["status"] = not_judged_message(t.unjudged_by)
+    return rows
+
+
+#: Every status a contract or clause may have, in the order summaries give them.
+STATUSES = (PASS, FAIL, NOT_JUDGED, SKIP, "not run")
 
 
 def _cell(text: str) -> str:
@@ -106,7 +135,7 @@ def to_markdown(report: dict[str, Any]) -> str:
         f"# kvhal conformance: plugin `{plugin['name']}`",
         "",
         f"**Verdict: {report['verdict'].upper()}**: {len(counts)} contracts, "
-        + ", ".join(f"{counts.count(s)} {s}" for s in ("pass", "fail", "skip", "not run") if counts.count(s)),
+        + ", ".join(f"{counts.count(s)} {s}" for s in STATUSES if counts.count(s)),
         "",
         "| | |",
         "|---|---|",
@@ -133,23 +162,42 @@ def to_markdown(report: dict[str, Any]) -> str:
     lines += [
         "## Contracts",
         "",
-        "| Contract | Status | Pass | Fail | Skip | Checks |",
-        "|---|---|---|---|---|---|",
+        "| Contract | Status | Pass | Fail | Skip | Not judged | Checks |",
+        "|---|---|---|---|---|---|---|",
     ]
     for c in report["contracts"]:
         n = c["counts"]
         lines.append(
             f"| {c['title']} | **{c['status']}** | {n['pass']} | {n['fail']} | {n['skip']} "
-            f"| {_cell(c['checks'])} |"
+            f"| {n.get(NOT_JUDGED, 0)} | {_cell(c['checks'])} |"
         )
     lines += _clause_lines(report.get("clauses", []))
     lines += _throughput_lines(report["throughput"])
     lines += _pinning_lines(report.get("pinning"))
-    failures = [(c, t) for c in report["contracts"] for t in c["tests"] if t["outcome"] == FAIL]
+    probe = report.get("first_probe") or {}
+    if probe:
+        lines += [
+            "",
+            "## First probe",
+            "",
+            f"What the plugin's first probe kept (measured right before and after it): threads "
+            f"{', '.join(probe['threads_kept']) or 'none'}; host memory {probe['host_memory']}; device "
+            f"memory {probe['device_memory']} ({_cell(probe['device_memory_measured_by'])}).",
+        ]
+    failures: dict[tuple[str, str], list[str]] = {}  # a message repeated by many checks, said once
+    for c in report["contracts"]:
+        for t in c["tests"]:
+            if t["outcome"] == FAIL:
+                failures.setdefault((c["title"], t["message"]), []).append(f"`{t['name']}`")
     if failures:
         lines += ["", "## Failures", ""]
-        for c, t in failures:
-            lines += [f"- **{c['title']}** `{t['name']}`: {_cell(t['message'])}"]
+        for (title, message), names in failures.items():
+            which = names[0] if len(names) == 1 else f"{len(names)} checks ({', '.join(names)})"
+            lines += [f"- **{title}** {which}: {_cell(message)}"]
+    unjudged = [(c, t) for c in report["contracts"] for t in c["tests"] if t["outcome"] == NOT_JUDGED]
+    if unjudged:
+        lines += ["", "## Not judged", ""]
+        lines += [f"- **{c['title']}** `{t['name']}`: {_cell(t['message'])}" for c, t in unjudged]
     skips: dict[str, list[str]] = {}
     for c in report["contracts"]:
         for t in c["tests"]:
@@ -173,16 +221,15 @@ def _clause_lines(clauses: list[dict[str, Any]]) -> list[str]:
         "## Clauses",
         "",
         f"Every promise of every device hook (`kvhal.hookspecs`), by id: {len(clauses)} clauses, "
-        + ", ".join(
-            f"{statuses.count(s)} {s}" for s in ("pass", "fail", "skip", "not run") if statuses.count(s)
-        )
+        + ", ".join(f"{statuses.count(s)} {s}" for s in STATUSES if statuses.count(s))
         + ".",
         "",
         "| Clause | Hook | Status | Checks |",
         "|---|---|---|---|",
     ]
     for c in clauses:
-        lines.append(f"| `{c['id']}` | `{c['hook']}` | {c['status']} | {len(c['checks'])} |")
+        status = c.get("note") or c["status"]
+        lines.append(f"| `{c['id']}` | `{c['hook']}` | {_cell(status)} | {len(c['checks'])} |")
     return lines
 
 

@@ -3,16 +3,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
+import pytest
 
 from kvhal.cache import KVCache
 from kvhal.copyplan import CopyPlan
 from kvhal.device import Device
+from kvhal_conformance.blockdata import id_list
 from kvhal_conformance.clauses import violated
 from kvhal_conformance.copycase import BULK, CONTROL_BUSY_S, CopyCase, judge_query, synchronize_and_check
 from kvhal_conformance.settings import Sizes
@@ -50,6 +53,42 @@ def early_record_clause(device: Device, busy: Busy) -> str:
 
     poll(device, second, "busy work", while_pending=watch)
     return "record.after_work" if early else "copy.on_stream"
+
+
+#: How long a first copy's event may take to complete once a second copy was seen writing.
+OVERTAKEN_WAIT_S = 30.0
+
+
+def judge_overtaken(
+    device: Device, first: CopyCase, first_done: Any, second: CopyCase, unwritten: np.ndarray
+) -> NoReturn:
+    """``second``, submitted after ``first`` to one stream, was seen writing while sampled blocks
+    ``unwritten`` of ``first`` still held their old contents. Overtaken (``stream.order``) if
+    those blocks arrive later; never delivered (``copy.data``: the first copy is wrong, not the
+    stream's order) if, once the first copy's event completed, they still do not hold their
+    source."""
+    with contextlib.suppress(Exception, pytest.fail.Exception):  # its event's faults are judged apart
+        wait(device, first_done, f"{first.what} (first on its stream)", limit_s=OVERTAKEN_WAIT_S)
+    first.arrives()  # bytes still landing, within a bound
+    never = np.intersect1d(unwritten, first.missing())
+    late = np.setdiff1d(unwritten, never)
+    order = (
+        f"kvhal_copy_blocks: {second.what} wrote its destination while {first.what}, submitted before it "
+        f"to the same stream, was still writing (dst blocks {id_list(late)} of the first were written "
+        "only later): work on one stream must run in submission order, one piece after the other"
+    )
+    if len(late) and len(never):
+        violated(
+            ("stream.order", "copy.data"),
+            f"{order}; and dst blocks {id_list(never)} of the first were never written: every "
+            "destination block of a plan must receive its source block",
+        )
+    if len(late):
+        violated("stream.order", order)
+    first.never_delivered(
+        f"kvhal_copy_blocks, the first of two copies on one stream (sampled dst blocks {id_list(never)} "
+        "still unwritten after its event completed; the second ran after it)"
+    )
 
 
 @dataclasses.dataclass
@@ -117,7 +156,8 @@ class Rig:
                 violated(
                     order_clause,
                     f"{context}: the copy wrote its destination while the work it must follow "
-                    f"({busy_s * 1e3:.0f} ms of copies) was still incomplete",
+                    f"({busy_s * 1e3:.0f} ms of copies) was still incomplete: a copy must not start before "
+                    "the work it follows has completed",
                 )
             for event, name in ((copied, "its event"), (after, "an event recorded after it")):
                 if device.query_event(event) and not device.query_event(earlier):

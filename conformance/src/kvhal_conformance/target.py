@@ -13,6 +13,7 @@ from kvhal.descriptor import Capability, DeviceDescriptor
 from kvhal.device import Device
 from kvhal.errors import KVHALError
 from kvhal.registry import BUILTIN_DISTRIBUTION, PluginInfo, PluginRegistry
+from kvhal_conformance.footprint import Footprint, Snapshot
 
 
 def load_object(spec: str) -> object:
@@ -45,6 +46,8 @@ class Target:
     :param device: the bound :class:`~kvhal.device.Device`, or None when binding failed.
     :param error: why binding failed (a missing hook, a refusal, a load error), naming the plugin.
     :param metrics: measurements the tests leave for the report (throughput).
+    :param first_probe: what the plugin's first probe left behind (threads, host and device
+        memory), measured around it when the target was bound (``probe.no_work``).
     """
 
     registry: PluginRegistry
@@ -53,6 +56,9 @@ class Target:
     device: Device | None
     error: str | None
     metrics: dict[str, Any] = field(default_factory=dict)
+    first_probe: Footprint | None = None
+    #: checks failed because the plugin could not be bound (the reason is said in full once)
+    unbound_failures: int = 0
 
     @classmethod
     def find(cls, name: str, plugin_specs: tuple[str, ...] = ()) -> Target:
@@ -92,12 +98,14 @@ class Target:
         info = matches[-1]
         if info.blocked_by:
             raise pytest.UsageError(f"--kvhal-device {name!r}: plugin not loaded ({info.blocked_by})")
+        before = Snapshot.take()  # before the plugin's first probe: what it keeps shows
         outcome = registry.probe(info)
+        first_probe = Footprint.between(before, Snapshot.take())
         try:
             device = registry.select(name)
         except KVHALError as exc:
-            return cls(registry, info, outcome.descriptor, None, str(exc))
-        return cls(registry, info, device.descriptor, device, None)
+            return cls(registry, info, outcome.descriptor, None, str(exc), first_probe=first_probe)
+        return cls(registry, info, device.descriptor, device, None, first_probe=first_probe)
 
     # -- naming ---------------------------------------------------------------
 
@@ -124,10 +132,21 @@ class Target:
     # -- what tests use -------------------------------------------------------
 
     def require_device(self) -> Device:
-        """The bound device, or fail the calling test with why it could not be bound."""
+        """The bound device, or fail the calling test with why it could not be bound: the whole
+        reason at the first check, a short line naming it at the others (a run of a plugin that
+        cannot be bound would repeat it in every check; :meth:`unbound_summary` gives the count)."""
         if self.device is None:
-            pytest.fail(f"{self.label} could not be bound, nothing else can be checked: {self.error}")
+            self.unbound_failures += 1
+            if self.unbound_failures == 1:
+                pytest.fail(f"{self.label} could not be bound, nothing else can be checked: {self.error}")
+            pytest.fail(f"{self.label} could not be bound (the reason is given once, at the first check)")
         return self.device
+
+    def unbound_summary(self) -> str | None:
+        """``N checks failed: PLUGIN could not be bound: WHY``, once per run, or None."""
+        if not self.unbound_failures:
+            return None
+        return f"{self.unbound_failures} checks failed: {self.label} could not be bound: {self.error}"
 
     def declares(self, capability: Capability | str) -> bool:
         return self.descriptor is not None and self.descriptor.supports(capability)
@@ -152,4 +171,7 @@ class Target:
             return self.caller(hook)(**kwargs)
         except Exception as exc:
             args = ", ".join(f"{k}={v!r:.60}" for k, v in kwargs.items())
-            pytest.fail(f"{self.label} hook {hook}({args}) raised {type(exc).__name__}: {exc}")
+            pytest.fail(
+                f"{self.label} hook {hook}({args}) raised {type(exc).__name__}: {exc}: the hook must "
+                "keep the promises kvhal.hookspecs lists for it (raising here is none of them)"
+            )

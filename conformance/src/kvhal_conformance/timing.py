@@ -85,7 +85,10 @@ def wait(
     while not done.wait(min(PROGRESS_EVERY_S, max(0.0, start + limit_s - time.perf_counter()))):
         waited = time.perf_counter() - start
         if waited >= limit_s:
-            pytest.fail(f"kvhal_synchronize_event did not return within {limit_s:.0f} s ({what})")
+            pytest.fail(
+                f"kvhal_synchronize_event did not return within {limit_s:.0f} s ({what}): it must return "
+                "once the work before the event's last record has completed"
+            )
         progress(
             f"kvhal_synchronize_event has not returned after {waited:.0f} s ({what}); "
             f"giving up at {limit_s:.0f} s"
@@ -112,7 +115,10 @@ def poll(
             return
         now = time.perf_counter()
         if now - start > limit_s:
-            pytest.fail(f"kvhal_query_event still reports incomplete after {limit_s:.0f} s ({what})")
+            pytest.fail(
+                f"kvhal_query_event still reports incomplete after {limit_s:.0f} s ({what}): the event "
+                "must complete once the work before its last record has completed"
+            )
         if now - shown >= PROGRESS_EVERY_S:
             shown = now
             progress(

@@ -13,6 +13,7 @@ from kvhal.descriptor import Capability, DeviceDescriptor
 from kvhal.hookspecs import DEVICE_HOOKS
 from kvhal_conformance.base.fixtures import ContractFixtures, final
 from kvhal_conformance.clauses import covers, expect, violated
+from kvhal_conformance.footprint import HOST_PROBE_LIMIT, describe
 from kvhal_conformance.target import Target
 
 KNOWN_CAPABILITIES = {c.value for c in Capability}
@@ -21,10 +22,14 @@ KNOWN_CAPABILITIES = {c.value for c in Capability}
 def _descriptor(target: Target) -> DeviceDescriptor:
     outcome = target.registry.probe(target.info)
     if outcome.error is not None:
-        violated("probe.result", str(outcome.error))
+        violated(
+            "probe.result",
+            f"{outcome.error}: kvhal_probe() must return a DeviceDescriptor or a Refusal, never raise",
+        )
     if outcome.descriptor is None:
         pytest.fail(
-            f"{target.label}: kvhal_probe declined ({outcome.reason}); the suite needs the device present"
+            f"{target.label}: kvhal_probe() declined ({outcome.reason}); the suite needs the device present: "
+            "run it where kvhal_probe returns a DeviceDescriptor"
         )
     return outcome.descriptor
 
@@ -42,7 +47,10 @@ class ProbeContract(ContractFixtures):
 
     def device_memory(self, device_type: str) -> int | None:
         """Bytes of device memory allocated on the device of ``device_type``, or None where
-        that cannot be told (the memory half of ``probe.no_work`` is then not checked).
+        that cannot be told (the memory half of ``probe.no_work`` is then not checked across
+        probes again). The first probe is measured before this hook can be called (when the
+        target is bound): through torch's accelerator, host memory for a ``cpu`` device, else
+        not measured (:meth:`~kvhal_conformance.footprint.Footprint.device_growth`).
 
         Default: ``torch.accelerator.memory_allocated()`` when torch's current accelerator is
         of that type. Override it for a device whose memory torch does not count.
@@ -81,31 +89,68 @@ class ProbeContract(ContractFixtures):
     @final
     @covers("probe.no_work")
     def test_probe_starts_no_work(self, kvhal_target: Target) -> None:
-        """Probing again leaves no thread running that was not before, and no device memory allocated."""
+        """The first probe keeps no thread running and no device memory; probing again leaves
+        no new thread running and no device memory allocated.
+
+        The first probe is measured from right before it (when the target was bound): a probe
+        that reserves an arena or starts a worker once, and keeps it, shows only there.
+        """
         descriptor = _descriptor(kvhal_target)
         gc.collect()
         threads, memory = set(threading.enumerate()), self.device_memory(descriptor.torch_device_type)
         for _ in range(3):
             _descriptor(kvhal_target)
         gc.collect()
+        first = kvhal_target.first_probe
         deadline = time.monotonic() + 2.0  # threads a probe started and stopped may still be ending
-        while (
-            new := [t for t in threading.enumerate() if t not in threads and t.is_alive()]
-        ) and time.monotonic() < deadline:
+        while True:
+            kept = first.threads_kept() if first is not None else []
+            new = [t for t in threading.enumerate() if t not in threads and t.is_alive()]
+            if not (kept or new) or time.monotonic() >= deadline:
+                break
             time.sleep(0.02)
+        expect(
+            not kept,
+            "probe.no_work",
+            lambda: (
+                f"{kvhal_target.label}: hook kvhal_probe(), called for the first time, started "
+                f"{len(kept)} threads that are still running ({', '.join(sorted({t.name for t in kept}))}): "
+                "a probe must only detect the device; start workers when kvhal_create_stream is called"
+            ),
+        )
         expect(
             not new,
             "probe.no_work",
-            f"{kvhal_target.label}: calling kvhal_probe 3 more times left {len(new)} new "
-            f"threads running ({', '.join(sorted({t.name for t in new}))}): a probe must not "
-            "start device work beyond detection",
+            f"{kvhal_target.label}: hook kvhal_probe(), called 3 more times, left {len(new)} new "
+            f"threads running ({', '.join(sorted({t.name for t in new}))}): a probe must only detect "
+            "the device, not start device work",
         )
+        if first is not None:
+            kept_bytes, how = first.device_growth(descriptor.torch_device_type)
+            kvhal_target.metrics["first_probe"] = {  # the report says what was measured, and how
+                "threads_kept": [t.name for t in kept],
+                "host_memory": describe(first.host_growth),
+                "device_memory": describe(kept_bytes),
+                "device_memory_measured_by": how,
+            }
+            limit = HOST_PROBE_LIMIT if descriptor.torch_device_type == "cpu" else 0
+            expect(
+                kept_bytes is None or kept_bytes <= limit,
+                "probe.no_work",
+                lambda: (
+                    f"{kvhal_target.label}: hook kvhal_probe(), called for the first time, kept "
+                    f"{describe(kept_bytes)} of device memory ({how}; host memory "
+                    f"{describe(first.host_growth)}; at most {describe(limit)} is allowed): a probe must "
+                    "not allocate device memory; allocate when kvhal_allocate_kv_cache or "
+                    "kvhal_allocate_host_buffer is called"
+                ),
+            )
         after = self.device_memory(descriptor.torch_device_type)
         expect(
             memory is None or after == memory,
             "probe.no_work",
-            f"{kvhal_target.label}: calling kvhal_probe changed the device memory torch has allocated from "
-            f"{memory} to {after} bytes: a probe must not allocate device memory",
+            f"{kvhal_target.label}: hook kvhal_probe(), called 3 more times, changed the device memory "
+            f"torch has allocated from {memory} to {after} bytes: a probe must not allocate device memory",
         )
 
     @final
@@ -118,7 +163,8 @@ class ProbeContract(ContractFixtures):
         except RuntimeError as exc:
             violated(
                 "probe.descriptor",
-                f"kvhal_probe: torch_device_type {d.torch_device_type!r} is not a torch device type: {exc}",
+                f"kvhal_probe() of {kvhal_target.label}: torch_device_type {d.torch_device_type!r} is not "
+                f"a torch device type: {exc}; it must be one torch.device() accepts",
             )
         unknown = []
         for capability in sorted(d.capabilities):
@@ -131,5 +177,5 @@ class ProbeContract(ContractFixtures):
             not unknown,
             "probe.descriptor",
             f"kvhal_probe of {kvhal_target.label} declares unknown capabilities {unknown} (a typo?); known: "
-            f"{sorted(KNOWN_CAPABILITIES)} and dtype.<torch dtype>",
+            f"{sorted(KNOWN_CAPABILITIES)} and dtype.<torch dtype>; every capability must be one of them",
         )

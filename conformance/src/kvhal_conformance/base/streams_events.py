@@ -13,6 +13,7 @@ wait, for one small block, one block of an odd size, and a batch of many MiB.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -26,13 +27,22 @@ from kvhal_conformance.base.fixtures import ContractFixtures, final
 from kvhal_conformance.clauses import DIRECTIONS, SIZES, covers, expect, violated
 from kvhal_conformance.copycase import judge_query, synchronize_and_check
 from kvhal_conformance.settings import Sizes
-from kvhal_conformance.streamcase import TRIALS, NewStream, Rig, early_record_clause, failing_plan
+from kvhal_conformance.streamcase import (
+    TRIALS,
+    NewStream,
+    Rig,
+    early_record_clause,
+    failing_plan,
+    judge_overtaken,
+)
 from kvhal_conformance.streamrig import Chain, free_chain, make_chain
 from kvhal_conformance.target import Target
 from kvhal_conformance.timing import Busy, poll, wait
 
 #: How long an event recorded on an idle stream may take to report complete.
 IDLE_LIMIT_S = 5.0
+#: Least time a copy queued behind a wait may take before the wait counts as deadlocked.
+WAIT_BINDS_LIMIT_S = 15.0
 
 
 class StreamsEventsContract(ContractFixtures):
@@ -102,7 +112,8 @@ class StreamsEventsContract(ContractFixtures):
                 same,
                 "current.compute",
                 f"plugin {kvhal_target.name!r}: kvhal_current_stream returned {first!r}, not torch's current "
-                f"stream {torchs!r}: copies would not be ordered after the engine's compute",
+                f"stream {torchs!r}: copies would not be ordered after the engine's compute; it must return "
+                "torch.accelerator.current_stream() for the device",
             )
 
     @final
@@ -133,7 +144,8 @@ class StreamsEventsContract(ContractFixtures):
         expect(
             event is not recorded,
             "event.new",
-            "kvhal_create_event returned an event it had returned before (one now recorded on a busy stream)",
+            "kvhal_create_event returned an event it had returned before (one now recorded on a busy "
+            "stream): every call must return a new event",
         )
         expect(
             rig.device.query_event(event),
@@ -272,14 +284,10 @@ class StreamsEventsContract(ContractFixtures):
             first_done = first.submit(stream)
             second_done = second.submit(stream)
 
-            def one_at_a_time() -> None:
-                if second.dst_changed() and len(first.unwritten()):
-                    violated(
-                        "stream.order",
-                        f"{second.what} wrote its destination while {first.what}, submitted before it to "
-                        "the same stream, was still writing: work on one stream must run in submission "
-                        "order, one piece after the other",
-                    )
+            def one_at_a_time(first_done: object = first_done) -> None:
+                # the second's destination first, the first's second: it was unwritten after that
+                if second.dst_changed() and len(unwritten := first.unwritten()):
+                    judge_overtaken(device, first, first_done, second, unwritten)
 
             poll(
                 device,
@@ -310,8 +318,10 @@ class StreamsEventsContract(ContractFixtures):
             chain.submit(chain.second, b),
             "kvhal_stream_wait_event: stream B waited for the event of a host->device copy on stream A, then "
             "copied those blocks device->host",
-            started_early="B's copy wrote its destination before the event on A that B waits for completed",
-            read_early="B's copy read the device blocks before A's copy wrote them",
+            started_early="B's copy wrote its destination before the event on A that B waits for completed: "
+            "work submitted to B after kvhal_stream_wait_event must not start before the event completes",
+            read_early="B's copy read the device blocks before A's copy wrote them: work submitted to B "
+            "after kvhal_stream_wait_event must not start before the event completes",
             earlier_is_first=True,
         )
 
@@ -365,10 +375,56 @@ class StreamsEventsContract(ContractFixtures):
         synchronize_and_check(device, event, large, "record.again", context)
         wait(device, event, f"{context}: synchronized a second time")
         expect(
-            device.query_event(event), "record.again", f"{context}: a synchronized event queries incomplete"
+            device.query_event(event),
+            "record.again",
+            f"{context}: kvhal_query_event reports incomplete an event kvhal_synchronize_event returned "
+            "for: a synchronized event must query complete until it is recorded again",
         )
         wait(device, copied, f"{large.what} (its event)")
         synchronize_and_check(device, follower, small, "copy.event", f"{small.what} on the waiting stream")
+
+    @final
+    @covers("wait.binds")
+    def test_wait_binds_to_the_record_it_was_given(self, rig: Rig) -> None:
+        """A wait is for the event's last record when kvhal_stream_wait_event is called: recorded
+        again at once on the waiting stream itself, behind the wait, the event does not hold the
+        wait up (a wait that looks the record up only when its stream reaches it waits for a
+        record queued behind itself: a deadlock, reported as such after a deadline, never hung)."""
+        device, case = rig.device, rig.case("h2d", "small")
+        a, b = rig.new_stream(), rig.new_stream()
+        event = device.create_event()
+        _, busy_a = rig.busy.occupy(a, rig.sizes.busy_seconds)
+        device.record_event(event, a)  # the record the wait is given
+        _, busy_b = rig.busy.occupy(b, 5 * rig.sizes.busy_seconds)  # B reaches the wait later
+        device.stream_wait_event(b, event)
+        device.record_event(event, b)  # recorded again, behind the wait, before B reaches it
+        copied = case.submit(b)
+        after = device.create_event()
+        device.record_event(after, b)
+        limit_s = max(WAIT_BINDS_LIMIT_S, 20 * (busy_a + busy_b))
+        context = (
+            f"kvhal_stream_wait_event(stream B, event): the event was recorded on stream A behind "
+            f"{busy_a * 1e3:.0f} ms of copies, B (behind {busy_b * 1e3:.0f} ms of copies) was made to "
+            "wait for it, the event was recorded again on B behind the wait, then B got "
+            f"{case.what}"
+        )
+        # Judged on the copy's bytes (events that complete early, another clause, must not pass
+        # for progress); at the deadline, a copy whose events both completed is no hang.
+        deadline = time.monotonic() + limit_s
+        while len(case.missing()):
+            if time.monotonic() > deadline:
+                if device.query_event(copied) and device.query_event(after):
+                    break  # the copy's data are wrong, judged below
+                violated(
+                    "wait.binds",
+                    f"{context}: the copy had not run after {limit_s:.0f} s: B waits for the record queued "
+                    "behind its own wait (a deadlock). A wait must bind to the event's last record at the "
+                    "time kvhal_stream_wait_event is called (as cudaStreamWaitEvent does); a later record "
+                    "must not change what it waits for",
+                )
+            time.sleep(0.001)
+        synchronize_and_check(device, copied, case, "copy.event", f"{context} (its event)")
+        wait(device, event, f"{context}: the event's second record")
 
     # -- what must not block --------------------------------------------------------
 
@@ -483,13 +539,15 @@ class StreamsEventsContract(ContractFixtures):
             q0,
             "query.error",
             "kvhal_query_event reported the event of a failed copy complete without raising TransferError "
-            "(kvhal_synchronize_event did raise it)",
+            "(kvhal_synchronize_event did raise it): a query must raise TransferError when the copy the "
+            "event follows failed",
         )
         expect(
             s0 and s1,
             "sync.error",
             "kvhal_synchronize_event returned normally for the event of a failed copy "
-            "(kvhal_query_event did raise TransferError)",
+            "(kvhal_query_event did raise TransferError): synchronize must raise TransferError when the "
+            "copy the event follows failed",
         )
         try:
             synchronize_and_check(

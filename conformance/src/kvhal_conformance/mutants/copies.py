@@ -40,6 +40,59 @@ class DropsTail(CPUPlugin):
         return _record_after(stream, copy)
 
 
+#: The batch size above which :class:`DropsLastDescriptor` loses a descriptor.
+BATCH_LIMIT = 32
+
+
+@mutant("copy.data")
+class DropsLastDescriptor(CPUPlugin):
+    """Submits batches of more than 32 descriptors in chunks of 32 and loses the last
+    descriptor (an off-by-one in the chunk loop's end): a large batch never delivers one block,
+    and everything queued after it runs as usual."""
+
+    @hookimpl
+    def kvhal_copy_blocks(self, plan: CopyPlan, stream: Stream) -> CPUEvent:
+        engine = self.engine
+
+        def copy() -> None:
+            src, dst, sizes = plan.descriptors
+            if len(sizes) > BATCH_LIMIT:
+                src, dst, sizes = src[:-1], dst[:-1], sizes[:-1]
+            engine.run(src, dst, sizes)
+
+        return _record_after(stream, copy)
+
+
+@mutant(
+    "copy.event",
+    also=("sync.waits", "query.state"),
+    why="synchronize and query see the event the copy returned, which completes before its bytes",
+    not_judged=("copy.throughput",),
+)
+class EventsDoneAtDequeue(CPUPlugin):
+    """Marks a copy's event done when the stream's worker takes the copy from the queue, before
+    running it (a completion written at dispatch, not at the end of the work). Throughput timed
+    by that event measures dispatch, not the copy."""
+
+    @hookimpl
+    def kvhal_copy_blocks(self, plan: CopyPlan, stream: Stream) -> CPUEvent:
+        engine, done, marker = self.engine, CPUEvent(), _Marker()
+        done._marker = marker
+
+        def copy() -> None:
+            try:
+                descriptors = plan.descriptors
+            except BaseException as exc:  # a failure to read the plan still reaches the event
+                marker.error = exc
+                marker.done.set()
+                return
+            marker.done.set()  # dequeued: "done"
+            engine.run(*descriptors)
+
+        stream.submit(copy)
+        return done
+
+
 @mutant(
     "copy.dst_only",
     also=("copy.data",),

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import queue
+import threading
+
+import torch
+
 from kvhal.cpu import CPUPlugin
 from kvhal.cpu.streams import CPUStream
 from kvhal.descriptor import Capability, DeviceDescriptor, Refusal
@@ -60,4 +65,46 @@ class ProbeKeepsStream(CPUPlugin):
     @hookimpl
     def kvhal_probe(self) -> DeviceDescriptor | Refusal:
         self._probe_streams.append(CPUStream("kvhal-probe-check"))
+        return super().kvhal_probe()
+
+
+#: The arena :class:`ProbeReservesArena` reserves in its first probe.
+PROBE_ARENA = 256 << 20
+
+
+@mutant("probe.no_work")
+class ProbeReservesArena(CPUPlugin):
+    """The first probe reserves a 256 MiB staging arena (touched, so resident) to check the
+    device can hold one, and keeps it for later copies; probing again reuses it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._arena: torch.Tensor | None = None
+
+    @hookimpl
+    def kvhal_probe(self) -> DeviceDescriptor | Refusal:
+        if self._arena is None:
+            self._arena = torch.ones(PROBE_ARENA, dtype=torch.uint8)
+        return super().kvhal_probe()
+
+
+def _serve(jobs: queue.SimpleQueue) -> None:
+    while (job := jobs.get()) is not None:
+        job()
+
+
+@mutant("probe.no_work")
+class ProbeStartsWorker(CPUPlugin):
+    """The first probe starts the DMA worker thread (to check the device answers) and keeps it
+    for later; probing again finds it running."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._jobs: queue.SimpleQueue | None = None
+
+    @hookimpl
+    def kvhal_probe(self) -> DeviceDescriptor | Refusal:
+        if self._jobs is None:
+            self._jobs = queue.SimpleQueue()
+            threading.Thread(target=_serve, args=(self._jobs,), name="kvhal-dma-worker", daemon=True).start()
         return super().kvhal_probe()

@@ -34,6 +34,8 @@ class Mutant:
     :param floor: the throughput floor to run with (None: 0, throughput not judged).
     :param sizes: the size preset to run with, where the mutation run's own (``tiny``) is too
         small to reach the defect (None: the run's).
+    :param not_judged: clauses the report must read "not judged" (their checks rest on a clause
+        the defect breaks); for ``copy.throughput``, every throughput row too.
     """
 
     name: str
@@ -43,6 +45,7 @@ class Mutant:
     why: str = ""
     floor: float | None = None
     sizes: str | None = None
+    not_judged: tuple[str, ...] = ()
 
     @property
     def defect(self) -> str:
@@ -58,9 +61,19 @@ def mutant(
     why: str = "",
     floor: float | None = None,
     sizes: str | None = None,
+    not_judged: Sequence[str] = (),
 ) -> Callable[[type], type]:
     def register(cls: type) -> type:
-        MUTANTS[cls.__name__] = Mutant(cls.__name__, cls, tuple(breaks), tuple(also), why, floor, sizes)
+        MUTANTS[cls.__name__] = Mutant(
+            cls.__name__,
+            cls,
+            tuple(breaks),
+            tuple(also),
+            why,
+            floor,
+            sizes=sizes,
+            not_judged=tuple(not_judged),
+        )
         return cls
 
     return register

@@ -252,3 +252,23 @@ class WaitBlocksCaller(CPUPlugin):
     @hookimpl
     def kvhal_stream_wait_event(self, stream: Stream, event: CPUEvent) -> None:
         event.synchronize()
+
+
+@mutant("wait.binds")
+class LazyWait(CPUPlugin):
+    """kvhal_stream_wait_event looks the event's record up when the stream's worker reaches the
+    wait, not when the wait is queued: an event recorded again meanwhile (say, on the waiting
+    stream itself, behind the wait) is waited for instead, and the stream deadlocks."""
+
+    @hookimpl
+    def kvhal_stream_wait_event(self, stream: Stream, event: CPUEvent) -> None:
+        if not isinstance(stream, CPUStream):
+            stream.wait_event(event)
+            return
+
+        def wait_for_latest() -> None:
+            marker = event._marker  # the record current now, at the worker, not at the call
+            if marker is not None:
+                marker.done.wait()
+
+        stream.submit(wait_for_latest)
