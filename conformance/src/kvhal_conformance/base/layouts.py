@@ -6,6 +6,7 @@ import itertools
 from collections.abc import Sequence
 
 import pytest
+import torch
 
 from kvhal.cache import KVCache
 from kvhal.descriptor import Capability
@@ -14,7 +15,13 @@ from kvhal.errors import MalformedResultError
 from kvhal.layouts import LOGICAL_DIMS, KVLayout
 from kvhal_conformance import guarded
 from kvhal_conformance.base.fixtures import ContractFixtures, final
-from kvhal_conformance.cases import FORMATS, distinct_geometry, offered_layouts, require_format
+from kvhal_conformance.cases import (
+    FORMATS,
+    distinct_geometry,
+    offered_layouts,
+    require_dtype,
+    require_format,
+)
 from kvhal_conformance.clauses import covers, expect, violated
 from kvhal_conformance.target import Target
 
@@ -186,12 +193,17 @@ class LayoutsContract(ContractFixtures):
     @final
     @covers("alloc.layout", "alloc.cross_layer")
     @pytest.mark.parametrize("fmt", FORMATS)
-    def test_views_follow_layout(self, kvhal_target: Target, kvhal_device: Device, fmt: str) -> None:
-        """For every offered layout, views have the [B, H, N, C] shapes and the stride order the
-        layout promises; cross-layer blocks are contiguous."""
+    def test_views_follow_layout(
+        self, kvhal_target: Target, kvhal_device: Device, dtype: torch.dtype, fmt: str
+    ) -> None:
+        """For every offered layout and every required and declared dtype, views have the
+        [B, H, N, C] shapes and the stride order the layout promises; cross-layer blocks are
+        contiguous. Per dtype: a cache laid out right in bf16 may not be in fp16 or fp8, and the
+        copies are judged through these views."""
         kv_format = FORMATS[fmt]
         require_format(kvhal_target, kv_format)
-        geometry = distinct_geometry(kv_format)
+        require_dtype(kvhal_target, dtype)
+        geometry = distinct_geometry(kv_format, dtype)
         strides, contiguity = [], []
         for layout in offered_layouts(kvhal_target, kvhal_device):
             cache = guarded.kv_cache(kvhal_device, geometry, layout)
@@ -203,8 +215,9 @@ class LayoutsContract(ContractFixtures):
             not broken,
             broken,
             lambda: (
-                f"{kvhal_target.label} hook kvhal_allocate_kv_cache ({fmt}) returned views not laid out in "
-                "the layout the cache is labelled with (kernels index it by that layout): "
+                f"{kvhal_target.label} hook kvhal_allocate_kv_cache ({str(dtype).removeprefix('torch.')}, "
+                f"{fmt}) returned views not laid out in the "
+                "layout the cache is labelled with (kernels index it by that layout): "
                 + "; ".join((strides + contiguity)[:6])
             ),
         )

@@ -132,3 +132,26 @@ class SplitNotImplemented(CPUPlugin):
         if geometry.kv_format is KVFormat.SPLIT:
             raise NotImplementedError("split K/V caches")
         return super().kvhal_allocate_kv_cache(geometry, layout, device)
+
+
+@mutant(
+    "alloc.layout",
+    not_judged=("copy.data", "copy.dst_only", "copy.src_unchanged"),
+)
+class SwapsHNForNonBF16(CPUPlugin):
+    """Lays out float16 and float32 caches with H and N swapped (LBNHC asked: LBHNC given) but
+    labels them with the layout asked for; bfloat16 caches are right. The copies, judged through
+    views that lie, read wrong: they must read "not judged", not blame the copy."""
+
+    @hookimpl
+    def kvhal_allocate_kv_cache(
+        self, geometry: KVGeometry, layout: KVLayout, device: torch.device
+    ) -> KVCache:
+        if geometry.dtype not in (torch.float16, torch.float32):
+            return super().kvhal_allocate_kv_cache(geometry, layout, device)
+        order = list(layout.stride_order)
+        h, n = order.index(2), order.index(3)  # H and N in [L, B, H, N, C]
+        order[h], order[n] = order[n], order[h]
+        swapped = KVLayout.from_name("".join("LBHNC"[d] for d in order))
+        cache = allocate_dense_kv_cache(geometry, swapped, device)
+        return KVCache(geometry, layout, cache.layers, cache.storage)
