@@ -67,3 +67,59 @@ def test_every_device_hook_has_a_contract() -> None:
 
     covered = {hook for contract in CONTRACTS for hook in contract.hooks}
     assert set(DEVICE_HOOKS) <= covered, sorted(set(DEVICE_HOOKS) - covered)
+
+
+def _backend_check(plugin: object, backends: tuple[str, ...] = ()) -> None:
+    from kvhal_conformance.base import LayoutsContract, Target
+
+    target = Target.of_plugin(plugin, "probed")
+    LayoutsContract().test_backend_layouts_are_offered(target, target.require_device(), backends)
+
+
+def test_backend_layouts_pass_for_the_cpu_plugin_and_unknown_names() -> None:
+    from kvhal.cpu import CPUPlugin
+
+    _backend_check(CPUPlugin(), ("MY_ATTN",))
+
+
+def test_a_declared_backend_answering_an_unoffered_layout_is_named() -> None:
+    """The plugin's own backend is found through KVHAL_BACKENDS; the layout allocates."""
+    from kvhal_conformance.mutants import MUTANTS
+
+    with pytest.raises(pytest.fail.Exception) as failure:
+        _backend_check(MUTANTS["BackendAnswersUnoffered"].plugin())
+    message = str(failure.value)
+    assert message.startswith("[layouts.backend] ")
+    assert "kvhal_kv_layouts('MUTANT_ATTN') answers layout LHNBC" in message
+    assert "add it to the default answer" in message and "cannot be allocated" not in message
+
+
+def test_a_backend_layout_that_cannot_be_allocated_is_named() -> None:
+    """The allocation half: ValidationError from the raw allocation hook is reported."""
+    from kvhal_conformance.mutants import MUTANTS
+
+    with pytest.raises(pytest.fail.Exception) as failure:
+        _backend_check(MUTANTS["BackendAnswersUnallocatable"].plugin())
+    message = str(failure.value)
+    assert "kvhal_kv_layouts('FLASH_ATTN') answers layout LHNBC" in message
+    assert "cannot be allocated either" in message and "raised ValidationError" in message
+
+
+def test_a_malformed_backend_declaration_is_named() -> None:
+    from kvhal.cpu import CPUPlugin
+
+    class Malformed(CPUPlugin):
+        KVHAL_BACKENDS = "FLASH_ATTN"  # a str, not a sequence of names
+
+    with pytest.raises(pytest.fail.Exception, match=r"\[layouts\.backend\] .*KVHAL_BACKENDS = 'FLASH_ATTN'"):
+        _backend_check(Malformed())
+
+
+def test_backend_names_from_the_command_line() -> None:
+    from kvhal_conformance.cli import pytest_args
+    from kvhal_conformance.settings import parse_backends
+
+    assert parse_backends(["FLASH_ATTN, MY_ATTN", "X,,FLASH_ATTN"]) == ("FLASH_ATTN", "MY_ATTN", "X")
+    assert parse_backends(None) == ()
+    args = pytest_args(["--device", "cpu", "--backends", "FLASH_ATTN,MY_ATTN"])
+    assert args[args.index("--kvhal-backends") + 1] == "FLASH_ATTN,MY_ATTN"

@@ -113,6 +113,10 @@ def kvhal_kv_layouts(attention_backend: str | None) -> Sequence[KVLayout]:
     - ``layouts.cross_layer``: cross-layer layouts are offered only by a
       plugin declaring ``layout.cross_layer``, and such a plugin offers at
       least one for ``None``.
+    - ``layouts.backend``: every layout answered for a backend name (vLLM's, and
+      the ones the plugin declares in its optional ``KVHAL_BACKENDS`` attribute)
+      is in the default answer (``None``) and allocatable
+      (``kvhal_allocate_kv_cache`` allocates it).
 
     ``layouts.cross_layer`` obliges the default answer (``None``) only: for a
     backend name, a plugin declaring ``layout.cross_layer`` may answer

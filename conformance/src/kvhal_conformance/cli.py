@@ -40,6 +40,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--quick", action="store_true", help="smaller sizes (CI); publish full-size reports")
     parser.add_argument("--seed", type=int, metavar="N", help="seed of the random block mappings")
+    parser.add_argument(
+        "--backends",
+        action="append",
+        metavar="NAME,NAME",
+        help="attention backend names of your kernels (comma-separated), asked of kvhal_kv_layouts",
+    )
     return parser
 
 
@@ -63,6 +69,8 @@ def pytest_args(argv: Sequence[str]) -> list[str]:
         out.append("--kvhal-quick")
     if args.seed is not None:
         out += ["--kvhal-seed", str(args.seed)]
+    for backends in args.backends or ():
+        out += ["--kvhal-backends", backends]
     if not any(a.startswith("--tb") for a in rest):
         out.append("--tb=short")  # the messages say what broke; frames add little
     return out + rest

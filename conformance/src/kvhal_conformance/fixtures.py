@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import zlib
 from collections.abc import Sequence
 
@@ -22,6 +23,20 @@ class CommandLineFixtures(ContractFixtures):
         """The required dtypes and every ``dtype.*`` the plugin under test declares."""
         state = state_of(config)
         return dtypes_of(state.target() if state.settings.device is not None else None)
+
+    def backends_to_check(self, config: pytest.Config) -> Sequence[str | None]:
+        """The class's names, then ``--kvhal-backends``, then the plugin's ``KVHAL_BACKENDS``."""
+        state = state_of(config)
+        names = [*super().backends_to_check(config), *state.settings.backends]
+        if state.settings.device is not None:
+            with contextlib.suppress(ValueError):  # malformed: test_backend_layouts_are_offered says so
+                names += state.target().declared_backends()
+        return tuple(dict.fromkeys(names))
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def kvhal_backends(cls, pytestconfig: pytest.Config) -> tuple[str, ...]:
+        return state_of(pytestconfig).settings.backends
 
     @pytest.fixture(scope="class")
     @classmethod

@@ -76,6 +76,9 @@ class Settings:
     size_preset: str
     seed: int
     pin_timeout: float = 60.0
+    #: attention backend names of the vendor's kernels, asked of ``kvhal_kv_layouts`` besides
+    #: vLLM's and those the plugin declares (``KVHAL_BACKENDS``)
+    backends: tuple[str, ...] = ()
 
     @property
     def sizes(self) -> Sizes:
@@ -94,7 +97,15 @@ class Settings:
             or ("quick" if config.getoption("kvhal_quick") else "full"),
             seed=seed if seed is not None else secrets.randbelow(1 << 31),
             pin_timeout=config.getoption("kvhal_pin_timeout"),
+            backends=parse_backends(config.getoption("kvhal_backends")),
         )
+
+
+def parse_backends(values: list[str] | None) -> tuple[str, ...]:
+    """``["FLASH_ATTN,MY_ATTN", "X"]`` -> ``("FLASH_ATTN", "MY_ATTN", "X")``: comma-separated,
+    the option repeatable, blanks and repeats dropped."""
+    names = (name.strip() for value in values or () for name in value.split(","))
+    return tuple(dict.fromkeys(name for name in names if name))
 
 
 def add_options(parser: pytest.Parser) -> None:
@@ -134,6 +145,13 @@ def add_options(parser: pytest.Parser) -> None:
     )
     group.addoption(
         "--kvhal-seed", metavar="N", type=int, help="seed of the random block mappings (default: random)"
+    )
+    group.addoption(
+        "--kvhal-backends",
+        metavar="NAME,NAME",
+        action="append",
+        help="attention backend names of your kernels (comma-separated, repeatable): kvhal_kv_layouts "
+        "is asked about each besides vLLM's names and those the plugin declares in KVHAL_BACKENDS",
     )
     group.addoption(
         "--kvhal-pin-timeout",

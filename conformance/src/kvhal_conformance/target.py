@@ -15,6 +15,10 @@ from kvhal.errors import KVHALError
 from kvhal.registry import BUILTIN_DISTRIBUTION, PluginInfo, PluginRegistry
 from kvhal_conformance.footprint import Footprint, Snapshot
 
+#: The optional attribute of a plugin object naming the attention backends its kernels serve
+#: (``KVHAL_BACKENDS = ("FLASH_ATTN", "MY_ATTN")``): the suite asks ``kvhal_kv_layouts`` about each.
+BACKENDS_ATTRIBUTE = "KVHAL_BACKENDS"
+
 
 def load_object(spec: str) -> object:
     """``module:attr`` (attr may be dotted) -> the object; a class is instantiated."""
@@ -147,6 +151,18 @@ class Target:
         if not self.unbound_failures:
             return None
         return f"{self.unbound_failures} checks failed: {self.label} could not be bound: {self.error}"
+
+    def declared_backends(self) -> tuple[str, ...]:
+        """The attention backend names the plugin declares in its optional ``KVHAL_BACKENDS``
+        attribute (a sequence of non-empty str; none: ``()``); ValueError, saying what was
+        expected, when the declaration is malformed."""
+        declared = getattr(self.info.plugin, BACKENDS_ATTRIBUTE, ())
+        if isinstance(declared, str) or not all(isinstance(n, str) and n for n in declared or ()):
+            raise ValueError(
+                f"{self.label} declares {BACKENDS_ATTRIBUTE} = {declared!r}; expected a sequence of "
+                'non-empty attention backend names, e.g. ("FLASH_ATTN", "MY_ATTN")'
+            )
+        return tuple(dict.fromkeys(declared or ()))
 
     def declares(self, capability: Capability | str) -> bool:
         return self.descriptor is not None and self.descriptor.supports(capability)

@@ -70,6 +70,9 @@ class ContractFixtures:
       a generator seeded with that.
     - ``kvhal_new_stream`` (function): makes the streams the checks submit work to; default
       ``kvhal_device.create_stream`` (``kvhal_create_stream`` itself is checked apart).
+    - ``kvhal_backends`` (class): attention backend names of your kernels, asked of
+      ``kvhal_kv_layouts`` besides ``LayoutsContract.attention_backends`` and the plugin's
+      ``KVHAL_BACKENDS``; default none.
     - ``kvhal_throughput_floor`` (class): the least ratio of the plugin's copy speed to a
       plain torch copy's; default 0.25 (0 measures without failing).
     - ``kvhal_busy`` (class): scratch caches that keep a stream busy for a measured time.
@@ -106,6 +109,12 @@ class ContractFixtures:
         under test skip, naming the capability. Default: :data:`CANDIDATE_DTYPES`.
         """
         return CANDIDATE_DTYPES
+
+    def backends_to_check(self, config: pytest.Config) -> Sequence[str | None]:
+        """The attention backend names a check taking ``backend`` runs over (collected before
+        any fixture runs; None: the device's default kernels). Default: None alone;
+        :class:`~kvhal_conformance.base.LayoutsContract` asks its ``attention_backends``."""
+        return (None,)
 
     def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
         if "dtype" in metafunc.fixturenames:
@@ -157,6 +166,11 @@ class ContractFixtures:
     @classmethod
     def kvhal_throughput_floor(cls) -> float:
         return DEFAULT_THROUGHPUT_FLOOR
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def kvhal_backends(cls) -> tuple[str, ...]:
+        return ()
 
     @pytest.fixture(scope="class")
     @classmethod

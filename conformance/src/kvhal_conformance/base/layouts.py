@@ -17,10 +17,12 @@ from kvhal_conformance import guarded
 from kvhal_conformance.base.fixtures import ContractFixtures, final
 from kvhal_conformance.cases import (
     FORMATS,
+    describe,
     distinct_geometry,
     offered_layouts,
     require_dtype,
     require_format,
+    small_geometry,
 )
 from kvhal_conformance.clauses import covers, expect, violated
 from kvhal_conformance.target import Target
@@ -100,9 +102,11 @@ class LayoutsContract(ContractFixtures):
     stride orders are permutations, cross-layer ones exactly when declared; caches are laid out
     as their layout says, cross-layer blocks contiguous.
 
-    Fixtures: ``kvhal_target``, ``kvhal_device`` (see :class:`ContractFixtures`).
+    Fixtures: ``kvhal_target``, ``kvhal_device``, ``kvhal_backends`` (see :class:`ContractFixtures`).
 
-    Hooks: :attr:`attention_backends`.
+    Hooks: :attr:`attention_backends`. The plugin's own backend names come from its optional
+    ``KVHAL_BACKENDS`` attribute and ``kvhal_backends``; ``test_backend_layouts_are_offered``
+    asks about every one of them.
     """
 
     contract_id = "layouts"
@@ -111,10 +115,14 @@ class LayoutsContract(ContractFixtures):
     #: ``attention_backends = (*LayoutsContract.attention_backends, "MY_ATTN")``.
     attention_backends: tuple[str | None, ...] = BACKENDS
 
+    def backends_to_check(self, config: pytest.Config) -> Sequence[str | None]:
+        return self.attention_backends
+
     def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
         super().pytest_generate_tests(metafunc)
         if "backend" in metafunc.fixturenames:
-            metafunc.parametrize("backend", self.attention_backends, ids=lambda b: b or "default")
+            names = self.backends_to_check(metafunc.config)
+            metafunc.parametrize("backend", names, ids=lambda b: b or "default")
 
     @final
     @covers("layouts.sequence", "layouts.permutation")
@@ -221,3 +229,69 @@ class LayoutsContract(ContractFixtures):
                 + "; ".join((strides + contiguity)[:6])
             ),
         )
+
+    @final
+    @covers("layouts.backend")
+    def test_backend_layouts_are_offered(
+        self, kvhal_target: Target, kvhal_device: Device, kvhal_backends: tuple[str, ...]
+    ) -> None:
+        """Every layout a backend name's answer holds (vLLM's names, the plugin's KVHAL_BACKENDS,
+        kvhal_backends) is in the default answer and allocates (small bf16 stacked cache)."""
+        hook = "kvhal_kv_layouts"
+        try:
+            declared = kvhal_target.declared_backends()
+        except ValueError as exc:
+            violated("layouts.backend", str(exc))
+        names = [b for b in dict.fromkeys((*self.attention_backends, *kvhal_backends, *declared)) if b]
+        default = {layout.stride_order: layout for layout in kvhal_device.kv_layouts()}
+        answers: dict[tuple[int, ...], list[str]] = {}
+        found: dict[tuple[int, ...], KVLayout] = {}
+        for name in names:
+            try:
+                result = kvhal_target.caller(hook)(attention_backend=name)
+            except Exception:  # test_layouts_are_permutations says why (layouts.sequence)
+                continue
+            if isinstance(result, (str, bytes)) or not isinstance(result, Sequence):
+                continue
+            for layout in result:
+                if isinstance(layout, KVLayout) and sorted(layout.stride_order) == list(PERMUTATION):
+                    answers.setdefault(tuple(layout.stride_order), []).append(name)
+                    found.setdefault(tuple(layout.stride_order), layout)
+        problems = []
+        for order, layout in found.items():
+            asked = f"{hook}({', '.join(repr(n) for n in answers[order])}) answers layout {layout}"
+            refused = _allocation_problem(kvhal_target, kvhal_device, layout)
+            if order not in default:
+                problems.append(
+                    f"{asked}, which {hook}(None) does not offer ({', '.join(map(str, default.values()))}): "
+                    "kvhal allocates only layouts of the default answer, so an engine on that backend gets "
+                    "no cache in the layout its kernels read; "
+                    + (
+                        f"and it cannot be allocated either: {refused}; answer only layouts the device "
+                        "allocates"
+                        if refused
+                        else "add it to the default answer"
+                    )
+                )
+            elif refused:
+                problems.append(f"{asked}, which the default answer offers, but {refused}")
+        expect(not problems, "layouts.backend", lambda: f"{kvhal_target.label}: " + "; ".join(problems))
+
+
+def _allocation_problem(target: Target, device: Device, layout: KVLayout) -> str | None:
+    """Why ``kvhal_allocate_kv_cache`` cannot allocate a small bf16 stacked cache in ``layout``
+    (the raw hook: kvhal's facade would refuse a layout its default answer lacks), or None."""
+    if layout.is_cross_layer and not target.declares(Capability.CROSS_LAYER):
+        return f"it is cross-layer and the plugin does not declare {Capability.CROSS_LAYER.value}"
+    geometry = small_geometry()
+    try:
+        cache = target.caller("kvhal_allocate_kv_cache")(
+            geometry=geometry, layout=layout, device=device.torch_device
+        )
+    except Exception as exc:
+        return f"kvhal_allocate_kv_cache({describe(layout, geometry)}) raised {type(exc).__name__}: {exc}"
+    if not isinstance(cache, KVCache) or cache.layout != layout:
+        return (
+            f"kvhal_allocate_kv_cache({describe(layout, geometry)}) returned {cache!r:.80}, not a cache in it"
+        )
+    return None

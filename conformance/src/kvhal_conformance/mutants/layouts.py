@@ -4,8 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
+
+from kvhal.cache import KVCache
 from kvhal.cpu import CPUPlugin
 from kvhal.descriptor import Capability, DeviceDescriptor, Refusal
+from kvhal.errors import ValidationError
+from kvhal.geometry import KVGeometry
 from kvhal.hookspecs import hookimpl
 from kvhal.layouts import KVLayout
 from kvhal_conformance.mutants.registry import (
@@ -51,3 +56,41 @@ class UndeclaredCrossLayer(CPUPlugin):
     @hookimpl
     def kvhal_probe(self) -> DeviceDescriptor | Refusal:
         return _replace_caps(super().kvhal_probe(), drop={Capability.CROSS_LAYER.value})
+
+
+#: A layer-separate layout no standard answer holds (heads outside blocks and tokens).
+_LHNBC = KVLayout.from_name("LHNBC")
+
+
+@mutant("layouts.backend")
+class BackendAnswersUnoffered(CPUPlugin):
+    """Declares its own attention backend ``MUTANT_ATTN`` (``KVHAL_BACKENDS``) and answers it a
+    layout (LHNBC, which it allocates) its default answer lacks, so kvhal never allocates it."""
+
+    KVHAL_BACKENDS = ("MUTANT_ATTN",)
+
+    @hookimpl
+    def kvhal_kv_layouts(self, attention_backend: str | None) -> Sequence[KVLayout]:
+        if attention_backend == "MUTANT_ATTN":
+            return (_LHNBC,)
+        return super().kvhal_kv_layouts(attention_backend)
+
+
+@mutant("layouts.backend")
+class BackendAnswersUnallocatable(CPUPlugin):
+    """Answers FLASH_ATTN a layout (LHNBC) the device cannot allocate: its allocation raises
+    ValidationError for it (the default answer lacks it too)."""
+
+    @hookimpl
+    def kvhal_kv_layouts(self, attention_backend: str | None) -> Sequence[KVLayout]:
+        if attention_backend == "FLASH_ATTN":
+            return (_LHNBC, *super().kvhal_kv_layouts(attention_backend))
+        return super().kvhal_kv_layouts(attention_backend)
+
+    @hookimpl
+    def kvhal_allocate_kv_cache(
+        self, geometry: KVGeometry, layout: KVLayout, device: torch.device
+    ) -> KVCache:
+        if layout.stride_order == _LHNBC.stride_order:
+            raise ValidationError("layout", f"{layout} is not a layout this device allocates")
+        return super().kvhal_allocate_kv_cache(geometry, layout, device)
