@@ -31,7 +31,8 @@ __all__ = ["CANDIDATE_DTYPES", "DEFAULT_SEED", "ContractFixtures", "HostCache", 
 #: The seed of the random block mappings when a subclass does not supply ``kvhal_run_seed``.
 DEFAULT_SEED = 20261122
 #: What a check taking ``dtype`` runs over in a subclass (see :meth:`ContractFixtures.dtypes_to_check`):
-#: the required dtypes and every float8 dtype this torch has.
+#: the required dtypes, every float8 dtype this torch has, and uint8 (vLLM moves caches whose K
+#: and V dtypes differ as uint8 rows).
 CANDIDATE_DTYPES: tuple[torch.dtype, ...] = tuple(
     dict.fromkeys(
         [
@@ -41,6 +42,7 @@ CANDIDATE_DTYPES: tuple[torch.dtype, ...] = tuple(
                 for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
                 if hasattr(torch, name)
             ),
+            torch.uint8,
         ]
     )
 )
