@@ -280,9 +280,8 @@ class LayoutsContract(ContractFixtures):
 
 def _allocation_problem(target: Target, device: Device, layout: KVLayout) -> str | None:
     """Why ``kvhal_allocate_kv_cache`` cannot allocate a small bf16 stacked cache in ``layout``
-    (the raw hook: kvhal's facade would refuse a layout its default answer lacks), or None."""
-    if layout.is_cross_layer and not target.declares(Capability.CROSS_LAYER):
-        return f"it is cross-layer and the plugin does not declare {Capability.CROSS_LAYER.value}"
+    (the raw hook: kvhal's facade would refuse a layout its default answer lacks, or a
+    cross-layer one undeclared, which is layouts.cross_layer's to judge), or None."""
     geometry = small_geometry()
     try:
         cache = target.caller("kvhal_allocate_kv_cache")(
