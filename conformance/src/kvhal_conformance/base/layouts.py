@@ -243,7 +243,10 @@ class LayoutsContract(ContractFixtures):
         except ValueError as exc:
             violated("layouts.backend", str(exc))
         names = [b for b in dict.fromkeys((*self.attention_backends, *kvhal_backends, *declared)) if b]
-        default = {layout.stride_order: layout for layout in kvhal_device.kv_layouts()}
+        try:
+            default = {layout.stride_order: layout for layout in kvhal_device.kv_layouts()}
+        except MalformedResultError as exc:  # test_layouts_are_permutations says why
+            pytest.skip(f"kvhal_kv_layouts(None) of {kvhal_target.label} is malformed: {exc}")
         answers: dict[tuple[int, ...], list[str]] = {}
         found: dict[tuple[int, ...], KVLayout] = {}
         for name in names:
