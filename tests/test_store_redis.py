@@ -14,6 +14,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import pytest
 
@@ -542,3 +543,12 @@ def test_four_threads_share_one_store(store: RemoteStore) -> None:
     for t in threads:
         t.join(60)
     assert not errors, errors
+
+
+def test_a_cluster_node_s_ports_are_drawn_below_the_ephemeral_range() -> None:
+    """A bus port (port + 10000) in the kernel's ephemeral range could be taken by an outgoing
+    connection between the check and the node's bind; below it, only a listener can take it."""
+    start = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for _ in range(20):
+        port = free_port(with_bus=True)
+        assert port + 10000 < start
