@@ -266,7 +266,10 @@ def test_a_budget_taken_by_other_models_is_a_clear_error_and_nothing_changes(tmp
     with pytest.raises(
         ValidationError, match=r"bytes_to_use: .* is taken by m-[0-9a-f]{16} \(m, 528384 bytes\)"
     ):
-        DiskTier(make_spec(path, fingerprint=other))
+        DiskTier(make_spec(path, fingerprint=other, role="index"))
+    # the refused model's scheduler took its (empty) namespace's lock: not named as a cache
+    with pytest.raises(ValidationError, match=r"is taken by m-[0-9a-f]{16} \(m, 528384 bytes\), leaving 0;"):
+        DiskTier(make_spec(path, fingerprint={**FP, "model": "third"}))
     assert {p: p.read_bytes() for p in (path / RANK0).iterdir()} == before
     t = DiskTier(make_spec(path))
     assert load(t, [0]) == ([OK], contents)

@@ -147,8 +147,8 @@ def size_namespace(
             raise ValidationError(
                 "bytes_to_use",
                 f"{bytes_to_use} bytes is the budget of everything kvhal keeps at {path}, and "
-                f"{held} of it is taken{_listing(others)}; this model needs at least {least} "
-                "more: raise bytes_to_use, or remove a cache no engine uses",
+                f"{held} of it is taken{_listing(others)}, leaving {max(size, 0)}; this model needs "
+                f"at least {least}: raise bytes_to_use, or remove a cache no engine uses",
             )
         if size < bytes_to_use:
             log.warning(
@@ -210,7 +210,8 @@ def _others(tree_fd: int, ns: str) -> list[tuple[str, int, str]]:
         except OSError:
             continue  # not a directory kvhal made (a link, a file): not kvhal's bytes
         try:
-            used = _allocated(fd)
+            # a namespace's own small files (its lock, its record) are not blocks
+            used = _allocated(fd, files=not name.startswith("m-"))
             model = "an earlier kvhal's rank directory"
             if name.startswith("m-"):
                 with contextlib.suppress(DamagedMeta):
@@ -222,17 +223,19 @@ def _others(tree_fd: int, ns: str) -> list[tuple[str, int, str]]:
                     model = str(fingerprint.get("model", "?")) if isinstance(fingerprint, dict) else "?"
         finally:
             os.close(fd)
-        found.append((name, used, model))
+        if used:  # a namespace whose start was refused holds only its lock: nothing to name
+            found.append((name, used, model))
     return found
 
 
-def _allocated(dir_fd: int, depth: int = 2) -> int:
-    """Bytes the files under ``dir_fd`` take on disk (links are not followed)."""
+def _allocated(dir_fd: int, depth: int = 2, files: bool = True) -> int:
+    """Bytes the files under ``dir_fd`` take on disk (links are not followed; ``files=False``:
+    only those in its subdirectories)."""
     total = 0
     for name in os.listdir(dir_fd):
         st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
         if stat.S_ISREG(st.st_mode):
-            total += st.st_blocks * 512
+            total += st.st_blocks * 512 if files else 0
         elif stat.S_ISDIR(st.st_mode) and depth > 1:
             fd = os.open(name, DIR_FLAGS, dir_fd=dir_fd)
             try:
