@@ -68,7 +68,7 @@ from kvhal.tiers.disk.format import (
     record_keys,
     valid_records,
 )
-from kvhal.tiers.disk.io import aligned_buffer, is_aligned, preadv_all, pwritev_all
+from kvhal.tiers.disk.io import aligned_buffer, byte_views, is_aligned, plan_tasks, preadv_all, pwritev_all
 from kvhal.tiers.disk.namespaces import budget_lock, namespace_name, size_namespace
 
 __all__ = ["DiskTier"]
@@ -311,52 +311,8 @@ class DiskTier(TierBackend):
                     f"key {key[:8].hex()}... has {len(key)} bytes; "
                     f"the disk tier takes at most {MAX_KEY_BYTES}",
                 )
-        views = []
-        for i, buffer in enumerate(buffers):
-            try:
-                view = memoryview(buffer).cast("B")
-            except (TypeError, ValueError) as exc:
-                raise ValidationError("buffers", f"buffer {i} is not a contiguous buffer: {exc}") from exc
-            if view.nbytes != self.geometry.slot_bytes:
-                raise ValidationError(
-                    "buffers", f"buffer {i} has {view.nbytes} bytes; slots have {self.geometry.slot_bytes}"
-                )
-            if call == "read" and view.readonly:
-                raise ValidationError("buffers", f"buffer {i} is read-only; a read fills it")
-            views.append(view)
+        views = byte_views(buffers, self.geometry.slot_bytes, writable=call == "read")
         return slots, keys, views
-
-    def _plan(self, slots: list[int]) -> list[list[list[int]]]:
-        """Tasks for the pool: each a list of runs, each run batch positions of ascending contiguous
-        slots in one file. Tasks are at most ``CHUNK_BYTES`` and, for small batches, smaller, so
-        that every thread gets a share."""
-        stride, per_file = self.geometry.stride, self.geometry.slots_per_file
-        share = -(-len(slots) * stride // self.options.io_threads)
-        limit = max(1, min(CHUNK_BYTES, share) // stride)  # slots per task
-        runs: list[list[int]] = []
-        run: list[int] = []
-        previous = -2
-        for position in sorted(range(len(slots)), key=slots.__getitem__):
-            slot = slots[position]
-            if run and slot == previous + 1 and slot % per_file and len(run) < limit:
-                run.append(position)
-            else:
-                if run:
-                    runs.append(run)
-                run = [position]
-            previous = slot
-        runs.append(run)
-        tasks: list[list[list[int]]] = []
-        task: list[list[int]] = []
-        size = 0
-        for run in runs:
-            if task and size + len(run) > limit:
-                tasks.append(task)
-                task, size = [], 0
-            task.append(run)
-            size += len(run)
-        tasks.append(task)
-        return tasks
 
     def _submit(
         self,
@@ -373,7 +329,7 @@ class DiskTier(TierBackend):
         if not slots:
             outer.set_result(results)
             return outer
-        tasks = self._plan(slots)
+        tasks = plan_tasks(slots, self.geometry, self.options.io_threads, CHUNK_BYTES)
         errors: list[BaseException] = []
         remaining = [len(tasks)]
         lock = threading.Lock()
