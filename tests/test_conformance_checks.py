@@ -83,7 +83,7 @@ def test_backend_layouts_pass_for_the_cpu_plugin_and_unknown_names() -> None:
 
 
 def test_a_declared_backend_answering_an_unoffered_layout_is_named() -> None:
-    """The plugin's own backend is found through KVHAL_BACKENDS; the layout allocates."""
+    """The plugin's own backend is found through ATTENTION_BACKENDS; the layout allocates."""
     from kvhal_conformance.mutants import MUTANTS
 
     with pytest.raises(pytest.fail.Exception) as failure:
@@ -109,9 +109,10 @@ def test_a_malformed_backend_declaration_is_named() -> None:
     from kvhal.cpu import CPUPlugin
 
     class Malformed(CPUPlugin):
-        KVHAL_BACKENDS = "FLASH_ATTN"  # a str, not a sequence of names
+        ATTENTION_BACKENDS = "FLASH_ATTN"  # a str, not a sequence of names
 
-    with pytest.raises(pytest.fail.Exception, match=r"\[layouts\.backend\] .*KVHAL_BACKENDS = 'FLASH_ATTN'"):
+    declared = r"\[layouts\.backend\] .*ATTENTION_BACKENDS = 'FLASH_ATTN'"
+    with pytest.raises(pytest.fail.Exception, match=declared):
         _backend_check(Malformed())
 
 

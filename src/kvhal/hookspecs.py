@@ -114,7 +114,7 @@ def kvhal_kv_layouts(attention_backend: str | None) -> Sequence[KVLayout]:
       plugin declaring ``layout.cross_layer``, and such a plugin offers at
       least one for ``None``.
     - ``layouts.backend``: every layout answered for a backend name (vLLM's, and
-      the ones the plugin declares in its optional ``KVHAL_BACKENDS`` attribute)
+      the ones the plugin declares in its optional ``ATTENTION_BACKENDS`` attribute)
       is in the default answer (``None``) and allocatable
       (``kvhal_allocate_kv_cache`` allocates it).
 

@@ -25,7 +25,7 @@ class CommandLineFixtures(ContractFixtures):
         return dtypes_of(state.target() if state.settings.device is not None else None)
 
     def backends_to_check(self, config: pytest.Config) -> Sequence[str | None]:
-        """The class's names, then ``--kvhal-backends``, then the plugin's ``KVHAL_BACKENDS``."""
+        """The class's names, then ``--kvhal-backends``, then the plugin's ``ATTENTION_BACKENDS``."""
         state = state_of(config)
         names = [*super().backends_to_check(config), *state.settings.backends]
         if state.settings.device is not None:

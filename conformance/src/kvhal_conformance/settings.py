@@ -77,7 +77,7 @@ class Settings:
     seed: int
     pin_timeout: float = 60.0
     #: attention backend names of the vendor's kernels, asked of ``kvhal_kv_layouts`` besides
-    #: vLLM's and those the plugin declares (``KVHAL_BACKENDS``)
+    #: vLLM's and those the plugin declares (``ATTENTION_BACKENDS``)
     backends: tuple[str, ...] = ()
 
     @property
@@ -151,7 +151,7 @@ def add_options(parser: pytest.Parser) -> None:
         metavar="NAME,NAME",
         action="append",
         help="attention backend names of your kernels (comma-separated, repeatable): kvhal_kv_layouts "
-        "is asked about each besides vLLM's names and those the plugin declares in KVHAL_BACKENDS",
+        "is asked about each besides vLLM's names and those the plugin declares in ATTENTION_BACKENDS",
     )
     group.addoption(
         "--kvhal-pin-timeout",

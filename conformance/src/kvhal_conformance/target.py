@@ -16,8 +16,8 @@ from kvhal.registry import BUILTIN_DISTRIBUTION, PluginInfo, PluginRegistry
 from kvhal_conformance.footprint import Footprint, Snapshot
 
 #: The optional attribute of a plugin object naming the attention backends its kernels serve
-#: (``KVHAL_BACKENDS = ("FLASH_ATTN", "MY_ATTN")``): the suite asks ``kvhal_kv_layouts`` about each.
-BACKENDS_ATTRIBUTE = "KVHAL_BACKENDS"
+#: (``ATTENTION_BACKENDS = ("FLASH_ATTN", "MY_ATTN")``): the suite asks ``kvhal_kv_layouts`` about each.
+BACKENDS_ATTRIBUTE = "ATTENTION_BACKENDS"
 
 
 def load_object(spec: str) -> object:
@@ -153,7 +153,7 @@ class Target:
         return f"{self.unbound_failures} checks failed: {self.label} could not be bound: {self.error}"
 
     def declared_backends(self) -> tuple[str, ...]:
-        """The attention backend names the plugin declares in its optional ``KVHAL_BACKENDS``
+        """The attention backend names the plugin declares in its optional ``ATTENTION_BACKENDS``
         attribute (a sequence of non-empty str; none: ``()``); ValueError, saying what was
         expected, when the declaration is malformed."""
         declared = getattr(self.info.plugin, BACKENDS_ATTRIBUTE, ())

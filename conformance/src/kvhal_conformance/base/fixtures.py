@@ -74,7 +74,7 @@ class ContractFixtures:
       ``kvhal_device.create_stream`` (``kvhal_create_stream`` itself is checked apart).
     - ``kvhal_backends`` (class): attention backend names of your kernels, asked of
       ``kvhal_kv_layouts`` besides ``LayoutsContract.attention_backends`` and the plugin's
-      ``KVHAL_BACKENDS``; default none.
+      ``ATTENTION_BACKENDS``; default none.
     - ``kvhal_throughput_floor`` (class): the least ratio of the plugin's copy speed to a
       plain torch copy's; default 0.25 (0 measures without failing).
     - ``kvhal_busy`` (class): scratch caches that keep a stream busy for a measured time.

@@ -105,7 +105,7 @@ class LayoutsContract(ContractFixtures):
     Fixtures: ``kvhal_target``, ``kvhal_device``, ``kvhal_backends`` (see :class:`ContractFixtures`).
 
     Hooks: :attr:`attention_backends`. The plugin's own backend names come from its optional
-    ``KVHAL_BACKENDS`` attribute and ``kvhal_backends``; ``test_backend_layouts_are_offered``
+    ``ATTENTION_BACKENDS`` attribute and ``kvhal_backends``; ``test_backend_layouts_are_offered``
     asks about every one of them.
     """
 
@@ -235,7 +235,7 @@ class LayoutsContract(ContractFixtures):
     def test_backend_layouts_are_offered(
         self, kvhal_target: Target, kvhal_device: Device, kvhal_backends: tuple[str, ...]
     ) -> None:
-        """Every layout a backend name's answer holds (vLLM's names, the plugin's KVHAL_BACKENDS,
+        """Every layout a backend name's answer holds (vLLM's names, the plugin's ATTENTION_BACKENDS,
         kvhal_backends) is in the default answer and allocates (small bf16 stacked cache)."""
         hook = "kvhal_kv_layouts"
         try:

@@ -64,10 +64,10 @@ _LHNBC = KVLayout.from_name("LHNBC")
 
 @mutant("layouts.backend")
 class BackendAnswersUnoffered(CPUPlugin):
-    """Declares its own attention backend ``MUTANT_ATTN`` (``KVHAL_BACKENDS``) and answers it a
+    """Declares its own attention backend ``MUTANT_ATTN`` (``ATTENTION_BACKENDS``) and answers it a
     layout (LHNBC, which it allocates) its default answer lacks, so kvhal never allocates it."""
 
-    KVHAL_BACKENDS = ("MUTANT_ATTN",)
+    ATTENTION_BACKENDS = ("MUTANT_ATTN",)
 
     @hookimpl
     def kvhal_kv_layouts(self, attention_backend: str | None) -> Sequence[KVLayout]:
