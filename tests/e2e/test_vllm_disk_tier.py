@@ -197,10 +197,15 @@ def test_a_stalled_disk_costs_a_request_its_wait_then_recompute(model, tmp_path)
     """Reads that take 2 s: a request waits lower_tier_wait_ms (200) for its prefetch, then
     recomputes what is not in host memory; the reads still end, and nothing leaks."""
     batch = prompts(4, LENGTH, seed=26)
-    steps = [*one_by_one(batch), {"op": "reset"}, *one_by_one(batch[::-1]), {"op": "settle"}]
+    # each prompt's writes land before the next prompt: a store that finds the host tier's room
+    # pinned by writes still in flight is skipped, and on a loaded CI machine the newest prompt's
+    # was (it then had no host hit to assert)
+    first = [step for prompt in one_by_one(batch) for step in (prompt, {"op": "settle"})]
+    steps = [*first, {"op": "reset"}, *one_by_one(batch[::-1]), {"op": "settle"}]
     steps += [{"op": "metrics"}, {"op": "kvhal_state"}]
     kvhal = disk(tmp_path, tier_backend="disk-faults", lower_tier_wait_ms=200, lower_tier_prefetch_blocks=8)
-    result = engine(model, kvhal, steps, fault_env("disk_stall"))
+    raw = engine(model, kvhal, steps, fault_env("disk_stall"))
+    result = [*raw[0 : 2 * len(batch) : 2], *raw[2 * len(batch) :]]  # without round 1's settles
     expected = baseline(model, batch)
     warm = result[5:9][::-1]
     assert [tokens(s)[0] for s in warm] == expected, "outputs changed behind a stalled disk"
