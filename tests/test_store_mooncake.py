@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -435,10 +436,12 @@ def test_cluster_helper_fails_with_the_log_tails():
     assert time.monotonic() - started < 20
 
 
-def test_free_port_is_free():
+def test_free_port_is_free_and_below_the_ephemeral_range():
     port = free_port()
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", port))
+    first_ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    assert port < first_ephemeral, "an outgoing connection may take this port before a server binds it"
 
 
 @pytest.mark.parametrize("node", [False, True])

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -20,14 +19,9 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvhal.testing.ports import free_port
 from kvhal.testing.scenario import BASE_ENV
 from kvhal.vllm.testing.runner import api_server_command
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServerError(RuntimeError):
@@ -51,6 +45,7 @@ class OpenAIServer:
         self.command = api_server_command(model, port=self.port, kvhal=kvhal, engine=engine)
         # VLLM_SERVER_DEV_MODE=1 adds POST /reset_prefix_cache
         self.env = {**os.environ, **BASE_ENV, "VLLM_SERVER_DEV_MODE": "1", **(env or {})}
+        self.env.setdefault("VLLM_PORT", str(free_port()))  # see kvhal.testing.ports
         self._tmp = tempfile.TemporaryDirectory(prefix="kvhal-server-")
         self.log_path = Path(self._tmp.name) / "server.log"
         self.proc: subprocess.Popen | None = None

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from kvhal.testing.ports import free_port
 from kvhal.testing.scenario import ScenarioError, run_scenario
 from tests.e2e.common import baseline_tokens, fault_env, hybrid_models_offloaded, prompts
 
@@ -253,14 +254,6 @@ def test_engine_start_fails_naming_every_plugin(model):
     assert "plugins found: cpu" in message
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_kv_events_reach_vllm_publisher_with_medium(model):
     """kvhal's stores and evictions appear in vLLM's KV event stream as medium CPU."""
     batch = prompts(3, LENGTH, seed=10)
@@ -272,7 +265,7 @@ def test_kv_events_reach_vllm_publisher_with_medium(model):
             "kvhal": {"cpu_bytes_to_use": 8 * BLOCK_BYTES},  # room for 8 of the 18 blocks
             "steps": steps,
             "engine": {"disable_log_stats": False},
-            "kv_events_port": _free_port(),
+            "kv_events_port": free_port(),
         }
     )["steps"]
     metrics, events = result[-2]["metrics"], result[-1]["events"]

@@ -37,8 +37,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from kvhal.testing.ports import HOST, free_port
+
 BINARIES = ("mooncake_master", "mooncake_client")
-HOST = "127.0.0.1"
 
 
 def find_binary(name: str) -> str | None:
@@ -55,12 +56,6 @@ def find_binary(name: str) -> str | None:
         if candidate.is_file() and os.access(candidate, os.X_OK):
             return str(candidate)
     return None
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((HOST, 0))
-        return int(sock.getsockname()[1])
 
 
 def _accepts(port: int) -> bool:

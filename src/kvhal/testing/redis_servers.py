@@ -22,10 +22,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import random
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -35,9 +33,11 @@ from pathlib import Path
 
 import redis
 
+from kvhal.testing import ports
+
 __all__ = ["RedisCluster", "RedisServer", "TlsCerts", "free_port", "make_tls_certs", "redis_server_binary"]
 
-HOST = "127.0.0.1"
+HOST = ports.HOST
 #: a cluster node's bus listens on its port + 10000
 CLUSTER_BUS_OFFSET = 10000
 
@@ -55,44 +55,10 @@ def _redis_cli_binary() -> str | None:
     )
 
 
-def _port_is_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((HOST, port))
-        except OSError:
-            return False
-    return True
-
-
-def _ephemeral_start() -> int:
-    """The first port the kernel hands out to outgoing connections (32768 by default)."""
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
 def free_port(*, with_bus: bool = False) -> int:
     """A loopback TCP port nobody listens on now (and, ``with_bus``, whose cluster-bus port,
-    port + 10000, is free too).
-
-    A cluster node's pair is drawn below the kernel's ephemeral range: a bus port found free
-    there could be taken by any outgoing connection before the node binds it (a CI run failed
-    so: ``bind: Address already in use`` on the bus port)."""
-    if with_bus:
-        high = _ephemeral_start() - CLUSTER_BUS_OFFSET
-        for _ in range(200):
-            port = random.randrange(10000, max(10001, high))
-            if (
-                port + CLUSTER_BUS_OFFSET < 65536
-                and _port_is_free(port)
-                and _port_is_free(port + CLUSTER_BUS_OFFSET)
-            ):
-                return port
-        raise RuntimeError("no free loopback port found (with its cluster-bus port)")
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
+    port + 10000, is free too), below the kernel's ephemeral range (:mod:`kvhal.testing.ports`)."""
+    return ports.free_port(also_free_at=CLUSTER_BUS_OFFSET if with_bus else None)
 
 
 @dataclasses.dataclass(frozen=True)

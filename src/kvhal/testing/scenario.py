@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from kvhal.env import read as env_setting
+from kvhal.testing.ports import free_port
 
 #: Environment every engine runs with on these machines (../shared/docs/vllm-cpu.md).
 BASE_ENV = {
@@ -180,6 +181,9 @@ def run_scenario(
     server, see :func:`use_fork_server`) and return its result."""
     env = {**os.environ, **BASE_ENV, **{k: str(v) for k, v in scenario.get("env", {}).items()}}
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if scenario.get("multiprocessing") else "0"
+    # vLLM scans upward from VLLM_PORT for its own ports (torch.distributed's store among
+    # them): below the ephemeral range no outgoing connection takes one before it binds
+    env.setdefault("VLLM_PORT", str(free_port()))
     started = time.perf_counter()
     try:
         return _run_scenario(scenario, env, timeout, python)
