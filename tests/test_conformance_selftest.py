@@ -240,6 +240,9 @@ def test_suite_passes_cpu_plugin_through_the_cli(tmp_path: Path) -> None:
                 ), t
     assert set(report["throughput"]) == {"d2h", "h2d"}
     assert "| Throughput | **pass** |" in (tmp_path / "cpu.md").read_text()
+    tested = "device faults: copy_error tested, stream_stall tested, event_error tested"
+    assert report["device_faults"]["summary"] == tested
+    assert tested in proc.stdout, "the terminal summary does not say which device faults were tested"
     if "host.pinned" in report["device"]["capabilities"]:  # the kernel witnessed the locking
         pinned = report["pinning"]
         assert (pinned["witness"], pinned["offered_by"]) == ("mlock (/proc/self/smaps)", "cpu")

@@ -122,3 +122,62 @@ def test_copy_runs_off_the_callers_thread(cpu, monkeypatch):
     monkeypatch.setattr(CopyEngine, "run", recording_run)
     cpu.synchronize_event(cpu.copy_blocks(cache, host, [(0, 0)], stream))
     assert threads and threading.current_thread() not in threads
+
+
+# -- faults the CPU plugin arms in its own engine (kvhal_inject_device_fault) ------------------
+
+
+def _inject(cpu, fault: str, stream, seconds: float) -> bool:
+    return cpu._pm.hook.kvhal_inject_device_fault(fault=fault, stream=stream, seconds=seconds)
+
+
+def test_a_copy_error_writes_part_of_the_copy_then_fails_its_event_naming_plugin_and_hook(cpu):
+    cache, host = small(cpu)
+    stream = cpu.create_stream()
+    assert _inject(cpu, "copy_error", stream, 0.0) is True
+    pairs = [(b, b) for b in range(8)]
+    failed = cpu.copy_blocks(cache, host, pairs, stream)
+    with pytest.raises(TransferError) as raised:
+        cpu.synchronize_event(failed)
+    message = str(raised.value)
+    assert message.startswith("plugin 'cpu' (distribution kvhal (built-in)), hook kvhal_synchronize_event: ")
+    assert "injected device fault: the copy stopped halfway (copy_error)" in message
+    with pytest.raises(TransferError, match="hook kvhal_query_event: "):
+        cpu.query_event(failed)
+    copied = [
+        block_bytes(kvhal.get_kv_from_block(host, b)) == block_bytes(kvhal.get_kv_from_block(cache, b))
+        for b in range(8)
+    ]
+    assert not all(copied), "a copy the device failed delivered every block"
+    later = cpu.copy_blocks(cache, host, pairs, stream)  # fires once: the stream works again
+    cpu.synchronize_event(later)
+    assert all(
+        block_bytes(kvhal.get_kv_from_block(host, b)) == block_bytes(kvhal.get_kv_from_block(cache, b))
+        for b in range(8)
+    )
+
+
+def test_a_stall_holds_back_later_work_and_an_event_error_fails_the_next_event_only(cpu):
+    import time
+
+    cache, host = small(cpu)
+    stream = cpu.create_stream()
+    assert _inject(cpu, "stream_stall", stream, 0.3) is True
+    started = time.perf_counter()
+    held = cpu.copy_blocks(cache, host, [(1, 1)], stream)
+    assert cpu.query_event(held) is False
+    cpu.synchronize_event(held)
+    assert time.perf_counter() - started >= 0.29
+    assert _inject(cpu, "event_error", stream, 0.0) is True
+    failed = cpu.copy_blocks(cache, host, [(2, 2)], stream)
+    with pytest.raises(TransferError, match=r"the event failed \(event_error\)"):
+        cpu.synchronize_event(failed)
+    cpu.synchronize_event(cpu.copy_blocks(cache, host, [(3, 3)], stream))
+
+
+def test_faults_are_armed_only_where_the_cpu_plugin_can_make_them(cpu):
+    stream = cpu.create_stream()
+    assert _inject(cpu, "copy_error", cpu.current_stream(), 0.0) is False  # the caller's own thread
+    assert _inject(cpu, "power_cut", stream, 0.0) is False
+    cache, host = small(cpu)
+    cpu.synchronize_event(cpu.copy_blocks(cache, host, [(1, 1)], stream))  # nothing was armed

@@ -38,6 +38,9 @@ class Capability(str, enum.Enum):
     OVERLAPPED_COPY = "copy.overlapped"
     #: float8_e4m3fn caches.
     FP8 = "dtype.float8_e4m3fn"
+    #: A test capability: the plugin can make its own device engine fail on purpose
+    #: (``kvhal_inject_device_fault``), so the conformance suite checks how it reports faults.
+    FAULTS = "test.faults"
 
 
 def dtype_capability(dtype: torch.dtype) -> str:

@@ -106,8 +106,11 @@ class Device:
     def _call(self, hook: str, **kwargs: Any) -> Any:
         try:
             result = self._callers[hook](**kwargs)
-        except TransferError:
-            raise
+        except TransferError as exc:
+            # which plugin's event failed, and asked through which hook: logs and the
+            # conformance report name them, the plugin's own message says what failed
+            where = str(self._error(PluginError, hook, "")).removesuffix(": ")
+            raise TransferError(f"{where}: {exc}") from exc
         except ValidationError as exc:
             raise PluginValidationError(self.plugin_name, self.distribution, hook, exc) from exc
         except KVHALError as exc:

@@ -156,8 +156,9 @@ class TransferError(KVHALError):
     ``TransferError(message)``: one argument, the message (say what failed and why;
     raise it ``from`` the underlying error). A device plugin raises it from
     ``kvhal_query_event`` and ``kvhal_synchronize_event`` for the event of a copy
-    that failed, on every call until the event is recorded again; kvhal passes it
-    through unwrapped, and the transfer engine reports the blocks for recompute.
+    that failed, on every call until the event is recorded again; kvhal raises it on
+    as a TransferError whose message names the plugin and the hook first, and the
+    transfer engine reports the blocks for recompute.
     """
 
 

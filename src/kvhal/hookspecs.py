@@ -11,6 +11,9 @@ Any plugin, device or not, may also offer pinning witnesses
 tier backends (``kvhal_tier_backends``) and remote stores
 (``kvhal_remote_stores``, the last hook); they are no device hooks.
 
+A device plugin may also implement the test hook ``kvhal_inject_device_fault``
+(:data:`TEST_HOOKS`), which only the conformance suite calls.
+
 Every device hook is required: a device plugin that lacks one is refused at
 selection with :class:`~kvhal.errors.MissingHookError` naming the plugin and
 the hook. Results are checked; a malformed one raises
@@ -418,7 +421,8 @@ def kvhal_copy_blocks(plan: CopyPlan, stream: Any) -> Any:
       ``stream`` after this call completes only after the copy.
     - ``copy.event``: the returned event completes only when every byte is
       written, in either direction, at any size.
-    - ``copy.error``: a failure does not raise from this hook; it surfaces as
+    - ``copy.error``: a failure (a plan that cannot be read, an error on the
+      device during the copy) does not raise from this hook; it surfaces as
       :class:`~kvhal.errors.TransferError` from querying or synchronizing the
       returned event, and later copies on ``stream`` are unaffected.
     - ``copy.async``: a plugin declaring ``copy.async`` returns without
@@ -459,6 +463,57 @@ DEVICE_HOOKS: tuple[str, ...] = (
     "kvhal_stream_wait_event",
     "kvhal_copy_blocks",
 )
+
+
+# --------------------------------------------------------------------------
+# Device faults (a test hook: kvhal's engine never calls it)
+# --------------------------------------------------------------------------
+
+#: The faults :func:`kvhal_inject_device_fault` is asked to arm.
+DEVICE_FAULTS: tuple[str, ...] = ("copy_error", "stream_stall", "event_error")
+
+
+@hookspec(firstresult=True)
+def kvhal_inject_device_fault(fault: str, stream: Any, seconds: float) -> bool:
+    """Arm a fault inside this plugin's own device engine, for the conformance suite.
+
+    A test hook, optional: a device plugin implements it when its probe
+    declares ``test.faults`` (:attr:`~kvhal.descriptor.Capability.FAULTS`).
+    The suite makes each fault happen and checks that it surfaces as the
+    hooks above promise; a plugin without it gets the report row "device
+    faults: not tested (no fault hook)". Each fault fires once, on
+    ``stream`` (made by :func:`kvhal_create_stream`):
+
+    - ``"copy_error"``: the next copy submitted to ``stream`` is accepted and
+      its plan read, then fails on the device before all its destination
+      blocks are written, as a DMA error would;
+    - ``"stream_stall"``: work submitted to ``stream`` after this call starts
+      only after ``seconds``, as on a stream stalled behind a hung engine;
+    - ``"event_error"``: the next event recorded on ``stream`` (by
+      :func:`kvhal_record_event` or a copy) reports a device error, though
+      the work before it ran.
+
+    Promises (the conformance suite checks each one under its id):
+
+    - ``fault.inject``: returns True when it armed ``fault`` and False when
+      this plugin cannot inject that one (the report then says "not tested");
+      an armed fault happens: a ``copy_error`` copy leaves a destination block
+      without its source's bytes, a ``stream_stall`` holds back the next copy
+      for ``seconds``, an ``event_error`` makes the next event fail.
+
+    What the plugin must do when the fault happens is the other hooks'
+    promise: ``copy.error``, ``query.error`` and ``sync.error`` (the failure
+    surfaces as :class:`~kvhal.errors.TransferError` from the event within a
+    deadline, and later work on the stream is unaffected), ``copy.dst_only``
+    (no block outside the failed copy changes), ``query.state`` and
+    ``query.nonblocking`` (a stalled copy's event reads not done, at once).
+
+    :return: whether the fault is armed. Stop at first non-None result.
+    """
+
+
+#: Hooks a device plugin implements for the conformance suite only (each optional).
+TEST_HOOKS: tuple[str, ...] = ("kvhal_inject_device_fault",)
 
 
 # --------------------------------------------------------------------------

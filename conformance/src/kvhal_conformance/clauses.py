@@ -77,7 +77,8 @@ def _one_line(text: str) -> str:
 
 
 def hook_clauses() -> tuple[Clause, ...]:
-    """Every promise the device hooks' docstrings state, in hook order, plus ``plugin.hooks``."""
+    """Every promise the device hooks' (and the test hooks') docstrings state, in hook order, plus
+    ``plugin.hooks``."""
     found = [
         Clause(
             "plugin.hooks",
@@ -86,7 +87,7 @@ def hook_clauses() -> tuple[Clause, ...]:
             '("Every device hook is required", the hookspecs\' module docstring)',
         )
     ]
-    for hook in hookspecs.DEVICE_HOOKS:
+    for hook in (*hookspecs.DEVICE_HOOKS, *hookspecs.TEST_HOOKS):
         doc = inspect.getdoc(getattr(hookspecs, hook)) or ""
         found += [Clause(m["id"], hook, _one_line(m["text"])) for m in _PROMISE.finditer(doc)]
     return tuple(found)

@@ -85,6 +85,15 @@ CONTRACTS: tuple[Contract, ...] = (
         "invalid copies, allocations and buffer sizes raise kvhal's error types and move no byte",
     ),
     Contract(
+        "device_faults",
+        "Device faults",
+        ("kvhal_inject_device_fault", "kvhal_copy_blocks", "kvhal_query_event", "kvhal_synchronize_event"),
+        "with test.faults declared, faults the plugin arms in its own engine (a copy failed on the device, "
+        "a stalled stream, a failed event) surface as TransferError from the event within a deadline, "
+        "touch no block outside the copy, read not done while stalled, and leave the stream working; "
+        "without it the report says not tested",
+    ),
+    Contract(
         "throughput",
         "Throughput",
         ("kvhal_copy_blocks",),

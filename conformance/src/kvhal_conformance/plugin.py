@@ -186,6 +186,9 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: p
     if target is not None:
         if target.unbound_summary():
             write(str(target.unbound_summary()), red=True)
+        faults = report_module.faults_summary(target)
+        if faults:
+            write(faults, yellow="not tested" in faults)
         throughput = report_module.throughput_rows(target, state.results)
         for direction, m in throughput.items():
             status = "" if m["status"] in ("pass", "fail") else f": {m['status']}"

@@ -12,6 +12,7 @@ import torch
 
 import kvhal
 import kvhal_conformance
+from kvhal_conformance.base.device_faults import METRIC, faults_summary
 from kvhal_conformance.results import (
     FAIL,
     NOT_JUDGED,
@@ -100,6 +101,10 @@ def build(settings: Settings, target: Target | None, results: dict[str, TestResu
         "throughput": throughput_rows(target, results),
         "first_probe": target.metrics.get("first_probe", {}) if target else {},
         "pinning": _pinning(target),
+        "device_faults": {
+            "faults": dict(target.metrics.get(METRIC, {})) if target else {},
+            "summary": faults_summary(target),
+        },
     }
 
 
@@ -174,6 +179,9 @@ def to_markdown(report: dict[str, Any]) -> str:
     lines += _clause_lines(report.get("clauses", []))
     lines += _throughput_lines(report["throughput"])
     lines += _pinning_lines(report.get("pinning"))
+    faults = (report.get("device_faults") or {}).get("summary")
+    if faults:
+        lines += ["", "## Device faults", "", _cell(faults)]
     probe = report.get("first_probe") or {}
     if probe:
         lines += [

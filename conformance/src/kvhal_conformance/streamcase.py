@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
 import numpy as np
@@ -225,6 +225,25 @@ class Rig:
                 break
             seconds *= 4
         return done_at_submit, done_by_call, busy_s
+
+
+class RigFixture:
+    """The ``rig`` fixture (function scope) of the contracts that copy on streams: a :class:`Rig`
+    from the contract's fixtures, its copies freed after the test."""
+
+    @pytest.fixture
+    def rig(
+        self,
+        kvhal_device: Device,
+        kvhal_busy: Busy,
+        kvhal_sizes: Sizes,
+        kvhal_new_stream: NewStream,
+        kvhal_seed: int,
+        kvhal_rng: np.random.Generator,
+    ) -> Iterator[Rig]:
+        made = Rig(kvhal_device, kvhal_busy, kvhal_sizes, kvhal_new_stream, kvhal_seed, kvhal_rng)
+        yield made
+        made.free()
 
 
 class InjectedCopyFailure(RuntimeError):

@@ -10,7 +10,9 @@ same work one descriptor at a time.
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -78,16 +80,33 @@ class CopyEngine:
         self.kernel = native.copy_batch if native is not None else _python_copy_batch
         self.name = "native" if native is not None else "ctypes.memmove"
         self._pool: ThreadPoolExecutor | None = None
+        #: the next batch fails halfway (kvhal_inject_device_fault's copy_error)
+        self._fail_next = False
+        self._lock = threading.Lock()
+
+    def fail_next_run(self) -> None:
+        """Make the next batch this engine runs, on whichever thread, copy half its bytes and
+        raise, as a DMA error after the copy was accepted would."""
+        with self._lock:
+            self._fail_next = True
 
     def _helpers(self) -> ThreadPoolExecutor:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="kvhal-cpu-copy")
         return self._pool
 
+    def _take_failure(self) -> bool:
+        with self._lock:
+            armed, self._fail_next = self._fail_next, False
+            return armed
+
     def run(self, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray) -> None:
         """Copy ``sizes[i]`` bytes from ``src[i]`` to ``dst[i]`` for every i; blocks until done."""
         if not len(sizes):
             return
+        if self._fail_next and self._take_failure():
+            self.kernel(*split_shares(src, dst, sizes, 2)[0], self.nt_threshold)
+            raise OSError(errno.EIO, "injected device fault: the copy stopped halfway (copy_error)")
         if self.threads == 1 or int(sizes.sum()) < PARALLEL_MIN_BYTES:
             self.kernel(src, dst, sizes, self.nt_threshold)
             return

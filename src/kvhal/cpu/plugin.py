@@ -60,6 +60,7 @@ class CPUPlugin:
             Capability.ASYNC_COPY,
             Capability.BATCHED_COPY,
             Capability.FP8,
+            Capability.FAULTS,
             # raw bytes: kvhal.vllm.cache_shapes moves K and V of different dtypes as uint8
             # rows; the copies are memcpy of byte runs, so any dtype copies alike
             dtype_capability(torch.uint8),
@@ -141,6 +142,24 @@ class CPUPlugin:
     @hookimpl
     def kvhal_stream_wait_event(self, stream: CPUStream | InlineStream, event: CPUEvent) -> None:
         stream.wait_event(event)
+
+    @hookimpl
+    def kvhal_inject_device_fault(self, fault: str, stream: CPUStream | InlineStream, seconds: float) -> bool:
+        # Streams made by kvhal_create_stream run their work on a thread of their own; the
+        # compute stream is the caller's thread: nothing to arm there. A copy error is armed
+        # on the copy engine (the next batch it runs: the suite arms it on an idle stream
+        # and copies at once), a stall and an event error as work queued on the stream.
+        if not isinstance(stream, CPUStream):
+            return False
+        if fault == "copy_error":
+            self.engine.fail_next_run()
+        elif fault == "stream_stall":
+            stream.stall(seconds)
+        elif fault == "event_error":
+            stream.fail_next_event()
+        else:
+            return False
+        return True
 
     @hookimpl
     def kvhal_copy_blocks(self, plan: CopyPlan, stream: CPUStream | InlineStream) -> CPUEvent:

@@ -11,8 +11,10 @@ on an event there blocks the caller, as the compute stream would.
 
 from __future__ import annotations
 
+import errno
 import queue
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -90,6 +92,19 @@ class CPUStream:
 
     def submit(self, task: Task) -> None:
         self._state.tasks.put(task)
+
+    def stall(self, seconds: float) -> None:
+        """Hold back work submitted after this for ``seconds``, as a hung engine would."""
+        self.submit(lambda: time.sleep(seconds))
+
+    def fail_next_event(self) -> None:
+        """Make the next event recorded here report a device error: a task that fails, as
+        device work that faulted would, whose error the next record carries."""
+
+        def fault() -> None:
+            raise OSError(errno.EIO, "injected device fault: the event failed (event_error)")
+
+        self.submit(fault)
 
     def record(self, event: CPUEvent) -> None:
         marker = _Marker()

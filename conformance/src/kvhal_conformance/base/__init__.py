@@ -23,6 +23,7 @@ NAME`` runs these same classes, bound to the command line's options.
 from kvhal_conformance.base.allocation import AllocationContract
 from kvhal_conformance.base.bad_input import BadInputContract
 from kvhal_conformance.base.copies import CopiesContract
+from kvhal_conformance.base.device_faults import DeviceFaultsContract
 from kvhal_conformance.base.fixtures import (
     CANDIDATE_DTYPES,
     DEFAULT_SEED,
@@ -47,6 +48,7 @@ CONTRACT_CLASSES: tuple[type[ContractFixtures], ...] = (
     StreamsEventsContract,
     CopiesContract,
     BadInputContract,
+    DeviceFaultsContract,
     ThroughputContract,
 )
 
@@ -61,6 +63,7 @@ __all__ = [
     "BadInputContract",
     "ContractFixtures",
     "CopiesContract",
+    "DeviceFaultsContract",
     "HostCache",
     "HostMemoryContract",
     "LayoutsContract",

@@ -16,7 +16,6 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
-import numpy as np
 import pytest
 import torch
 
@@ -29,8 +28,8 @@ from kvhal_conformance.copycase import judge_query, synchronize_and_check
 from kvhal_conformance.settings import Sizes
 from kvhal_conformance.streamcase import (
     TRIALS,
-    NewStream,
     Rig,
+    RigFixture,
     early_record_clause,
     failing_plan,
     judge_overtaken,
@@ -45,7 +44,7 @@ IDLE_LIMIT_S = 5.0
 WAIT_BINDS_LIMIT_S = 15.0
 
 
-class StreamsEventsContract(ContractFixtures):
+class StreamsEventsContract(RigFixture, ContractFixtures):
     """Contract ``streams_events``: the current stream is the compute stream; new streams and
     events are new; in both directions and at every size, on one stream and across a wait, a
     copy writes nothing before earlier work completes and its events complete only after its
@@ -68,20 +67,6 @@ class StreamsEventsContract(ContractFixtures):
         made = make_chain(kvhal_device, kvhal_busy, kvhal_sizes.large_copy_bytes)
         yield made
         free_chain(made)
-
-    @pytest.fixture
-    def rig(
-        self,
-        kvhal_device: Device,
-        kvhal_busy: Busy,
-        kvhal_sizes: Sizes,
-        kvhal_new_stream: NewStream,
-        kvhal_seed: int,
-        kvhal_rng: np.random.Generator,
-    ) -> Iterator[Rig]:
-        made = Rig(kvhal_device, kvhal_busy, kvhal_sizes, kvhal_new_stream, kvhal_seed, kvhal_rng)
-        yield made
-        made.free()
 
     # -- the compute stream, new streams, new events --------------------------------
 

@@ -108,3 +108,14 @@ class ProbeStartsWorker(CPUPlugin):
             self._jobs = queue.SimpleQueue()
             threading.Thread(target=_serve, args=(self._jobs,), name="kvhal-dma-worker", daemon=True).start()
         return super().kvhal_probe()
+
+
+@mutant("fault.inject")
+class FaultHookIsAStub(CPUPlugin):
+    """Declares test.faults and answers True to every kvhal_inject_device_fault without arming
+    anything (a fault hook left as a stub): the suite's fault checks would pass on faults that
+    never happened."""
+
+    @hookimpl
+    def kvhal_inject_device_fault(self, fault: str, stream: object, seconds: float) -> bool:
+        return True
