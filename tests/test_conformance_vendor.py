@@ -89,6 +89,10 @@ class TestBadInput(base.BadInputContract, VendorFixtures):
     pass
 
 
+class TestDeviceFaults(base.DeviceFaultsContract, VendorFixtures):
+    pass
+
+
 class TestThroughput(base.ThroughputContract, VendorFixtures):
     pass
 

@@ -245,6 +245,9 @@ def test_guide_example_passes_conformance_when_installed(tmp_path: Path) -> None
     summary = suite.stdout.split("kvhal conformance: plugin 'acme'")[-1]
     for contract in ("Probe", "Layouts", "Allocation", "Host memory", "Streams and events", "Copies"):
         assert re.search(rf"^{contract} +pass", summary, re.M), summary
+    # acme has no fault hook: said so, never a silent pass
+    assert re.search(r"^Device faults +skip", summary, re.M), summary
+    assert "device faults: not tested (no fault hook: plugin 'acme' does not declare test.faults)" in summary
 
     # The package's own tests collect every contract class; the probe's run through the entry point.
     own = subprocess.run(
