@@ -11,8 +11,8 @@ Any plugin, device or not, may also offer pinning witnesses
 tier backends (``kvhal_tier_backends``) and remote stores
 (``kvhal_remote_stores``, the last hook); they are no device hooks.
 
-A device plugin may also implement the test hook ``kvhal_inject_device_fault``
-(:data:`TEST_HOOKS`), which only the conformance suite calls.
+A device plugin may also implement the test hooks ``kvhal_inject_device_fault`` and
+``kvhal_device_memory_in_use`` (:data:`TEST_HOOKS`), which only the conformance suite calls.
 
 Every device hook is required: a device plugin that lacks one is refused at
 selection with :class:`~kvhal.errors.MissingHookError` naming the plugin and
@@ -466,7 +466,7 @@ DEVICE_HOOKS: tuple[str, ...] = (
 
 
 # --------------------------------------------------------------------------
-# Device faults (a test hook: kvhal's engine never calls it)
+# Test hooks: device faults and device memory (kvhal's engine never calls them)
 # --------------------------------------------------------------------------
 
 #: The faults :func:`kvhal_inject_device_fault` is asked to arm.
@@ -512,8 +512,31 @@ def kvhal_inject_device_fault(fault: str, stream: Any, seconds: float) -> bool:
     """
 
 
+@hookspec(firstresult=True)
+def kvhal_device_memory_in_use() -> int:
+    """Bytes of device memory allocated through this plugin now, over all its devices, for
+    the conformance suite: memory of live allocations (as ``torch.cuda.memory_allocated``),
+    not memory a caching allocator keeps for reuse.
+
+    A test hook, optional: the suite measures what a plugin's first probe keeps
+    (``probe.no_work``) through torch's allocator where ``torch.accelerator`` sees the
+    device; a plugin whose device memory it does not see (a private allocator, a runtime
+    of its own) implements this so the suite can measure it. Ask the runtime (its
+    allocator's statistics), never a counter of the plugin's own; answer 0 where the
+    runtime was not initialized yet, without initializing it (the suite asks right before
+    the plugin's first probe).
+
+    Promises (the conformance suite checks each one under its id):
+
+    - ``memory.report``: returns an int of at least 0; a KV cache of N bytes that
+      :func:`kvhal_allocate_kv_cache` returned, while alive, raises it by at least N.
+
+    :return: bytes in use. Stop at first non-None result.
+    """
+
+
 #: Hooks a device plugin implements for the conformance suite only (each optional).
-TEST_HOOKS: tuple[str, ...] = ("kvhal_inject_device_fault",)
+TEST_HOOKS: tuple[str, ...] = ("kvhal_inject_device_fault", "kvhal_device_memory_in_use")
 
 
 # --------------------------------------------------------------------------

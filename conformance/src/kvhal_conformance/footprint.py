@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -55,10 +56,13 @@ class Snapshot:
     threads: frozenset[threading.Thread]
     rss: int | None
     accelerator: tuple[str, int] | None
+    #: the plugin's own report (``kvhal_device_memory_in_use``), None where it has none
+    reported: int | None = None
 
     @classmethod
-    def take(cls) -> Snapshot:
-        return cls(frozenset(threading.enumerate()), rss_bytes(), accelerator_memory())
+    def take(cls, report: Callable[[], int | None] | None = None) -> Snapshot:
+        reported = report() if report is not None else None
+        return cls(frozenset(threading.enumerate()), rss_bytes(), accelerator_memory(), reported)
 
 
 @dataclass(frozen=True)
@@ -87,17 +91,22 @@ class Footprint:
     def device_growth(self, device_type: str) -> tuple[int | None, str]:
         """(bytes of device memory the first probe kept, or None when not measured; how measured).
 
-        torch's allocator for torch's current accelerator of that type; the process's host
-        memory (RSS) for a ``cpu`` device, whose memory is host memory; else not measured:
-        the hooks have no memory report, so a plugin of another device cannot be asked."""
+        torch's allocator for torch's current accelerator of that type; else the plugin's own
+        report (the test hook ``kvhal_device_memory_in_use``), where it has one; else the
+        process's host memory (RSS) for a ``cpu`` device, whose memory is host memory; else
+        not measured."""
         before, after = self.before.accelerator, self.after.accelerator
         if before is not None and after is not None and before[0] == device_type:
             return after[1] - before[1], f"torch.accelerator.memory_allocated() on {device_type}"
+        if self.before.reported is not None and self.after.reported is not None:
+            return self.after.reported - self.before.reported, (
+                "kvhal_device_memory_in_use(), the plugin's own report (checked by memory.report)"
+            )
         if device_type == "cpu":
             return self.host_growth, "host memory (RSS): a cpu device's memory is host memory"
         return None, (
             f"not measured: torch's current accelerator is not of type {device_type!r} and the "
-            "device hooks have no memory report"
+            "plugin does not implement kvhal_device_memory_in_use"
         )
 
 

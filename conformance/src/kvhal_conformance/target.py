@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,6 +15,9 @@ from kvhal.device import Device
 from kvhal.errors import KVHALError
 from kvhal.registry import BUILTIN_DISTRIBUTION, PluginInfo, PluginRegistry
 from kvhal_conformance.footprint import Footprint, Snapshot
+
+#: The test hook a plugin reports its device memory through.
+MEMORY_HOOK = "kvhal_device_memory_in_use"
 
 #: The optional attribute of a plugin object naming the attention backends its kernels serve
 #: (``ATTENTION_BACKENDS = ("FLASH_ATTN", "MY_ATTN")``): the suite asks ``kvhal_kv_layouts`` about each.
@@ -102,9 +106,10 @@ class Target:
         info = matches[-1]
         if info.blocked_by:
             raise pytest.UsageError(f"--kvhal-device {name!r}: plugin not loaded ({info.blocked_by})")
-        before = Snapshot.take()  # before the plugin's first probe: what it keeps shows
+        report = _memory_report(registry, info)
+        before = Snapshot.take(report)  # before the plugin's first probe: what it keeps shows
         outcome = registry.probe(info)
-        first_probe = Footprint.between(before, Snapshot.take())
+        first_probe = Footprint.between(before, Snapshot.take(report))
         try:
             device = registry.select(name)
         except KVHALError as exc:
@@ -191,3 +196,19 @@ class Target:
                 f"{self.label} hook {hook}({args}) raised {type(exc).__name__}: {exc}: the hook must "
                 "keep the promises kvhal.hookspecs lists for it (raising here is none of them)"
             )
+
+
+def _memory_report(registry: PluginRegistry, info: PluginInfo) -> Callable[[], int | None]:
+    """The plugin's ``kvhal_device_memory_in_use`` (its alone): an int, or None where it has
+    none, raised, or answered something else (``memory.report`` judges that)."""
+    others = [p.plugin for p in registry.device_plugins() if p.plugin is not None and p is not info]
+    caller = registry.pm.subset_hook_caller(MEMORY_HOOK, remove_plugins=others)
+
+    def report() -> int | None:
+        try:
+            found = caller()
+        except Exception:
+            return None
+        return found if isinstance(found, int) and not isinstance(found, bool) else None
+
+    return report

@@ -18,6 +18,7 @@ import ctypes.util
 import os
 import resource
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -141,3 +142,31 @@ def release(buffer: torch.Tensor) -> None:
             del _locked[buffer.data_ptr()]
     if nbytes is not None:
         _libc.munlock(ctypes.c_void_p(buffer.data_ptr()), ctypes.c_size_t(nbytes))
+
+
+class _MallInfo2(ctypes.Structure):
+    # glibc's struct mallinfo2: ten size_t fields, in this order
+    _FIELDS = "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost"
+    _fields_ = [(name, ctypes.c_size_t) for name in _FIELDS.split()]
+
+
+def _mallinfo2() -> Callable[[], _MallInfo2] | None:
+    try:
+        call = ctypes.CDLL(None).mallinfo2  # glibc 2.33 and later
+    except (OSError, AttributeError):
+        return None
+    call.restype = _MallInfo2
+    return call
+
+
+_MALLINFO2 = _mallinfo2()
+
+
+def allocated_bytes() -> int | None:
+    """Bytes the C library's malloc has handed out and not taken back (glibc's ``mallinfo2``:
+    in-use arena chunks and mmapped chunks), torch's CPU tensors among them; memory freed and
+    kept for reuse does not count. None where the C library has no ``mallinfo2``."""
+    if _MALLINFO2 is None:
+        return None
+    info = _MALLINFO2()
+    return int(info.uordblks + info.hblkhd)

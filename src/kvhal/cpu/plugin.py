@@ -144,6 +144,12 @@ class CPUPlugin:
         stream.wait_event(event)
 
     @hookimpl
+    def kvhal_device_memory_in_use(self) -> int | None:
+        # a cpu device's memory is host memory, allocated through malloc (torch's CPU tensors):
+        # what it has handed out, not what it keeps for reuse. None (no answer) without glibc.
+        return memory.allocated_bytes()
+
+    @hookimpl
     def kvhal_inject_device_fault(self, fault: str, stream: CPUStream | InlineStream, seconds: float) -> bool:
         # Streams made by kvhal_create_stream run their work on a thread of their own; the
         # compute stream is the caller's thread: nothing to arm there. A copy error is armed

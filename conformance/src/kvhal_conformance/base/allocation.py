@@ -26,6 +26,7 @@ from kvhal_conformance.settings import Sizes
 from kvhal_conformance.target import Target
 
 HOOK = "kvhal_allocate_kv_cache"
+MEMORY_HOOK = "kvhal_device_memory_in_use"
 
 
 def _mismatches(cache: object, geometry: KVGeometry, layout: KVLayout, device: Device) -> list[str]:
@@ -151,6 +152,48 @@ class AllocationContract(ContractFixtures):
                 for view in views:
                     view.fill_(1.5)
             del cache, views, view
+
+    @final
+    @covers("memory.report")
+    def test_memory_report_follows_allocations(
+        self, kvhal_target: Target, kvhal_device: Device, kvhal_sizes: Sizes
+    ) -> None:
+        """Where the plugin reports its device memory (the test hook kvhal_device_memory_in_use,
+        which the first probe's measurement uses), a new cache of many MiB raises the report by
+        at least its size (3 tries, each a new cache: memory freed elsewhere meanwhile is no
+        violation unless it happens every time)."""
+        report = kvhal_target.caller(MEMORY_HOOK)
+        if report() is None:
+            pytest.skip(
+                f"device memory report: not implemented ({MEMORY_HOOK}); the first probe's device "
+                "memory is measured through torch.accelerator where it sees the device"
+            )
+        geometry = distinct_geometry(FORMATS["stacked"]).with_num_blocks(1)
+        geometry = geometry.with_num_blocks(max(1, kvhal_sizes.cache_bytes // geometry.block_bytes))
+        layout = kvhal_device.kv_layouts()[0]
+        seen = []
+        for _ in range(3):
+            before = report()
+            cache = guarded.kv_cache(kvhal_device, geometry, layout)
+            after = report()
+            del cache
+            for answer in (before, after):
+                expect(
+                    isinstance(answer, int) and not isinstance(answer, bool) and answer >= 0,
+                    "memory.report",
+                    f"{kvhal_target.label}: {MEMORY_HOOK}() returned {answer!r:.60}; expected an int of "
+                    "at least 0",
+                )
+            seen.append(after - before)
+            if after - before >= geometry.total_bytes:
+                return
+        violated(
+            "memory.report",
+            f"{kvhal_target.label}: {MEMORY_HOOK}() rose by {', '.join(str(d) for d in seen)} bytes while a "
+            f"{geometry.total_bytes}-byte KV cache was allocated ({describe(layout, geometry)}, 3 tries): it "
+            "must report the device memory the runtime holds, so that a cache of N bytes raises it by at "
+            "least N",
+        )
 
     @final
     @covers("alloc.distinct")

@@ -65,8 +65,10 @@ class DropsLastDescriptor(CPUPlugin):
 
 @mutant(
     "copy.event",
-    also=("sync.waits", "query.state"),
-    why="synchronize and query see the event the copy returned, which completes before its bytes",
+    also=("sync.waits", "query.state", "wait.orders"),
+    why="synchronize, query and a stream waiting for it see the event the copy returned, which "
+    "completes before its bytes (whether the waiting stream's copy runs early enough to show it "
+    "depends on the race)",
     not_judged=("copy.throughput",),
 )
 class EventsDoneAtDequeue(CPUPlugin):

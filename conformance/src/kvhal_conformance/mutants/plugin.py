@@ -119,3 +119,13 @@ class FaultHookIsAStub(CPUPlugin):
     @hookimpl
     def kvhal_inject_device_fault(self, fault: str, stream: object, seconds: float) -> bool:
         return True
+
+
+@mutant("memory.report")
+class MemoryReportIsAStub(CPUPlugin):
+    """Reports its device memory as a constant (a counter never updated): the first probe's
+    measurement, which trusts the report, would miss an arena the probe keeps."""
+
+    @hookimpl
+    def kvhal_device_memory_in_use(self) -> int:
+        return 0
