@@ -456,3 +456,62 @@ def test_a_client_of_a_store_with_no_memory_warns_at_start(cluster, caplog, node
                 MooncakeStore.from_url(bare.url).close()
     warned = [r for r in caplog.records if "could not be stored" in r.getMessage()]
     assert len(warned) == (0 if node else 1)
+
+
+# -- the remote tier, zero-copy end to end ------------------------------------------------
+
+
+def test_the_tier_moves_blocks_straight_between_registered_host_slots_and_a_flipped_byte_is_caught(
+    cluster, store, cpu, monkeypatch
+):
+    """A RemoteTier over Mooncake registers its host tier with the store and moves blocks between
+    host slots and the store without a staging copy (large blocks: nothing is staged); what it
+    reads back is what it wrote. The negative control: a value whose payload byte was flipped in
+    the store lands in a registered host slot by the same path, and is refused there as CORRUPT
+    (crc32c checked in place), never served."""
+    from kvhal.offload.host_tier import HostTier
+    from kvhal.tiers.backend import CORRUPT, OK, TierSpec
+    from kvhal.tiers.remote import format as remote_format
+    from kvhal.tiers.remote.tier import RemoteTier
+
+    slot = 2 << 20  # above mooncake_staging.COALESCE_BYTES: header and slot go as two slices
+    host = HostTier(cpu, slot * 6, slot)
+    rows = np.frombuffer(host.memory(), dtype=np.uint8)[: slot * 6].reshape(6, slot)
+    rows[:] = noise(rows.size, 7).reshape(rows.shape)
+    spec = TierSpec({}, slot, fingerprint={"model": "zero-copy", "layout": "LBHNC"}, role="io")
+    tier = RemoteTier(cluster.url, spec, host=host)
+    staged: list[int] = []
+    tier_store = tier._client()
+    monkeypatch.setattr(tier_store, "_take_staging", lambda size: staged.append(size))
+    keys = [f"zero-copy-{os.getpid()}-{next(_names)}-{i}".encode() for i in range(2)]
+    assert tier.write(keys, [0, 1]).result(30) == [True, True]
+    assert tier.read(keys, [2, 3]).result(30) == [OK, OK]
+    assert bytes(host.slot_memory(2)) == bytes(host.slot_memory(0))
+    assert bytes(host.slot_memory(3)) == bytes(host.slot_memory(1))
+    assert staged == [], "a block went through a staging area"
+
+    # values framed as the tier frames slot 0's block (kvhal's header, crc32c), put under the
+    # names of keys the tier never wrote: one intact, one with a payload byte flipped after
+    def framed(key: bytes) -> tuple[str, np.ndarray]:
+        name = tier.names([key])[0]
+        value = np.zeros(HEADER + slot, dtype=np.uint8)
+        value[HEADER:] = rows[0]
+        remote_format.write_header(
+            memoryview(value[:HEADER]), memoryview(value[HEADER:]), tier._namespace, name, None
+        )
+        return name, value
+
+    intact, flipped = (f"zero-copy-{os.getpid()}-{next(_names)}-{k}".encode() for k in ("intact", "flip"))
+    name, value = framed(intact)
+    assert store.put([name], [[memoryview(value)]]) == [True]
+    name, value = framed(flipped)
+    value[HEADER + slot // 2] ^= 0x01
+    assert store.put([name], [[memoryview(value)]]) == [True]
+    # the same framing without the flip is served: the flip, not the framing, is refused
+    assert tier.read([intact], [4]).result(30) == [OK]
+    assert bytes(host.slot_memory(4)) == bytes(host.slot_memory(0))
+    rows[4] = 0
+    assert tier.read([flipped], [4]).result(30) == [CORRUPT], "a block with a flipped byte was served"
+    assert tier.read(keys[1:], [5]).result(30) == [OK]  # the control, read the same way
+    assert bytes(host.slot_memory(5)) == bytes(host.slot_memory(1))
+    tier.close()

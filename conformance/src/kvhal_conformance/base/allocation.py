@@ -191,8 +191,8 @@ class AllocationContract(ContractFixtures):
             "memory.report",
             f"{kvhal_target.label}: {MEMORY_HOOK}() rose by {', '.join(str(d) for d in seen)} bytes while a "
             f"{geometry.total_bytes}-byte KV cache was allocated ({describe(layout, geometry)}, 3 tries): it "
-            "must report the device memory the runtime holds, so that a cache of N bytes raises it by at "
-            "least N",
+            "must report the bytes of the plugin's live allocations, as its allocator counts them, so that a "
+            "cache of N bytes raises it by at least N",
         )
 
     @final
