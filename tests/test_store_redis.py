@@ -126,6 +126,32 @@ def test_absent_name_and_value_longer_than_its_buffers(store: RemoteStore) -> No
     assert joined(exact, 10) == b"0123456789"
 
 
+@pytest.mark.parametrize("writer", ["glide", "redis-py"])
+def test_writes_through_either_client_join_parts_and_never_replace_a_value(
+    server: RedisServer, writer: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Writes of one server go through glide where it is installed (redis-py beside a busy
+    thread took 0.36 s for 60 values of 192 KiB, glide 0.03 s), redis-py otherwise; both store
+    a value of several parts joined, and neither replaces a name that exists (SET NX)."""
+    store = RedisStore.from_url(server.url + "?ttl=60")
+    calls: list[int] = []
+    if writer == "redis-py":
+        store._reader = None
+    else:
+        assert store._reader is not None, "writes of a plain server go through glide where it is installed"
+        set_new = store._reader.set_new
+        monkeypatch.setattr(store._reader, "set_new", lambda *a: calls.append(len(a[0])) or set_new(*a))
+    first, second = names(2)
+    data = bytes(range(256)) * 300
+    assert store.put([first, second], [parts_of(data, [96, 4096]), [memoryview(b"x")]]) == [True, True]
+    assert store.put([first], [[memoryview(b"another value")]]) == [True]  # exists: stored by another
+    assert calls == ([2, 1] if writer == "glide" else [])
+    with server.client() as raw:
+        assert raw.get(first) == data and raw.get(second) == b"x"
+        assert 0 < raw.ttl(first) <= 60
+    store.close()
+
+
 @pytest.mark.parametrize("reader", ["glide", "redis-py"])
 def test_an_oversized_value_is_never_read_whole(server: RedisServer, reader: str) -> None:
     """A value planted under a block's name, far larger than a block: the read fails without

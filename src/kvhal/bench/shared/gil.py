@@ -1,16 +1,18 @@
-"""Redis reads beside a busy thread: what the engine's GIL costs a store read.
+"""Redis reads and writes beside a busy thread: what the engine's GIL costs store I/O.
 
 ``python -m kvhal.bench.shared.gil [--out DIR]``. A returning user's blocks (60 values of
 192 KiB, by default) are read by kvhal's ``RedisStore.get`` on a thread of their own, alone
 and beside a thread that runs Python without pause (as an engine's loop holds the GIL between
 its steps), through each reader side by side: valkey-glide (the default where installed) and
-redis-py with hiredis. The limit beside them: the same bytes as one ``memcpy`` (the copy into
-host slots both do). Prints a table and writes ``gil.json``.
+redis-py with hiredis; then the same values written (``SET NX`` under fresh names) through each.
+The limit beside them: the same bytes as one ``memcpy`` (the copy into host slots both do).
+Prints a table and writes ``gil.json``.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -79,6 +81,19 @@ def main(argv: list[str] | None = None) -> int:
         plain._reader = None
         readers["kvhal RedisStore, redis-py + hiredis reads"] = lambda: plain.get(names, buffers)
         readers["limit: memcpy of the same bytes"] = lambda: destination.__setitem__(slice(None), source)
+        values = [[memoryview(source)[i * size : (i + 1) * size]] for i in range(args.values)]
+        written = itertools.count()
+
+        def writes(store: RedisStore) -> Callable[[], object]:
+            def write() -> object:  # fresh names each time: SET NX of an existing name is a no-op
+                run = next(written)
+                return store.put([f"gil/w{run}/{i}" for i in range(args.values)], values)
+
+            return write
+
+        if glide._reader is not None:
+            readers["kvhal RedisStore, valkey-glide writes"] = writes(glide)
+        readers["kvhal RedisStore, redis-py + hiredis writes"] = writes(plain)
         for label, read in readers.items():
             read()  # connect, warm up
             alone = _timed(read, False, args.repeats)
@@ -87,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         glide.close()
         plain.close()
     megabytes = args.values * size / 1e6
-    print(f"{args.values} values of {args.kib} KiB ({megabytes:.1f} MB), median of {args.repeats} reads, s")
+    print(f"{args.values} values of {args.kib} KiB ({megabytes:.1f} MB), median of {args.repeats} calls, s")
     print(f"{'reader':44} {'alone':>8} {'beside a busy thread':>22} {'ratio':>7}")
     for row in rows:
         ratio = row["beside_busy_thread_s"] / row["alone_s"]

@@ -3,9 +3,9 @@
 Each value is one binary Redis string under its name, written with ``SET NX`` (names are
 content-addressed: an existing value is never replaced) and read with ``GETRANGE name 0
 SIZE``, at most one byte more than the value can be (an oversized value is never read whole);
-batches are pipelined. Nothing is pickled. Reads of one server without TLS go through
+batches are pipelined. Nothing is pickled. Reads and writes of one server go through
 valkey-glide where it is installed (:mod:`kvhal.tiers.stores.redis_glide`: its I/O does not
-wait on the engine's GIL).
+wait on the engine's GIL); lookups and clusters go through redis-py.
 
 URL forms (``remote_url``)::
 
@@ -408,10 +408,19 @@ class RedisStore(RemoteStore):
             raise ValueError(f"{len(names)} names but {len(values)} values")
         ttl = self._target.ttl
 
+        def joined(parts: Sequence[memoryview]) -> bytes | memoryview:
+            # one part goes out as it is (neither client copies a memoryview before sending)
+            return _bytes_view(parts[0]) if len(parts) == 1 else b"".join(parts)
+
+        if self._reader is not None:
+            if self._closed:
+                raise StoreUnavailable(f"{self._what}: the store is closed")
+            # joined one batch at a time, inside set_new's bound, as the pipelines below
+            replies = self._reader.set_new(names, _Joined(values, joined), ttl)
+            return [not isinstance(r, BaseException) for r in replies]
+
         def add(pipe: Any, i: int) -> int:
-            parts = values[i]
-            # one part goes out as it is (redis-py writes a memoryview without copying it)
-            value: bytes | memoryview = _bytes_view(parts[0]) if len(parts) == 1 else b"".join(parts)
+            value = joined(values[i])
             pipe.set(names[i], value, nx=True, ex=ttl)
             return len(value)
 
@@ -456,6 +465,22 @@ class RedisStore(RemoteStore):
             client.close()
         if self._reader is not None:
             self._reader.close()
+
+
+class _Joined(Sequence[bytes | memoryview]):
+    """``values`` as single buffers, each joined when asked for (a write batch holds a bounded
+    number of them at once, not the whole put's)."""
+
+    def __init__(self, values: Sequence[Sequence[memoryview]], join: Callable[[Sequence[memoryview]], Any]):
+        self._values, self._join = values, join
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self._join(v) for v in self._values[i]]
+        return self._join(self._values[i])
 
 
 def _scatter(value: bytes, parts: Sequence[memoryview]) -> int:
