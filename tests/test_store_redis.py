@@ -136,11 +136,11 @@ def test_writes_through_either_client_join_parts_and_never_replace_a_value(
     store = RedisStore.from_url(server.url + "?ttl=60")
     calls: list[int] = []
     if writer == "redis-py":
-        store._reader = None
+        store._glide = None
     else:
-        assert store._reader is not None, "writes of a plain server go through glide where it is installed"
-        set_new = store._reader.set_new
-        monkeypatch.setattr(store._reader, "set_new", lambda *a: calls.append(len(a[0])) or set_new(*a))
+        assert store._glide is not None, "writes of a plain server go through glide where it is installed"
+        set_new = store._glide.set_new
+        monkeypatch.setattr(store._glide, "set_new", lambda *a: calls.append(len(a[0])) or set_new(*a))
     first, second = names(2)
     data = bytes(range(256)) * 300
     assert store.put([first, second], [parts_of(data, [96, 4096]), [memoryview(b"x")]]) == [True, True]
@@ -160,9 +160,9 @@ def test_an_oversized_value_is_never_read_whole(server: RedisServer, reader: str
 
     store = RedisStore.from_url(server.url)
     if reader == "redis-py":
-        store._reader = None
+        store._glide = None
     else:
-        assert store._reader is not None, "reads of a plain server go through glide where it is installed"
+        assert store._glide is not None, "reads of a plain server go through glide where it is installed"
     (name,) = names(1)
     planted = 32 << 20
     server.client().set(name, b"\0" * planted)
@@ -529,7 +529,7 @@ def test_tls_round_trip(tmp_path) -> None:
     with s:
         assert s.url.startswith("rediss://")
         store = open_store(s.url, PluginRegistry())
-        assert isinstance(store, RedisStore) and store._reader is not None, "TLS reads go through glide"
+        assert isinstance(store, RedisStore) and store._glide is not None, "TLS reads go through glide"
         try:
             _round_trip(store)
         finally:

@@ -75,10 +75,10 @@ def main(argv: list[str] | None = None) -> int:
         source = bytes(destination)
         readers: dict[str, Callable[[], object]] = {}
         glide = RedisStore.from_url(server.url)
-        if glide._reader is not None:
+        if glide._glide is not None:
             readers["kvhal RedisStore, valkey-glide reads"] = lambda: glide.get(names, buffers)
         plain = RedisStore.from_url(server.url)
-        plain._reader = None
+        plain._glide = None
         readers["kvhal RedisStore, redis-py + hiredis reads"] = lambda: plain.get(names, buffers)
         readers["limit: memcpy of the same bytes"] = lambda: destination.__setitem__(slice(None), source)
         values = [[memoryview(source)[i * size : (i + 1) * size]] for i in range(args.values)]
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return write
 
-        if glide._reader is not None:
+        if glide._glide is not None:
             readers["kvhal RedisStore, valkey-glide writes"] = writes(glide)
         readers["kvhal RedisStore, redis-py + hiredis writes"] = writes(plain)
         for label, read in readers.items():

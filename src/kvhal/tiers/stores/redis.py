@@ -269,12 +269,12 @@ class RedisStore(RemoteStore):
         self._stale = False
         self._client: Any = None
         self._client = self._connect()
-        # the reads' client, once the server answered redis-py (its errors are the clearer)
+        # the reads' and writes' client, once the server answered redis-py (its errors are the clearer)
         why_not = redis_glide.unsupported(target)
-        self._reader = redis_glide.GlideReader(target, self._what) if why_not is None else None
-        if self._reader is not None:
+        self._glide = redis_glide.GlideStoreClient(target, self._what) if why_not is None else None
+        if self._glide is not None:
             try:  # connected now: a first read that connects would measure the store slow
-                self._reader.connect()
+                self._glide.connect()
             except StoreUnavailable:
                 self._client.close()
                 raise
@@ -409,14 +409,14 @@ class RedisStore(RemoteStore):
         ttl = self._target.ttl
 
         def joined(parts: Sequence[memoryview]) -> bytes | memoryview:
-            # one part goes out as it is (neither client copies a memoryview before sending)
+            # one part goes out as it is (redis-py sends a memoryview without copying it)
             return _bytes_view(parts[0]) if len(parts) == 1 else b"".join(parts)
 
-        if self._reader is not None:
+        if self._glide is not None:
             if self._closed:
                 raise StoreUnavailable(f"{self._what}: the store is closed")
             # joined one batch at a time, inside set_new's bound, as the pipelines below
-            replies = self._reader.set_new(names, _Joined(values, joined), ttl)
+            replies = self._glide.set_new(names, _Joined(values, joined), ttl)
             return [not isinstance(r, BaseException) for r in replies]
 
         def add(pipe: Any, i: int) -> int:
@@ -432,10 +432,10 @@ class RedisStore(RemoteStore):
         if len(names) != len(buffers):
             raise ValueError(f"{len(names)} names but {len(buffers)} buffers")
         sizes = [sum(len(_bytes_view(part)) for part in parts) for parts in buffers]
-        if self._reader is not None:
+        if self._glide is not None:
             if self._closed:
                 raise StoreUnavailable(f"{self._what}: the store is closed")
-            replies = self._reader.getrange(names, sizes)
+            replies = self._glide.getrange(names, sizes)
         else:
 
             def add(pipe: Any, i: int) -> int:
@@ -463,8 +463,8 @@ class RedisStore(RemoteStore):
             client, self._client = self._client, None
         if client is not None:
             client.close()
-        if self._reader is not None:
-            self._reader.close()
+        if self._glide is not None:
+            self._glide.close()
 
 
 class _Joined(Sequence[bytes | memoryview]):

@@ -53,8 +53,8 @@ def unsupported(target: Any) -> str | None:
     return None
 
 
-class GlideReader:
-    """One glide client for one Redis server's reads. Thread-safe (glide multiplexes)."""
+class GlideStoreClient:
+    """One glide client for one Redis server's reads and writes. Thread-safe (glide multiplexes)."""
 
     def __init__(self, target: Any, what: str) -> None:
         assert glide_sync is not None and unsupported(target) is None
@@ -122,6 +122,12 @@ class GlideReader:
                 replies.extend(client.exec(batch, raise_on_error=False) or [])
         except glide_sync.GlideError as exc:
             raise StoreUnavailable(f"{self._what}: {type(exc).__name__}: {exc}") from exc
+        return self._one_each(replies, len(names))
+
+    def _one_each(self, replies: list[object], commands: int) -> list[object]:
+        """``replies``, one per command sent; else the store's answer cannot be matched to them."""
+        if len(replies) != commands:
+            raise StoreUnavailable(f"{self._what}: {len(replies)} replies to {commands} commands")
         return replies
 
     def set_new(
@@ -150,7 +156,7 @@ class GlideReader:
                 first = end
         except glide_sync.GlideError as exc:
             raise StoreUnavailable(f"{self._what}: {type(exc).__name__}: {exc}") from exc
-        return replies
+        return self._one_each(replies, len(names))
 
     def close(self) -> None:
         with self._lock:
