@@ -106,9 +106,9 @@ def arm(target: Target, fault: str, stream: Any, seconds: float = 0.0) -> None:
 
 
 def outcome(device: Device, event: Any, limit_s: float) -> tuple[str, str]:
-    """Query ``event`` until it completes or raises, at most ``limit_s``, then synchronize it:
-    ``("raised" | "completed" | "pending", message)`` for the query, then for the synchronize
-    (not tried while the query still reads pending: it would hang)."""
+    """Query ``event`` until it completes or raises, at most ``limit_s``: ``("raised", message)``,
+    ``("completed", "")``, or ``("pending", "")`` past the limit (then do not synchronize it: that
+    would hang)."""
     start = time.perf_counter()
     while True:
         try:
