@@ -145,10 +145,13 @@ def test_writes_through_either_client_join_parts_and_never_replace_a_value(
     data = bytes(range(256)) * 300
     assert store.put([first, second], [parts_of(data, [96, 4096]), [memoryview(b"x")]]) == [True, True]
     assert store.put([first], [[memoryview(b"another value")]]) == [True]  # exists: stored by another
-    assert calls == ([2, 1] if writer == "glide" else [])
+    many = names(300)  # more than one batch of commands (128), each reply matched to its name
+    assert store.put(many, [[memoryview(f"value {i}".encode())] for i in range(300)]) == [True] * 300
+    assert calls == ([2, 1, 300] if writer == "glide" else [])
     with server.client() as raw:
         assert raw.get(first) == data and raw.get(second) == b"x"
         assert 0 < raw.ttl(first) <= 60
+        assert raw.mget(many) == [f"value {i}".encode() for i in range(300)]
     store.close()
 
 

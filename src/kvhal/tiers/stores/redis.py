@@ -412,11 +412,9 @@ class RedisStore(RemoteStore):
             # one part goes out as it is (redis-py sends a memoryview without copying it)
             return _bytes_view(parts[0]) if len(parts) == 1 else b"".join(parts)
 
-        if self._glide is not None:
-            if self._closed:
-                raise StoreUnavailable(f"{self._what}: the store is closed")
-            # joined one batch at a time, inside set_new's bound, as the pipelines below
-            replies = self._glide.set_new(names, _Joined(values, joined), ttl)
+        if self._glide is not None:  # (a closed store's glide client says so itself)
+            # joined as set_new takes them: a batch's worth at a time, as the pipelines below
+            replies = self._glide.set_new(names, (joined(parts) for parts in values), ttl)
             return [not isinstance(r, BaseException) for r in replies]
 
         def add(pipe: Any, i: int) -> int:
@@ -432,9 +430,7 @@ class RedisStore(RemoteStore):
         if len(names) != len(buffers):
             raise ValueError(f"{len(names)} names but {len(buffers)} buffers")
         sizes = [sum(len(_bytes_view(part)) for part in parts) for parts in buffers]
-        if self._glide is not None:
-            if self._closed:
-                raise StoreUnavailable(f"{self._what}: the store is closed")
+        if self._glide is not None:  # (a closed store's glide client says so itself)
             replies = self._glide.getrange(names, sizes)
         else:
 
@@ -465,22 +461,6 @@ class RedisStore(RemoteStore):
             client.close()
         if self._glide is not None:
             self._glide.close()
-
-
-class _Joined(Sequence[bytes | memoryview]):
-    """``values`` as single buffers, each joined when asked for (a write batch holds a bounded
-    number of them at once, not the whole put's)."""
-
-    def __init__(self, values: Sequence[Sequence[memoryview]], join: Callable[[Sequence[memoryview]], Any]):
-        self._values, self._join = values, join
-
-    def __len__(self) -> int:
-        return len(self._values)
-
-    def __getitem__(self, i: Any) -> Any:
-        if isinstance(i, slice):
-            return [self._join(v) for v in self._values[i]]
-        return self._join(self._values[i])
 
 
 def _scatter(value: bytes, parts: Sequence[memoryview]) -> int:

@@ -18,7 +18,7 @@ so an oversized value planted under a block's name is never read whole.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -131,10 +131,11 @@ class GlideStoreClient:
         return replies
 
     def set_new(
-        self, names: Sequence[str], values: Sequence[bytes | memoryview], ttl: int | None
+        self, names: Sequence[str], values: Iterable[bytes | memoryview], ttl: int | None
     ) -> list[object]:
-        """``SET name value NX [EX ttl]`` for each name: ``"OK"``, None where the name exists
-        already, or the exception a refused command answered (a full server's OOM).
+        """``SET name value NX [EX ttl]`` for each name and value (taken from ``values`` one at a
+        time, as batches are filled): ``"OK"``, None where the name exists already, or the
+        exception a refused command answered (a full server's OOM).
 
         :raises StoreUnavailable: the server did not answer.
         """
@@ -142,18 +143,16 @@ class GlideStoreClient:
         expiry = glide_sync.ExpirySet(glide_sync.ExpiryType.SEC, ttl) if ttl else None
         only_new = glide_sync.ConditionalChange.ONLY_IF_DOES_NOT_EXIST
         replies: list[object] = []
+        batch, queued, size = glide_sync.Batch(is_atomic=False), 0, 0
         try:
-            first = 0
-            while first < len(names):
-                batch = glide_sync.Batch(is_atomic=False)
-                end, size = first, 0
-                while end < len(names) and end - first < BATCH_COMMANDS and size < BATCH_BYTES:
-                    value = values[end]  # taken once: it may be joined when asked for
-                    batch.set(names[end], value, conditional_set=only_new, expiry=expiry)
-                    size += len(value)
-                    end += 1
+            for name, value in zip(names, values, strict=True):
+                batch.set(name, value, conditional_set=only_new, expiry=expiry)
+                queued, size = queued + 1, size + len(value)
+                if queued == BATCH_COMMANDS or size >= BATCH_BYTES:
+                    replies.extend(client.exec(batch, raise_on_error=False) or [])
+                    batch, queued, size = glide_sync.Batch(is_atomic=False), 0, 0
+            if queued:
                 replies.extend(client.exec(batch, raise_on_error=False) or [])
-                first = end
         except glide_sync.GlideError as exc:
             raise StoreUnavailable(f"{self._what}: {type(exc).__name__}: {exc}") from exc
         return self._one_each(replies, len(names))
