@@ -27,6 +27,7 @@ from kvhal.errors import (
     TransferError,
     ValidationError,
     check_int,
+    plugin_hook_label,
 )
 from kvhal.geometry import KVFormat, KVGeometry
 from kvhal.layouts import LOGICAL_DIMS, KVLayout
@@ -109,7 +110,7 @@ class Device:
         except TransferError as exc:
             # which plugin's event failed, and asked through which hook: logs and the
             # conformance report name them, the plugin's own message says what failed
-            where = str(self._error(PluginError, hook, "")).removesuffix(": ")
+            where = plugin_hook_label(self.plugin_name, self.distribution, hook)
             raise TransferError(f"{where}: {exc}") from exc
         except ValidationError as exc:
             raise PluginValidationError(self.plugin_name, self.distribution, hook, exc) from exc

@@ -75,6 +75,16 @@ class PolicyError(KVHALError):
     :class:`kvhal.offload.eviction_policy.EvictionPolicy`."""
 
 
+def plugin_hook_label(plugin: str, distribution: str | None, hook: str | None) -> str:
+    """``plugin 'NAME' (distribution D), hook H``: how kvhal's messages name a plugin's hook."""
+    where = f"plugin {plugin!r}"
+    if distribution:
+        where += f" (distribution {distribution})"
+    if hook:
+        where += f", hook {hook}"
+    return where
+
+
 class PluginError(KVHALError):
     """A device plugin failed to load, misbehaved, or returned a malformed result.
 
@@ -93,12 +103,7 @@ class PluginError(KVHALError):
         self.plugin = plugin
         self.distribution = distribution
         self.hook = hook
-        where = f"plugin {plugin!r}"
-        if distribution:
-            where += f" (distribution {distribution})"
-        if hook:
-            where += f", hook {hook}"
-        Exception.__init__(self, f"{where}: {message}")
+        Exception.__init__(self, f"{plugin_hook_label(plugin, distribution, hook)}: {message}")
 
 
 class PluginLoadError(PluginError):

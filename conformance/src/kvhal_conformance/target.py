@@ -181,10 +181,7 @@ class Target:
 
     def caller(self, hook: str) -> Any:
         """Hook ``hook`` of this plugin alone (plus non-device wrappers), without kvhal's checks."""
-        others = [
-            p.plugin for p in self.registry.device_plugins() if p.plugin is not None and p is not self.info
-        ]
-        return self.registry.pm.subset_hook_caller(hook, remove_plugins=others)
+        return _own_caller(self.registry, self.info, hook)
 
     def call(self, hook: str, **kwargs: Any) -> Any:
         """Call :meth:`caller`; an exception fails the calling test, naming plugin and hook."""
@@ -201,8 +198,7 @@ class Target:
 def _memory_report(registry: PluginRegistry, info: PluginInfo) -> Callable[[], int | None]:
     """The plugin's ``kvhal_device_memory_in_use`` (its alone): an int, or None where it has
     none, raised, or answered something else (``memory.report`` judges that)."""
-    others = [p.plugin for p in registry.device_plugins() if p.plugin is not None and p is not info]
-    caller = registry.pm.subset_hook_caller(MEMORY_HOOK, remove_plugins=others)
+    caller = _own_caller(registry, info, MEMORY_HOOK)
 
     def report() -> int | None:
         try:
@@ -212,3 +208,9 @@ def _memory_report(registry: PluginRegistry, info: PluginInfo) -> Callable[[], i
         return found if isinstance(found, int) and not isinstance(found, bool) else None
 
     return report
+
+
+def _own_caller(registry: PluginRegistry, info: PluginInfo, hook: str) -> Any:
+    """Hook ``hook`` of the plugin ``info`` alone (plus non-device wrappers)."""
+    others = [p.plugin for p in registry.device_plugins() if p.plugin is not None and p is not info]
+    return registry.pm.subset_hook_caller(hook, remove_plugins=others)

@@ -23,10 +23,9 @@ from kvhal_conformance.cases import (
 )
 from kvhal_conformance.clauses import covers, expect, violated
 from kvhal_conformance.settings import Sizes
-from kvhal_conformance.target import Target
+from kvhal_conformance.target import MEMORY_HOOK, Target
 
 HOOK = "kvhal_allocate_kv_cache"
-MEMORY_HOOK = "kvhal_device_memory_in_use"
 
 
 def _mismatches(cache: object, geometry: KVGeometry, layout: KVLayout, device: Device) -> list[str]:
