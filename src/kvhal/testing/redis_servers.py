@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import ipaddress
 import os
 import shutil
 import signal
@@ -70,10 +71,26 @@ class TlsCerts:
     key: Path
 
 
-def make_tls_certs(directory: str | os.PathLike[str]) -> TlsCerts:
-    """Write a test CA and a server certificate (EC P-256, 2 days) into ``directory`` with the
-    ``openssl`` CLI.
+def _is_address(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
+
+def make_tls_certs(
+    directory: str | os.PathLike[str],
+    *,
+    hosts: Sequence[str] = ("127.0.0.1", "localhost"),
+    days: int = 2,
+) -> TlsCerts:
+    """Write a test CA and a server certificate (EC P-256) into ``directory`` with the ``openssl``
+    CLI.
+
+    :param hosts: the names the server certificate is for (IP addresses and DNS names).
+    :param days: how long the server certificate is valid from now; ``-1`` writes one that
+        expired a day ago (the CA is valid for 2 days either way).
     :raises RuntimeError: ``openssl`` is missing or failed (its output is in the message).
     """
     openssl = shutil.which("openssl")
@@ -82,16 +99,17 @@ def make_tls_certs(directory: str | os.PathLike[str]) -> TlsCerts:
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    names = ",".join(f"{'IP' if _is_address(h) else 'DNS'}:{h}" for h in hosts)
     (d / "server.ext").write_text(
-        "subjectAltName=IP:127.0.0.1,DNS:localhost\nbasicConstraints=CA:FALSE\n"
+        f"subjectAltName={names}\nbasicConstraints=CA:FALSE\n"
         "keyUsage=digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth\n"
     )
     steps = [
         [openssl, "req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
          "-subj", "/CN=kvhal test CA"],
-        [openssl, "req", *ec, "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=127.0.0.1"],
+        [openssl, "req", *ec, "-keyout", "server.key", "-out", "server.csr", "-subj", f"/CN={hosts[0]}"],
         [openssl, "x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
-         "-CAcreateserial", "-out", "server.pem", "-days", "2", "-extfile", "server.ext"],
+         "-CAcreateserial", "-out", "server.pem", "-days", str(days), "-extfile", "server.ext"],
     ]  # fmt: skip
     for step in steps:
         done = subprocess.run(step, cwd=d, capture_output=True, text=True, timeout=60)
@@ -245,7 +263,10 @@ class RedisServer:
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.ready_timeout
-        client = self.client(socket_timeout=0.5, socket_connect_timeout=0.5, retry=None)
+        timeouts = {"socket_timeout": 0.5, "socket_connect_timeout": 0.5, "retry": None}
+        # up, whatever its certificate: a test may serve one that clients must refuse
+        unchecked = {"ssl_cert_reqs": "none", "ssl_check_hostname": False} if self.tls else {}
+        client = self.client(**timeouts, **unchecked)
         try:
             while True:
                 proc = self._state.proc

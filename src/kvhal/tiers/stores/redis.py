@@ -30,6 +30,7 @@ answers False for them) and still serves reads.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -49,6 +50,8 @@ from kvhal.tiers.remote.store import ABSENT, FAILED, RemoteStore, StoreUnavailab
 from kvhal.tiers.stores import redis_glide
 
 __all__ = ["RedisStore"]
+
+log = logging.getLogger(__name__)
 
 ARGUMENT = "remote_url"
 SCHEMES = {"redis": (False, False), "rediss": (True, False), "redis+cluster": (False, True)}
@@ -230,6 +233,16 @@ def _parse_url(url: str) -> _Target:
     return _Target(tls, cluster, parts.hostname, port, db, username, password, source, ttl, timeout, options)
 
 
+def _unchecked_tls(target: _Target) -> str | None:
+    """The options of a ``rediss`` URL that turn the server certificate's check off, or None."""
+    said = [
+        f"{name}={target.options[name]!r}".replace("'", "")
+        for name, off in (("ssl_cert_reqs", ("none", "optional")), ("ssl_check_hostname", (False,)))
+        if target.options.get(name, "required") in off
+    ]
+    return " and ".join(said) if target.tls and said else None
+
+
 def _auth_failure(exc: BaseException) -> bool:
     """Whether ``exc`` (or what caused it) is the server refusing the credentials."""
     seen: set[int] = set()
@@ -269,6 +282,14 @@ class RedisStore(RemoteStore):
         self._stale = False
         self._client: Any = None
         self._client = self._connect()
+        if unchecked := _unchecked_tls(target):
+            log.warning(
+                "kvhal: %s: %s in remote_url: the server's certificate is not checked, so anyone "
+                "on the network path can answer as the store (a value still proves its block; "
+                "only with a remote secret can none be forged)",
+                self._what,
+                unchecked,
+            )
         # the reads' and writes' client, once the server answered redis-py (its errors are the clearer)
         why_not = redis_glide.unsupported(target)
         self._glide = redis_glide.GlideStoreClient(target, self._what) if why_not is None else None
