@@ -43,6 +43,10 @@ def test_chat_bench_floor_host_disk_and_shared(tmp_path, vllm_installed):
             assert row["ttft"]["n"] == 4 and 0 < row["ttft"]["p50"] <= row["ttft"]["p90"], (name, row)
             assert row["ttft"]["mean"] > 0
         assert s["ttft_later"]["n"] == 4 and s["output_tokens_per_s"] > 0
+        # where the CPU went in round 2: the engine's forward at least, and the store's server
+        # measured where there is one
+        assert s["later_cores_busy"]["engine"] > 0, (name, s["later_cores_busy"])
+        assert ("store server" in s["later_cores_busy"]) == (name == "shared"), name
     runs = {run["config"]: run for run in result["runs"]}
     for run in result["runs"]:
         assert run["load_before"] and run["load_after"]

@@ -157,6 +157,12 @@ class MooncakeCluster:
         """The ``mooncake://`` URL for clients that contribute no memory (``segment=0``)."""
         return f"mooncake://{self.master_address}?metadata={self.metadata_url}&protocol=tcp&segment=0"
 
+    @property
+    def pids(self) -> list[int]:
+        """The process ids of the master and store nodes running now (what a bench charges to
+        the store)."""
+        return [process.pid for process in self._processes.values() if process.poll() is None]
+
     def log_tail(self, lines: int = 30) -> str:
         """The last ``lines`` lines of every log, for failure messages."""
         out = []

@@ -209,6 +209,12 @@ class RedisServer:
         proc = self._state.proc
         return proc is not None and proc.poll() is None
 
+    @property
+    def pids(self) -> list[int]:
+        """The running server's process id (none when stopped): what a bench charges to the store."""
+        proc = self._state.proc
+        return [proc.pid] if self.running and proc is not None else []
+
     def command_line(self) -> list[str]:
         args = [self._binary]
         if self.tls is None:

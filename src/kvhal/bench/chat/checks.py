@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import statistics
 
+from kvhal.bench.chat.cpu import cores_busy_later
 from kvhal.bench.chat.workload import DTYPE
 
 #: Targets from the issues: (configuration, what it is compared with, bound on the ratio).
@@ -94,6 +95,7 @@ def summarize(runs: list[dict]) -> dict[str, dict]:
             "later_first_token_step_s_mean": statistics.fmean(last) if last else None,
             "later_before_first_token_step_s_mean": statistics.fmean(waited) if waited else None,
             "later_steps_to_first_token_counts": {str(n): steps.count(n) for n in sorted(set(steps))},
+            "later_cores_busy": cores_busy_later(mine),
         }
     return summary
 

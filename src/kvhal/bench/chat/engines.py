@@ -90,6 +90,7 @@ def _rounds_of(chat: dict, engine: str | None = None) -> list[dict]:
                 "tiers": round_tiers(record["requests"], after, before),
                 "load_avg": record.get("load_avg"),
                 "steps": record.get("steps"),
+                "thread_cpu_s": record.get("thread_cpu_s") or {},
             }
         )
         before = after
@@ -167,25 +168,41 @@ def single_engine(
 
 
 @contextlib.contextmanager
-def remote_store(kind: str) -> Iterator[str]:
-    """A fresh store on loopback: its URL."""
+def remote_store(kind: str) -> Iterator[Any]:
+    """A fresh store on loopback: the server (its ``url``, and its ``pids``)."""
     if kind == "mooncake":
         from kvhal.testing.mooncake_servers import MooncakeCluster
 
         with MooncakeCluster(segment="4GB") as cluster:
-            yield cluster.url
+            yield cluster
     else:
         from kvhal.testing.redis_servers import RedisServer
 
         with RedisServer() as server:
-            yield server.url
+            yield server
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User and system CPU seconds the processes ``pids`` and their children have spent so far."""
+    import psutil
+
+    total = 0.0
+    for pid in pids:
+        try:
+            process = psutil.Process(pid)
+            for one in [process, *process.children(recursive=True)]:
+                times = one.cpu_times()
+                total += times.user + times.system
+        except psutil.Error:  # ended meanwhile
+            continue
+    return total
 
 
 def shared_engines(
     model: str,
     work: dict,
     size: dict,
-    url: str,
+    store: Any,
     folder: Path,
     args: argparse.Namespace,
     advance: Callable[[str], None],
@@ -194,7 +211,7 @@ def shared_engines(
     """Two live engines on one remote tier; user ``u`` in round ``r`` on engine ``(u + r) % 2``."""
     kvhal = {
         "cpu_bytes_to_use": size["host_tokens"] * size["kv_bytes_per_token"],
-        "remote_url": url,
+        "remote_url": store.url,
         **CHAT_KVHAL,
         "load_mode": args.load_mode,
     }
@@ -220,7 +237,8 @@ def shared_engines(
         rounds = []
         for r, turns in enumerate(work["turns"]):
             merged: dict[str, Any] = {"seconds": 0.0, "requests": [], "tiers": {}}
-            merged.update({"load_avg": [], "steps": []})
+            merged.update({"load_avg": [], "steps": [], "thread_cpu_s": {}})
+            merged.update({"store_cpu_s": 0.0, "store_wall_s": 0.0})
             for e, engine in enumerate(engines):
                 users = [u for u in range(len(histories)) if (u + r) % 2 == e]
                 if not users:
@@ -238,7 +256,11 @@ def shared_engines(
                     "trace": args.trace,
                 }
                 job = {"chat": chat, "drain_prompt": work["drain"], "drain_tokens": 4, "settle": SETTLE}
+                store_cpu, store_wall = cpu_seconds(store.pids), time.perf_counter()
                 out = engine.answer(job)
+                # the store's work during the half-round and its settle (its writes landing)
+                merged["store_cpu_s"] += cpu_seconds(store.pids) - store_cpu
+                merged["store_wall_s"] += time.perf_counter() - store_wall
                 for u, history in zip(users, out["histories"], strict=True):
                     histories[u] = history
                 (half,) = _rounds_of(out, engine="AB"[e])
@@ -246,6 +268,8 @@ def shared_engines(
                 merged["requests"] += half["requests"]
                 for key, value in half["tiers"].items():
                     merged["tiers"][key] = merged["tiers"].get(key, 0) + value
+                for name, seconds in half["thread_cpu_s"].items():
+                    merged["thread_cpu_s"][name] = merged["thread_cpu_s"].get(name, 0) + seconds
                 merged["load_avg"].append(half["load_avg"])
                 merged["steps"].append(half["steps"])
                 advance(f"round {r + 1}, engine {'AB'[e]}")
@@ -285,8 +309,9 @@ def run_config(
     load_before = os.getloadavg()
     start = time.perf_counter()
     if name == "shared":
-        with remote_store(args.store) as url:
-            run = shared_engines(model, work, size, url, scratch / f"shared-{repeat}", args, advance, answers)
+        with remote_store(args.store) as store:
+            folder = scratch / f"shared-{repeat}"
+            run = shared_engines(model, work, size, store, folder, args, advance, answers)
         run["store"] = args.store
     else:
         device = size["big_device_tokens"] if name == "floor" else size["small_device_tokens"]

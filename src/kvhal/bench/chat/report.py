@@ -8,6 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvhal.bench.chat.checks import LOGPROB_TOLERANCE
+from kvhal.bench.chat.cpu import GROUPS
 from kvhal.bench.chat.workload import CONFIGS, TOP_LOGPROBS
 
 
@@ -117,6 +118,18 @@ def print_report(console: Console, result: dict) -> None:
                 "that computes it, "
                 f"{s['later_first_token_step_s_mean']:.3f} s in that step"
             )
+    busy = {name: s["later_cores_busy"] for name, s in summary.items() if s.get("later_cores_busy")}
+    if busy:
+        cpu = Table(
+            title="CPU in rounds >= 2, in cores busy (CPU seconds / wall seconds; the machine has "
+            f"{result['machine'].get('cpu_count', '?')} cores)"
+        )
+        groups = [g for g in (*GROUPS, "store server") if any(b.get(g) for b in busy.values())]
+        for column in ("configuration", *groups):
+            cpu.add_column(column, justify="right")
+        for name, b in busy.items():
+            cpu.add_row(name, *(f"{b.get(g, 0.0):.2f}" for g in groups))
+        console.print(cpu)
     if outputs["passed"]:
         verdict = "all equal" if outputs["all_equal"] else "differences are numerics (near ties)"
         console.print(f"[green]outputs check passed: {verdict}[/green]")

@@ -7,7 +7,7 @@ import os
 import time
 from typing import Any
 
-from kvhal.vllm.testing.steps import generate, metrics, serve_jobs
+from kvhal.vllm.testing.steps import generate, metrics, serve_jobs, threads
 
 
 def chat(llm: Any, step: dict) -> dict:
@@ -59,6 +59,7 @@ def chat(llm: Any, step: dict) -> dict:
         live: dict[str, dict] = {}
         done: dict[int, dict] = {}
         round_start = time.perf_counter()
+        threads_before = threads()
         round_steps: list[dict] = []
         while queue or live:
             while queue and len(live) < limit:
@@ -151,6 +152,7 @@ def chat(llm: Any, step: dict) -> dict:
             "seconds": time.perf_counter() - round_start,
             "requests": [done[i] for i in range(len(histories))],
             "load_avg": os.getloadavg(),
+            "thread_cpu_s": cpu_by_thread(threads_before, threads()),
         }
         if step.get("metrics", True):
             record["metrics"] = metrics(llm, {})["metrics"]
@@ -158,6 +160,29 @@ def chat(llm: Any, step: dict) -> dict:
             record["steps"] = round_steps
         rounds.append(record)
     return {"rounds": rounds, "histories": histories, "metrics_before": before_all}
+
+
+def cpu_by_thread(before: dict, after: dict) -> dict[str, float]:
+    """CPU seconds (user and system) each thread name of this process spent between two
+    :func:`~kvhal.vllm.testing.steps.threads` snapshots (a thread that ended meanwhile is lost).
+    Native threads nobody named carry the process's name: they are ``native:NAME`` here
+    (torch's intra-op workers among them)."""
+    process = _process_name()
+    spent: dict[str, float] = {}
+    for name, now in after["threads"].items():
+        then = before["threads"].get(name, {})
+        seconds = round(now["utime_s"] + now["stime_s"] - then.get("utime_s", 0) - then.get("stime_s", 0), 3)
+        if seconds > 0:
+            spent[f"native:{name}" if name == process else name] = seconds
+    return spent
+
+
+def _process_name() -> str:
+    try:
+        with open("/proc/self/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
 
 
 def trace_schedules(llm: Any) -> None:

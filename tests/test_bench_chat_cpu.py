@@ -1,0 +1,45 @@
+"""``kvhal bench chat``'s CPU accounting (kvhal.bench.chat.cpu): thread groups, and cores busy in
+rounds >= 2."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvhal.bench.chat.cpu import by_group, cores_busy_later
+
+
+def test_threads_are_grouped_by_what_runs_them():
+    seconds = {
+        "main:MainThread": 2.0,  # the engine's thread: the forward
+        "native:python3": 1.5,  # threads nobody named: torch's workers
+        "kvhal-remote_0": 0.25,
+        "kvhal-copy": 0.05,
+        "Valkey-GLIDE ba": 0.125,
+        "gloo_tcp_loop": 0.0625,
+    }
+    assert by_group(seconds) == {"engine": 3.5, "kvhal": 0.3, "store client": 0.125, "other": 0.0625}
+
+
+def rnd(seconds: float, threads: dict[str, float], **store: float) -> dict:
+    return {"seconds": seconds, "thread_cpu_s": threads, **store}
+
+
+def test_cores_busy_are_cpu_seconds_over_wall_seconds_of_rounds_two_and_later():
+    first = rnd(10.0, {"main:p": 10.0, "kvhal-x": 5.0}, store_cpu_s=9.0, store_wall_s=9.0)  # not counted
+    store = {"store_cpu_s": 0.3, "store_wall_s": 3.0}
+    runs = [
+        {"rounds": [first, rnd(2.0, {"main:p": 2.0, "native:p": 1.0, "kvhal-x": 0.5}, **store)]},
+        {"rounds": [first, rnd(2.0, {"main:p": 2.0, "native:p": 1.0, "kvhal-x": 0.3}, **store)]},
+    ]
+    busy = cores_busy_later(runs)
+    assert busy == pytest.approx(
+        {"engine": 1.5, "kvhal": 0.2, "store client": 0.0, "other": 0.0, "store server": 0.1}
+    )
+    # without a store, no store row
+    alone = cores_busy_later([{"rounds": [first, rnd(4.0, {"main:p": 4.0})]}])
+    assert alone is not None and "store server" not in alone and alone["engine"] == 1.0
+
+
+def test_runs_without_thread_times_have_no_cores_busy():
+    assert cores_busy_later([{"rounds": [rnd(1.0, {}), rnd(1.0, {})]}]) is None
+    assert cores_busy_later([{"rounds": [rnd(1.0, {"main:p": 1.0})]}]) is None  # one round: none later
