@@ -86,3 +86,23 @@ def test_a_forger_who_fixes_the_checksum_still_fails_the_mac():
 @pytest.mark.parametrize("secret", [None, b"s"])
 def test_header_size_is_fixed(secret):
     assert len(framed(b"x" * 10, secret)) == HEADER_BYTES
+
+
+def test_a_value_of_the_previous_format_is_named_elsewhere_and_never_served():
+    """Version 1 put the payload itself through HMAC-SHA256; version 2 puts its BLAKE3 digest
+    there. A version-1 value carries version 1 (corrupt to this reader) and lives under other
+    names, so neither version reads the other's values, nor blocks them (names are never
+    replaced). The control: this version's own value is served."""
+    import hashlib
+    import hmac
+
+    secret, payload = b"fleet secret", os.urandom(4096)
+    old = framed(payload, secret)
+    old[8:12] = (1).to_bytes(4, "little")  # the version field
+    mac = hmac.new(secret, bytes(old[: HEADER_BYTES - remote_format.MAC_BYTES]), hashlib.sha256)
+    mac.update(payload)
+    old[HEADER_BYTES - remote_format.MAC_BYTES :] = mac.digest()
+    assert check(memoryview(old), memoryview(payload), SPACE, NAME, secret) == CORRUPT
+    assert check(memoryview(framed(payload, secret)), memoryview(payload), SPACE, NAME, secret) is OK
+    assert remote_format.name_prefix("kvhal", SPACE) == f"kvhal/v{remote_format.VERSION}/{SPACE.hex()}/"
+    assert remote_format.VERSION == 2

@@ -10,9 +10,12 @@ of it is loaded:
 - ``name hash``: 8 bytes of BLAKE2b of the value's name, for the same reason.
 - ``crc32c`` of the payload and its length: a torn or flipped value is a miss.
 - With a shared secret, an HMAC-SHA256 over the header's first 64 bytes and
-  the payload: an engine without the secret cannot forge a value that others
-  load. Without a secret the MAC field is zero, and a reader with a secret
-  refuses such a value.
+  the payload's BLAKE3-256 digest: an engine without the secret cannot forge a
+  value that others load. Without a secret the MAC field is zero, and a reader
+  with a secret refuses such a value. (The digest, not the payload, goes through
+  SHA-256: BLAKE3 hashes a 192 KiB block 3.6x faster than SHA-256 does here
+  with the CPU's SHA extensions, and 10x faster without them; BLAKE3 is
+  collision resistant, so the MAC covers every byte as before.)
 
 Layout (little-endian): magic ``KVHALR1\\0`` (8), version u32, flags u32,
 payload length u64, crc32c u32, 4 reserved, namespace (8), name hash (8),
@@ -25,12 +28,15 @@ import hashlib
 import hmac
 import struct
 
+import blake3
 import crc32c
 
 from kvhal.tiers.backend import CORRUPT, FOREIGN, OK
 
 MAGIC = b"KVHALR1\0"
-VERSION = 1
+#: 2: the MAC covers the payload's BLAKE3 digest (1: the payload). Names carry it
+#: (:func:`name_prefix`), so engines of two versions never read or block each other's values.
+VERSION = 2
 FLAG_MAC = 1
 _FIELDS = struct.Struct("<8sIIQI4x8s8s16x")
 MAC_BYTES = 32
@@ -39,13 +45,18 @@ HEADER_BYTES = _FIELDS.size + MAC_BYTES  # 96
 UNAUTHENTICATED = "unauthenticated"
 
 
+def name_prefix(prefix: str, namespace: bytes) -> str:
+    """Where the values of ``namespace`` are named: ``PREFIX/vVERSION/NAMESPACE/``."""
+    return f"{prefix}/v{VERSION}/{namespace.hex()}/"
+
+
 def name_hash(name: str) -> bytes:
     return hashlib.blake2b(name.encode(), digest_size=8).digest()
 
 
 def _mac(secret: bytes, fields: memoryview, payload: memoryview) -> bytes:
     mac = hmac.new(secret, fields, hashlib.sha256)
-    mac.update(payload)
+    mac.update(blake3.blake3(payload).digest())
     return mac.digest()
 
 

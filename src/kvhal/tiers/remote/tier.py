@@ -7,7 +7,8 @@ checks, over every tensor-parallel rank's share) and once per worker
 slots and the store). Every call returns a future at once and runs on the
 tier's threads: the engine never waits on the network.
 
-Names are ``PREFIX/NAMESPACE/KEY``: the namespace digests the KV fingerprint
+Names are ``PREFIX/vVERSION/NAMESPACE/KEY`` (the value format's version, then the
+namespace, :func:`~kvhal.tiers.remote.format.name_prefix`): the namespace digests the KV fingerprint
 (model and revision, dtype, layout and geometry, groups, hash algorithm and
 seed, tensor-parallel size) and the rank, so engines of another model or
 geometry sharing the store never read each other's blocks. Each value is a
@@ -84,7 +85,7 @@ class RemoteTier:
         self.registry = registry or PluginRegistry()
         self.on_health = on_health or (lambda up, why: None)
         self.retry_seconds = retry_seconds
-        self._prefixes = [f"{prefix}/{spec.digest(rank).hex()}/" for rank in range(spec.world_size)]
+        self._prefixes = [remote_format.name_prefix(prefix, spec.digest(r)) for r in range(spec.world_size)]
         self._namespace = spec.digest()
         self._lock = threading.Lock()
         self._store: RemoteStore | None = None
