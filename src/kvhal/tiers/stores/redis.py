@@ -3,9 +3,9 @@
 Each value is one binary Redis string under its name, written with ``SET NX`` (names are
 content-addressed: an existing value is never replaced) and read with ``GETRANGE name 0
 SIZE``, at most one byte more than the value can be (an oversized value is never read whole);
-batches are pipelined. Nothing is pickled. Reads and writes of one server go through
-valkey-glide where it is installed (:mod:`kvhal.tiers.stores.redis_glide`: its I/O does not
-wait on the engine's GIL); lookups and clusters go through redis-py.
+batches are pipelined. Nothing is pickled. Reads and writes go through valkey-glide where it
+is installed, for one server and for a cluster (:mod:`kvhal.tiers.stores.redis_glide`: its
+I/O does not wait on the engine's GIL); lookups go through redis-py.
 
 URL forms (``remote_url``)::
 

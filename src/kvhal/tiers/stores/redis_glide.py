@@ -7,9 +7,10 @@ waits up to the interpreter's switch interval. 60 values of 192 KiB (a returning
 blocks): redis-py 0.02 s alone and 0.92 s beside a busy Python thread, glide 0.02 s and
 0.04 s; 60 such writes (``SET NX``), redis-py 0.014 s and 0.37 s, glide 0.013 s and 0.023 s
 (BENCHMARKS.md, "Redis reads and writes beside a busy thread"). Reads and writes go
-through glide where it is installed and the URL is one server (TLS included, with a CA file
-and a client certificate as options); lookups (``EXISTS``, small replies), clusters and TLS
-options glide cannot express stay on redis-py.
+through glide where it is installed, for one server and for a cluster (TLS included, with a
+CA file and a client certificate as options); lookups (``EXISTS``, small replies) and TLS
+options glide cannot express stay on redis-py. A cluster's batch is glide's non-atomic
+``ClusterBatch``: glide sends each command to the master of its slot and answers in order.
 
 A value is read with ``GETRANGE name 0 SIZE``: at most one byte more than the value can be,
 so an oversized value planted under a block's name is never read whole.
@@ -42,8 +43,6 @@ def unsupported(target: Any) -> str | None:
     """Why reads of ``target`` (a parsed ``redis://`` URL) cannot go through glide, or None."""
     if glide_sync is None:
         return "valkey-glide-sync is not installed"
-    if target.cluster:
-        return "a cluster (redis-py's cluster client reads it)"
     for name, value in target.options.items():
         if name in GLIDE_TLS_OPTIONS or name in POOL_OPTIONS:
             continue
@@ -54,7 +53,8 @@ def unsupported(target: Any) -> str | None:
 
 
 class GlideStoreClient:
-    """One glide client for one Redis server's reads and writes. Thread-safe (glide multiplexes)."""
+    """One glide client for a Redis server's or cluster's reads and writes. Thread-safe (glide
+    multiplexes)."""
 
     def __init__(self, target: Any, what: str) -> None:
         assert glide_sync is not None and unsupported(target) is None
@@ -71,19 +71,33 @@ class GlideStoreClient:
                 client_cert_path=target.options.get("ssl_certfile"),
                 client_key_path=target.options.get("ssl_keyfile"),
             )
-        self._config = glide_sync.GlideClientConfiguration(
-            [glide_sync.NodeAddress(target.host, target.port)],
-            use_tls=target.tls,
-            credentials=credentials,
-            request_timeout=timeout_ms,
+        common: dict[str, Any] = {
+            "use_tls": target.tls,
+            "credentials": credentials,
+            "request_timeout": timeout_ms,
             # reconnect at least every 0.8 s while the server is away (glide's default backoff
             # grows past a request's timeout: the first write after a restart timed out)
-            reconnect_strategy=glide_sync.BackoffStrategy(num_of_retries=4, factor=50, exponent_base=2),
-            database_id=target.db,
-            advanced_config=glide_sync.AdvancedGlideClientConfiguration(
-                connection_timeout=timeout_ms, tls_config=tls
-            ),
-        )
+            "reconnect_strategy": glide_sync.BackoffStrategy(num_of_retries=4, factor=50, exponent_base=2),
+        }
+        seed = [glide_sync.NodeAddress(target.host, target.port)]
+        self._cluster = target.cluster
+        if target.cluster:  # the seed node; glide learns the others and their slots from it
+            self._config: Any = glide_sync.GlideClusterClientConfiguration(
+                seed,
+                **common,
+                advanced_config=glide_sync.AdvancedGlideClusterClientConfiguration(
+                    connection_timeout=timeout_ms, tls_config=tls
+                ),
+            )
+        else:
+            self._config = glide_sync.GlideClientConfiguration(
+                seed,
+                **common,
+                database_id=target.db,
+                advanced_config=glide_sync.AdvancedGlideClientConfiguration(
+                    connection_timeout=timeout_ms, tls_config=tls
+                ),
+            )
         self._lock = threading.Lock()
         self._client: Any = None
         self._closed = False
@@ -100,8 +114,9 @@ class GlideStoreClient:
             if self._closed:
                 raise StoreUnavailable(f"{self._what}: the store is closed")
             if self._client is None:
+                kind = glide_sync.GlideClusterClient if self._cluster else glide_sync.GlideClient
                 try:
-                    self._client = glide_sync.GlideClient.create(self._config)
+                    self._client = kind.create(self._config)
                 except glide_sync.GlideError as exc:
                     raise StoreUnavailable(f"{self._what}: {type(exc).__name__}: {exc}") from exc
             return self._client
@@ -116,13 +131,18 @@ class GlideStoreClient:
         replies: list[object] = []
         try:
             for first in range(0, len(names), BATCH_COMMANDS):
-                batch = glide_sync.Batch(is_atomic=False)
+                batch = self._batch()
                 for name, size in zip(names[first : first + BATCH_COMMANDS], sizes[first:], strict=False):
                     batch.getrange(name, 0, size)
                 replies.extend(client.exec(batch, raise_on_error=False) or [])
         except glide_sync.GlideError as exc:
             raise StoreUnavailable(f"{self._what}: {type(exc).__name__}: {exc}") from exc
         return self._one_each(replies, len(names))
+
+    def _batch(self) -> Any:
+        """A new pipeline (non-atomic: a cluster's commands go to their slots' masters)."""
+        kind = glide_sync.ClusterBatch if self._cluster else glide_sync.Batch
+        return kind(is_atomic=False)
 
     def _one_each(self, replies: list[object], commands: int) -> list[object]:
         """``replies``, one per command sent; else the store's answer cannot be matched to them."""
@@ -143,14 +163,14 @@ class GlideStoreClient:
         expiry = glide_sync.ExpirySet(glide_sync.ExpiryType.SEC, ttl) if ttl else None
         only_new = glide_sync.ConditionalChange.ONLY_IF_DOES_NOT_EXIST
         replies: list[object] = []
-        batch, queued, size = glide_sync.Batch(is_atomic=False), 0, 0
+        batch, queued, size = self._batch(), 0, 0
         try:
             for name, value in zip(names, values, strict=True):
                 batch.set(name, value, conditional_set=only_new, expiry=expiry)
                 queued, size = queued + 1, size + len(value)
                 if queued == BATCH_COMMANDS or size >= BATCH_BYTES:
                     replies.extend(client.exec(batch, raise_on_error=False) or [])
-                    batch, queued, size = glide_sync.Batch(is_atomic=False), 0, 0
+                    batch, queued, size = self._batch(), 0, 0
             if queued:
                 replies.extend(client.exec(batch, raise_on_error=False) or [])
         except glide_sync.GlideError as exc:
