@@ -13,7 +13,7 @@ from kvhal.tiers.remote import format as remote_format
 from kvhal.tiers.remote.format import HEADER_BYTES, UNAUTHENTICATED, check, write_header
 
 SPACE = bytes(range(8))
-NAME = "kvhal/0001020304050607/ab"
+NAME = "kvhal/v2/0001020304050607/ab"
 
 
 def framed(payload: bytes, secret: bytes | None = None, space: bytes = SPACE, name: str = NAME):
@@ -103,6 +103,9 @@ def test_a_value_of_the_previous_format_is_named_elsewhere_and_never_served():
     mac.update(payload)
     old[HEADER_BYTES - remote_format.MAC_BYTES :] = mac.digest()
     assert check(memoryview(old), memoryview(payload), SPACE, NAME, secret) == CORRUPT
+    # the MAC itself changed: version 1's MAC under version 2 is refused
+    old[8:12] = remote_format.VERSION.to_bytes(4, "little")
+    assert check(memoryview(old), memoryview(payload), SPACE, NAME, secret) == UNAUTHENTICATED
     assert check(memoryview(framed(payload, secret)), memoryview(payload), SPACE, NAME, secret) is OK
     assert remote_format.name_prefix("kvhal", SPACE) == f"kvhal/v{remote_format.VERSION}/{SPACE.hex()}/"
     assert remote_format.VERSION == 2

@@ -66,10 +66,27 @@ def good_server(certs) -> Iterator[RedisServer]:
         yield server
 
 
+def unchecked(server: RedisServer):
+    """A plain client of ``server`` that does not check its certificate (the test's own hands)."""
+    return server.client(ssl_cert_reqs="none", ssl_check_hostname=False)
+
+
 @pytest.mark.parametrize("flaw", FLAWS)
 def test_a_bad_certificate_is_refused_by_both_clients_and_the_tier_starts_down(certs, host, flaw):
     said_by_redis_py, said_by_glide = FLAWS[flaw]
+    keys = fresh_keys(1)
+    # the control: the good certificate is served (and gives the genuine value planted below)
+    with tls_server(certs["good"]) as server:
+        tier = open_tier(f"{server.url}&timeout=2", host)
+        try:
+            assert tier.write(keys, [0]).result(10) == [True]
+            assert tier.read(keys, [8]).result(10) == [OK]
+            name = tier.names(keys)[0]
+            genuine = server.client().get(name)
+        finally:
+            tier.close()
     with tls_server(certs[flaw]) as server:
+        unchecked(server).set(name, genuine)  # served, were the certificate not checked
         url = f"{server.url}&timeout=2"
         with pytest.raises(StoreUnavailable, match=f"certificate verify failed: {said_by_redis_py}"):
             RedisStore.from_url(url)
@@ -82,41 +99,46 @@ def test_a_bad_certificate_is_refused_by_both_clients_and_the_tier_starts_down(c
             open_tier(url, host, strict=True)
         changes: list[tuple[bool, str]] = []
         tier = open_tier(url, host, on_health=lambda up, why: changes.append((up, why)), retry_seconds=0)
-        assert [up for up, _ in changes] == [False] and said_by_redis_py in changes[0][1]
-        keys = fresh_keys(1)
-        assert tier.write(keys, [0]).result(10) == [False]
-        assert tier.read(keys, [8]).result(10) != [OK]
-        tier.close()
-        assert server.client(ssl_cert_reqs="none", ssl_check_hostname=False).dbsize() == 0, "written"
-    # the control: the good certificate on a server of its own is served
-    with tls_server(certs["good"]) as server:
-        tier = open_tier(f"{server.url}&timeout=2", host)
-        assert tier.write(keys, [0]).result(10) == [True]
-        assert tier.read(keys, [8]).result(10) == [OK]
-        tier.close()
+        try:
+            assert [up for up, _ in changes] == [False] and said_by_redis_py in changes[0][1]
+            assert tier.read(keys, [8]).result(10) != [OK], "a value read past a bad certificate"
+            assert tier.write(fresh_keys(1), [0]).result(10) == [False]
+        finally:
+            tier.close()
+        assert unchecked(server).dbsize() == 1, "a value written past a bad certificate"
+        # the negative control: with the check turned off, the planted value is served
+        blind = open_tier(f"{url}&ssl_cert_reqs=none&ssl_check_hostname=false", host)
+        try:
+            assert blind.read(keys, [9]).result(10) == [OK] and slot_bytes(host, 9) == slot_bytes(host, 0)
+        finally:
+            blind.close()
 
 
 def test_a_certificate_that_goes_bad_while_running_is_refused_from_then_on(certs, good_server, host):
     """The store restarts with a certificate from another CA, as a server put in its place
-    would: the running tier's next connections are refused; the good one back, it is served."""
+    would, holding the genuine values: the running tier's next connections are refused; the
+    good one back, it is served."""
     tier = open_tier(f"{good_server.url}&timeout=1", host, retry_seconds=0)
-    keys = fresh_keys(2)
-    assert tier.write(keys[:1], [0]).result(10) == [True]
-    assert tier.read(keys[:1], [8]).result(10) == [OK]
-    impostor = certs["untrusted CA"]
-    swap(good_server, impostor)
-    good_server.client(ssl_cert_reqs="none", ssl_check_hostname=False).set("planted", b"x")
-    for _ in range(2):  # each try waits for its deadline (the URL's timeout) and fails
-        assert tier.read(keys[:1], [8]).result(10) != [OK]
-        assert tier.write(keys[1:], [1]).result(10) == [False]
-    assert not tier.up
-    swap(good_server, certs["good"])
-    deadline = time.monotonic() + 10
-    while tier.write(keys[1:], [1]).result(10) != [True]:
-        assert time.monotonic() < deadline, "the tier never came back with the good certificate"
-        time.sleep(0.2)
-    assert tier.read(keys[1:], [9]).result(10) == [OK] and slot_bytes(host, 9) == slot_bytes(host, 1)
-    tier.close()
+    try:
+        keys = fresh_keys(2)
+        assert tier.write(keys[:1], [0]).result(10) == [True]
+        assert tier.read(keys[:1], [8]).result(10) == [OK]
+        name = tier.names(keys[:1])[0]
+        genuine = good_server.client().get(name)
+        swap(good_server, certs["untrusted CA"])
+        unchecked(good_server).set(name, genuine)  # served, were the certificate not checked
+        for _ in range(2):  # each try waits for its deadline (the URL's timeout) and fails
+            assert tier.read(keys[:1], [8]).result(10) != [OK]
+            assert tier.write(keys[1:], [1]).result(10) == [False]
+        assert not tier.up
+        swap(good_server, certs["good"])
+        deadline = time.monotonic() + 10
+        while tier.write(keys[1:], [1]).result(10) != [True]:
+            assert time.monotonic() < deadline, "the tier never came back with the good certificate"
+            time.sleep(0.2)
+        assert tier.read(keys[1:], [9]).result(10) == [OK] and slot_bytes(host, 9) == slot_bytes(host, 1)
+    finally:
+        tier.close()
 
 
 def swap(server: RedisServer, certs: TlsCerts) -> None:

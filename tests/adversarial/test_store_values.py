@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
+import crc32c
 import pytest
 
 from kvhal.offload.host_tier import HostTier
@@ -70,41 +71,58 @@ CASES: dict[str, tuple[Plant, str]] = {
     "an unsigned value": (lambda s, h, a, b, v: written_by(s, h, a, secret=None), UNAUTHENTICATED),
     # A's genuine header before B's genuine payload
     "a header spliced onto another payload": (
-        lambda s, h, a, b, v: (
-            s.client().get(v.names([a])[0])[:HEADER_BYTES] + s.client().get(v.names([b])[0])[HEADER_BYTES:]
-        ),
+        lambda s, h, a, b, v: spliced(s, v, a, b, fix_crc=False),
         CORRUPT,
     ),
+    # the same, its crc32c made to match (anyone can): only the MAC tells
+    "a spliced value with its checksum fixed": (
+        lambda s, h, a, b, v: spliced(s, v, a, b, fix_crc=True),
+        UNAUTHENTICATED,
+    ),
 }
+
+
+def spliced(server: RedisServer, victim: RemoteTier, a: bytes, b: bytes, *, fix_crc: bool) -> bytes:
+    """A's genuine header before B's genuine payload, the header's crc32c of B's payload if
+    ``fix_crc`` (the header: magic, version, flags, length, then the crc32c at byte 24)."""
+    header = bytearray(server.client().get(victim.names([a])[0])[:HEADER_BYTES])
+    payload = server.client().get(victim.names([b])[0])[HEADER_BYTES:]
+    if fix_crc:
+        header[24:28] = crc32c.crc32c(payload).to_bytes(4, "little")
+    return bytes(header) + payload
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_a_replayed_or_spliced_value_is_never_served(server, host, case):
     plant, outcome = CASES[case]
     victim = fleet_tier(server.url, host)
-    a, b, c = fresh_keys(3)
-    assert victim.write([a, b, c], [A_SLOT, 3, C_SLOT]).result(10) == [True] * 3
-    assert victim.read([a], [A_READ]).result(10) == [OK], "before the attack, A is served"
-    name = victim.names([a])[0]
-    genuine = server.client().get(name)
-    planted = plant(server, host, a, b, victim)
-    assert planted != genuine, "the attack changes what A's name holds"
-    server.client().set(name, planted)
-    assert victim.read([a, c], [A_READ, C_READ]).result(10) == [outcome, OK]
-    assert slot_bytes(host, C_READ) == slot_bytes(host, C_SLOT), "the control C is served"
-    victim.close()
+    try:
+        a, b, c = fresh_keys(3)
+        assert victim.write([a, b, c], [A_SLOT, 3, C_SLOT]).result(10) == [True] * 3
+        assert victim.read([a], [A_READ]).result(10) == [OK], "before the attack, A is served"
+        name = victim.names([a])[0]
+        genuine = server.client().get(name)
+        planted = plant(server, host, a, b, victim)
+        assert planted != genuine, "the attack changes what A's name holds"
+        server.client().set(name, planted)
+        assert victim.read([a, c], [A_READ, C_READ]).result(10) == [outcome, OK]
+        assert slot_bytes(host, C_READ) == slot_bytes(host, C_SLOT), "the control C is served"
+    finally:
+        victim.close()
 
 
 def test_a_genuine_value_replayed_under_its_own_name_is_the_same_block(server, host):
     """What a replay cannot change: a name is the block's model, rank and tokens, so the value
     it held before is the same KV. Replaying it is served, and serves that KV."""
     victim = fleet_tier(server.url, host)
-    (a,) = fresh_keys(1)
-    assert victim.write([a], [A_SLOT]).result(10) == [True]
-    name = victim.names([a])[0]
-    recorded = server.client().get(name)
-    server.client().delete(name)
-    server.client().set(name, recorded)
-    assert victim.read([a], [A_READ]).result(10) == [OK]
-    assert slot_bytes(host, A_READ) == slot_bytes(host, A_SLOT)
-    victim.close()
+    try:
+        (a,) = fresh_keys(1)
+        assert victim.write([a], [A_SLOT]).result(10) == [True]
+        name = victim.names([a])[0]
+        recorded = server.client().get(name)
+        server.client().delete(name)
+        server.client().set(name, recorded)
+        assert victim.read([a], [A_READ]).result(10) == [OK]
+        assert slot_bytes(host, A_READ) == slot_bytes(host, A_SLOT)
+    finally:
+        victim.close()

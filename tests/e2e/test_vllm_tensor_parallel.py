@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from kvhal.testing.scenario import run_scenario
+from kvhal.tiers.remote import format as remote_format
 from tests.e2e.common import fault_env, prompts
 
 BLOCK = 32
@@ -205,7 +206,9 @@ def test_tp_engines_share_each_ranks_half_through_the_remote_tier(model, tp_writ
     _, server = tp_written
     names = list(server.client().scan_iter(match="kvhal/*"))
     assert len(names) == 2 * 3 * SERVED // BLOCK, "one value per rank per block"
-    assert len({name.split(b"/")[1] for name in names}) == 2, "each rank has its own namespace"
+    # kvhal/v2/NAMESPACE/KEY: the format's version, then the rank's namespace
+    assert {name.split(b"/")[1] for name in names} == {f"v{remote_format.VERSION}".encode()}
+    assert len({name.split(b"/")[2] for name in names}) == 2, "each rank has its own namespace"
     # the timeout policy: on this tiny model, `auto` could rightly recompute instead
     second = tp_fresh(
         model, {"remote_url": server.url, "remote_wait_policy": "timeout", "remote_auth": "none"}

@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from kvhal import env
+from kvhal.threads import named_pool
 
 try:
     from kvhal.cpu import _memcpy as native
@@ -92,7 +93,7 @@ class CopyEngine:
 
     def _helpers(self) -> ThreadPoolExecutor:
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="kvhal-cpu-copy")
+            self._pool = named_pool(self.threads - 1, "kvhal-cpu-copy")
         return self._pool
 
     def _take_failure(self) -> bool:

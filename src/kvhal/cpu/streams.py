@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvhal.errors import TransferError
+from kvhal.threads import name_this_thread
 
 Task = Callable[[], None]
 _STOP = object()
@@ -71,6 +72,7 @@ class _State:
 
 
 def _worker(state: _State) -> None:
+    name_this_thread()
     while True:
         task = state.tasks.get()
         if task is _STOP:

@@ -89,10 +89,14 @@ def make_tls_certs(
     CLI.
 
     :param hosts: the names the server certificate is for (IP addresses and DNS names).
-    :param days: how long the server certificate is valid from now; ``-1`` writes one that
-        expired a day ago (the CA is valid for 2 days either way).
+    :param days: how long the server certificate is valid from now; ``-1`` writes one whose
+        validity ended a day before it began (clients refuse it as expired); the CA is valid
+        for 2 days either way.
+    :raises ValueError: no host.
     :raises RuntimeError: ``openssl`` is missing or failed (its output is in the message).
     """
+    if not hosts:
+        raise ValueError("a server certificate needs at least one host")
     openssl = shutil.which("openssl")
     if openssl is None:
         raise RuntimeError("the openssl CLI is not on PATH")

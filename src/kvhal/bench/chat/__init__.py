@@ -131,6 +131,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=READ_BYTES_PER_S / 1e6,
         help=f"read bandwidth of the slow configuration's tier, MB/s (default {READ_BYTES_PER_S / 1e6:.0f})",
     )
+    parser.add_argument(
+        "--spin",
+        type=float,
+        default=None,
+        metavar="SHARE",
+        help="run every configuration beside a process that keeps SHARE of one core busy (0.07: 0.7 ms "
+        "of every 10): what any work beside the forward costs its steps",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the workload's tokens")
     parser.add_argument(
         "--no-trace", dest="trace", action="store_false", help="do not record every engine step's time"
@@ -188,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
                     )
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    summary = summarize(runs)
+    summary = summarize(runs, args.inflight)
     result = {
         **result_header("chat"),
         "model": {"recipe": recipe.tag, "parameters": recipe.parameters, **asdict(recipe)},
@@ -198,6 +206,7 @@ def run(args: argparse.Namespace) -> int:
             "context": list(context),
             "turn": args.turn,
             "max_tokens": args.max_tokens,
+            "spin": args.spin,
             "inflight": args.inflight,
             "seed": args.seed,
             "slow_tier_bytes_per_s": args.slow_tier_mb_s * 1e6,

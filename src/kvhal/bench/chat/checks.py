@@ -52,8 +52,28 @@ def ttft_stats(values: list[float]) -> dict[str, float]:
     }
 
 
-def summarize(runs: list[dict]) -> dict[str, dict]:
-    """Per configuration: TTFT per round and of rounds >= 2 (over all repeats), tok/s, tiers."""
+def decode_steps_ms(run: dict, sequences: int) -> dict[str, float] | None:
+    """Rounds >= 2 of ``run``: median and p90 wall time (ms) of its decode-only engine steps of
+    ``sequences`` sequences (one token each, no request's first token), from the step trace;
+    None without one. What a step costs while kvhal's threads work beside it."""
+    seconds = []
+    for rnd in run["rounds"][1:]:
+        traces = rnd.get("steps") or []
+        # a shared run's round holds each engine's trace
+        for trace in traces if traces and isinstance(traces[0], list) else [traces]:
+            seconds += [
+                step["seconds"]
+                for step in trace
+                if not step["first_tokens"] and step["scheduled_tokens"] == sequences
+            ]
+    if not seconds:
+        return None
+    return {"median": 1000 * statistics.median(seconds), "p90": 1000 * _p(seconds, 0.9), "n": len(seconds)}
+
+
+def summarize(runs: list[dict], inflight: int | None = None) -> dict[str, dict]:
+    """Per configuration: TTFT per round and of rounds >= 2 (over all repeats), tok/s, tiers;
+    with ``inflight``, each run's decode-only steps of that many sequences."""
     summary: dict[str, dict] = {}
     for name in dict.fromkeys(r["config"] for r in runs):
         mine = [r for r in runs if r["config"] == name]
@@ -96,6 +116,7 @@ def summarize(runs: list[dict]) -> dict[str, dict]:
             "later_before_first_token_step_s_mean": statistics.fmean(waited) if waited else None,
             "later_steps_to_first_token_counts": {str(n): steps.count(n) for n in sorted(set(steps))},
             "later_cores_busy": cores_busy_later(mine),
+            "later_decode_steps_ms": [decode_steps_ms(r, inflight) for r in mine] if inflight else None,
         }
     return summary
 

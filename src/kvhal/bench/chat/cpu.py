@@ -9,15 +9,17 @@ GROUPS = ("engine", "kvhal", "store client", "other")
 
 
 def thread_group(name: str) -> str:
-    """``engine``: the main thread (``main:NAME``, it runs the model) and native threads nobody
-    named (``native:NAME``: torch's intra-op workers); ``kvhal``: kvhal's threads; ``store
-    client``: a store client library's; else ``other``."""
-    if name.startswith(("main:", "native:")):
+    """``engine``: the main thread (``main:NAME``, it runs the model) and the native threads it
+    started unnamed (``workers:NAME``: torch's intra-op workers); ``store client``: native
+    threads a store client started from kvhal's remote tier (they inherit its kernel name,
+    ``native:kvhal-remote_N``) or named its own; ``kvhal``: kvhal's threads; else ``other``."""
+    if name.startswith(("main:", "workers:")):
         return "engine"
-    if name.startswith("kvhal"):
-        return "kvhal"
-    if any(part in name.lower() for part in STORE_CLIENT_THREADS):
+    native = name.startswith("native:")
+    if native and ("kvhal-remote" in name or any(part in name.lower() for part in STORE_CLIENT_THREADS)):
         return "store client"
+    if name.removeprefix("native:").startswith("kvhal"):
+        return "kvhal"
     return "other"
 
 

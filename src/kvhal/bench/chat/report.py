@@ -118,6 +118,14 @@ def print_report(console: Console, result: dict) -> None:
                 "that computes it, "
                 f"{s['later_first_token_step_s_mean']:.3f} s in that step"
             )
+    for name, s in summary.items():
+        steps = [d for d in s.get("later_decode_steps_ms") or [] if d]
+        if steps:
+            console.print(
+                f"decode-only steps of {result['workload']['inflight']} sequences, rounds >= 2, {name}: "
+                + ", ".join(f"{d['median']:.2f} / {d['p90']:.2f} ms" for d in steps)
+                + " (median / p90, per run)"
+            )
     busy = {name: s["later_cores_busy"] for name, s in summary.items() if s.get("later_cores_busy")}
     if busy:
         cpu = Table(

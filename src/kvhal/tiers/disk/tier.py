@@ -37,6 +37,7 @@ import crc32c
 import numpy as np
 
 from kvhal.errors import ClosedError, TierError, ValidationError, check_int
+from kvhal.threads import named_pool
 from kvhal.tiers.backend import IO_ERROR, OK, TierBackend, TierSpec
 from kvhal.tiers.disk.directory import (
     FILE_FLAGS,
@@ -570,8 +571,7 @@ class DiskTier(TierBackend):
         # Reads have threads of their own: a lookup waits for its read, and in one queue it
         # waited behind the write-throughs of every store before it.
         self._pools = {
-            what: ThreadPoolExecutor(self.options.io_threads, thread_name_prefix=f"kvhal-disk-{what}")
-            for what in ("read", "write")
+            what: named_pool(self.options.io_threads, f"kvhal-disk-{what}") for what in ("read", "write")
         }
 
     def _release(self) -> None:

@@ -27,7 +27,7 @@ import mmap
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import TypeVar
 
 import numpy as np
@@ -35,6 +35,7 @@ import numpy as np
 from kvhal.errors import TierError
 from kvhal.offload.host_tier import HostTier
 from kvhal.registry import PluginRegistry
+from kvhal.threads import named_pool
 from kvhal.tiers.backend import CORRUPT, IO_ERROR, MISSING, OK, TierSpec
 from kvhal.tiers.media import open_store
 from kvhal.tiers.remote import format as remote_format
@@ -107,7 +108,7 @@ class RemoteTier:
                 ) from exc
             self._set_health(False, str(exc))
         concurrency = self._store.concurrency if self._store else MAX_THREADS
-        self._threads = ThreadPoolExecutor(max(1, min(concurrency, MAX_THREADS)), "kvhal-remote")
+        self._threads = named_pool(max(1, min(concurrency, MAX_THREADS)), "kvhal-remote")
 
     # -- connection and health ----------------------------------------------------
 

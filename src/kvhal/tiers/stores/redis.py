@@ -237,7 +237,8 @@ def _unchecked_tls(target: _Target) -> str | None:
     """The options of a ``rediss`` URL that turn the server certificate's check off, or None."""
     said = [
         f"{name}={target.options[name]!r}".replace("'", "")
-        for name, off in (("ssl_cert_reqs", ("none", "optional")), ("ssl_check_hostname", (False,)))
+        # ("optional" still checks the server's certificate: a client always asks for one)
+        for name, off in (("ssl_cert_reqs", ("none",)), ("ssl_check_hostname", (False,)))
         if target.options.get(name, "required") in off
     ]
     return " and ".join(said) if target.tls and said else None
@@ -335,6 +336,10 @@ class RedisStore(RemoteStore):
         }
         if t.tls:
             options["ssl"] = True
+            # the host name checked unless the URL says otherwise (redis-py 5 did not by
+            # default), where the certificate is (ssl refuses a host check without it)
+            if t.options.get("ssl_cert_reqs") != "none":
+                options.setdefault("ssl_check_hostname", True)
         client: Any = None
         try:
             if t.cluster:

@@ -165,15 +165,15 @@ def chat(llm: Any, step: dict) -> dict:
 def cpu_by_thread(before: dict, after: dict) -> dict[str, float]:
     """CPU seconds (user and system) each thread name of this process spent between two
     :func:`~kvhal.vllm.testing.steps.threads` snapshots (a thread that ended meanwhile is lost).
-    Native threads nobody named carry the process's name: they are ``native:NAME`` here
-    (torch's intra-op workers among them)."""
-    process = _process_name()
+    Native threads that carry the process's own kernel name were started by the main thread
+    and named by nobody (torch's intra-op workers): they are ``workers:NAME`` here."""
+    process = f"native:{_process_name()}"
     spent: dict[str, float] = {}
     for name, now in after["threads"].items():
         then = before["threads"].get(name, {})
         seconds = round(now["utime_s"] + now["stime_s"] - then.get("utime_s", 0) - then.get("stime_s", 0), 3)
         if seconds > 0:
-            spent[f"native:{name}" if name == process else name] = seconds
+            spent[name.replace("native:", "workers:", 1) if name == process else name] = seconds
     return spent
 
 

@@ -197,9 +197,11 @@ def handshake(step: dict) -> dict:
 
 
 def threads() -> dict:
-    """Per thread of this process (by its Python name, else the kernel's; the main thread as
-    ``main:NAME``): minor and major page faults, user and system CPU seconds, from
-    ``/proc/self/task/*/stat`` (Linux). Threads of one name are summed."""
+    """Per thread of this process (by its Python name; the main thread as ``main:NAME``; a
+    native thread, which Python does not know, as ``native:`` and its kernel name, which it
+    inherits from the thread that started it unless it names itself): minor and major page
+    faults, user and system CPU seconds, from ``/proc/self/task/*/stat`` (Linux). Threads of
+    one name are summed."""
     import threading
 
     tick = os.sysconf("SC_CLK_TCK")
@@ -212,7 +214,7 @@ def threads() -> dict:
                 text = f.read()
         except OSError:  # the thread ended meanwhile
             continue
-        name = python_names.get(int(task)) or text[text.index("(") + 1 : text.rindex(")")]
+        name = python_names.get(int(task)) or f"native:{text[text.index('(') + 1 : text.rindex(')')]}"
         if int(task) == os.getpid():  # the engine's (and the model's) thread
             name = f"main:{name}"
         fields = text[text.rindex(")") + 2 :].split()
