@@ -12,24 +12,47 @@ import contextlib
 import ctypes
 import sys
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
-__all__ = ["name_this_thread", "named_pool"]
+__all__ = ["kernel_name", "name_this_thread", "named_pool"]
 
-_PR_SET_NAME = 15  # linux/prctl.h
+_PR_SET_NAME, _PR_GET_NAME = 15, 16  # linux/prctl.h
 try:
     _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 except OSError:  # pragma: no cover - a libc that cannot be loaded: names stay Python's
     _LIBC = None
 
 
+def _set(name: bytes) -> None:
+    if _LIBC is not None:
+        with contextlib.suppress(AttributeError, OSError):  # no prctl: names stay Python's
+            _LIBC.prctl(_PR_SET_NAME, ctypes.c_char_p(name[:15]), 0, 0, 0)
+
+
 def name_this_thread() -> None:
     """Give the calling thread's Python name to the kernel (its first 15 bytes; Linux only)."""
+    _set(threading.current_thread().name.encode(errors="replace"))
+
+
+@contextlib.contextmanager
+def kernel_name(name: str) -> Iterator[None]:
+    """The calling thread carries ``name`` for the kernel while the block runs, then its own
+    again: the native threads a library starts meanwhile (a store client's) keep ``name``."""
     if _LIBC is None:
+        yield
         return
-    name = threading.current_thread().name.encode(errors="replace")[:15]
-    with contextlib.suppress(AttributeError, OSError):  # no prctl: names stay Python's
-        _LIBC.prctl(_PR_SET_NAME, ctypes.c_char_p(name), 0, 0, 0)
+    before = ctypes.create_string_buffer(16)
+    try:
+        _LIBC.prctl(_PR_GET_NAME, before, 0, 0, 0)
+    except (AttributeError, OSError):  # pragma: no cover - no prctl
+        yield
+        return
+    _set(name.encode(errors="replace"))
+    try:
+        yield
+    finally:
+        _set(before.value)
 
 
 def named_pool(workers: int, prefix: str) -> ThreadPoolExecutor:

@@ -11,12 +11,14 @@ GROUPS = ("engine", "kvhal", "store client", "other")
 def thread_group(name: str) -> str:
     """``engine``: the main thread (``main:NAME``, it runs the model) and the native threads it
     started unnamed (``workers:NAME``: torch's intra-op workers); ``store client``: native
-    threads a store client started from kvhal's remote tier (they inherit its kernel name,
-    ``native:kvhal-remote_N``) or named its own; ``kvhal``: kvhal's threads; else ``other``."""
+    threads a store client started while kvhal opened it or from kvhal's remote tier (they
+    inherit its kernel name, ``native:kvhal-store`` / ``native:kvhal-remote_N``) or named its
+    own; ``kvhal``: kvhal's threads; else ``other``."""
     if name.startswith(("main:", "workers:")):
         return "engine"
     native = name.startswith("native:")
-    if native and ("kvhal-remote" in name or any(part in name.lower() for part in STORE_CLIENT_THREADS)):
+    started_by_kvhal = "kvhal-remote" in name or "kvhal-store" in name
+    if native and (started_by_kvhal or any(part in name.lower() for part in STORE_CLIENT_THREADS)):
         return "store client"
     if name.removeprefix("native:").startswith("kvhal"):
         return "kvhal"

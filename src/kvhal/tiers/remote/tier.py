@@ -35,7 +35,7 @@ import numpy as np
 from kvhal.errors import TierError
 from kvhal.offload.host_tier import HostTier
 from kvhal.registry import PluginRegistry
-from kvhal.threads import named_pool
+from kvhal.threads import kernel_name, named_pool
 from kvhal.tiers.backend import CORRUPT, IO_ERROR, MISSING, OK, TierSpec
 from kvhal.tiers.media import open_store
 from kvhal.tiers.remote import format as remote_format
@@ -114,7 +114,8 @@ class RemoteTier:
 
     def _connect(self) -> RemoteStore:
         self._last_try = time.monotonic()
-        store = open_store(self.url, self.registry)
+        with kernel_name("kvhal-store"):  # the client's native threads, named for what they do
+            store = open_store(self.url, self.registry)
         store.register(memoryview(self._headers.reshape(-1)))
         if self.host is not None and self.host.slots_are_contiguous:
             store.register(self.host.memory())
