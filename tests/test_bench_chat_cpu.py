@@ -61,3 +61,4 @@ def test_decode_steps_are_those_of_rounds_two_and_later_with_no_first_token():
     shared = {"steps": [[step(8.0, 3)], [step(12.0, 3)]]}
     assert decode_steps_ms({"rounds": [first_round, shared]}, 3)["median"] == pytest.approx(10.0)
     assert decode_steps_ms({"rounds": [first_round, {"steps": None}]}, 3) is None  # no trace
+    assert decode_steps_ms({"rounds": [first_round, {"steps": [None, None]}]}, 3) is None  # shared, no trace

@@ -44,8 +44,10 @@ def kernel_name(name: str) -> Iterator[None]:
         return
     before = ctypes.create_string_buffer(16)
     try:
-        _LIBC.prctl(_PR_GET_NAME, before, 0, 0, 0)
+        known = _LIBC.prctl(_PR_GET_NAME, before, 0, 0, 0) == 0
     except (AttributeError, OSError):  # pragma: no cover - no prctl
+        known = False
+    if not known:  # a name that cannot be read cannot be given back: leave it alone
         yield
         return
     _set(name.encode(errors="replace"))

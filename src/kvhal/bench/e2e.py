@@ -191,7 +191,8 @@ def thread_group(name: str) -> str:
     """The engine's main thread (it runs the model), kvhal's threads, or the rest."""
     if name.startswith("main:"):
         return "main"
-    return "kvhal" if name.startswith("kvhal") else "other"
+    # (native threads started from kvhal's carry its kernel names: ``native:kvhal-...``)
+    return "kvhal" if name.removeprefix("native:").startswith("kvhal") else "other"
 
 
 def thread_groups(before: dict, after: dict) -> dict[str, dict[str, float]]:

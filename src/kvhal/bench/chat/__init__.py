@@ -81,6 +81,7 @@ from kvhal.bench.chat.checks import (
 from kvhal.bench.chat.engines import run_config
 from kvhal.bench.chat.report import plot, print_report
 from kvhal.bench.chat.slow_tier import READ_BYTES_PER_S
+from kvhal.bench.chat.spinner import share_of_a_core
 from kvhal.bench.chat.workload import CHAT_MODEL, COLD, CONFIGS, cold_workload, sizing
 from kvhal.bench.chat.workload import workload as make_workload
 from kvhal.bench.common import console as make_console
@@ -133,7 +134,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--spin",
-        type=float,
+        type=share_of_a_core,
         default=None,
         metavar="SHARE",
         help="run every configuration beside a process that keeps SHARE of one core busy (0.07: 0.7 ms "

@@ -59,11 +59,11 @@ def decode_steps_ms(run: dict, sequences: int) -> dict[str, float] | None:
     seconds = []
     for rnd in run["rounds"][1:]:
         traces = rnd.get("steps") or []
-        # a shared run's round holds each engine's trace
-        for trace in traces if traces and isinstance(traces[0], list) else [traces]:
+        # a shared run's round holds each engine's trace (None for each without --trace)
+        for trace in traces if traces and not isinstance(traces[0], dict) else [traces]:
             seconds += [
                 step["seconds"]
-                for step in trace
+                for step in trace or []
                 if not step["first_tokens"] and step["scheduled_tokens"] == sequences
             ]
     if not seconds:

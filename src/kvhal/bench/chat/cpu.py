@@ -17,8 +17,8 @@ def thread_group(name: str) -> str:
     if name.startswith(("main:", "workers:")):
         return "engine"
     native = name.startswith("native:")
-    started_by_kvhal = "kvhal-remote" in name or "kvhal-store" in name
-    if native and (started_by_kvhal or any(part in name.lower() for part in STORE_CLIENT_THREADS)):
+    started_by_kvhal = native and ("kvhal-remote" in name or "kvhal-store" in name)
+    if started_by_kvhal or any(part in name.lower() for part in STORE_CLIENT_THREADS):
         return "store client"
     if name.removeprefix("native:").startswith("kvhal"):
         return "kvhal"

@@ -116,9 +116,9 @@ class RemoteTier:
         self._last_try = time.monotonic()
         with kernel_name("kvhal-store"):  # the client's native threads, named for what they do
             store = open_store(self.url, self.registry)
-        store.register(memoryview(self._headers.reshape(-1)))
-        if self.host is not None and self.host.slots_are_contiguous:
-            store.register(self.host.memory())
+            store.register(memoryview(self._headers.reshape(-1)))
+            if self.host is not None and self.host.slots_are_contiguous:
+                store.register(self.host.memory())
         self._store = store
         self._set_health(True, "connected")
         return store
