@@ -77,7 +77,9 @@ def test_the_kernel_sees_what_the_cpu_plugin_locks_and_not_what_it_merely_books(
     memory.release(buffer)  # munlock: the kernel sees it at once
     assert not seer.witness(buffer.data_ptr(), buffer.numel()).pinned
     # The negative control: booked as locked, never locked. The plugin says pinned; the kernel not.
-    plain = memory.allocate(3 * MiB + 5, memory.LockPolicy(False, "not locked"))
+    # 64 MiB: above glibc's largest mmap threshold, so fresh pages, never heap memory that an
+    # earlier test's buffer, dropped without release(), left locked (a CI run reused such memory)
+    plain = memory.allocate(64 * MiB + 5, memory.LockPolicy(False, "not locked"))
     with memory._lock:
         memory._locked[plain.data_ptr()] = (plain.numel(), memory.StorageWeakRef(plain.untyped_storage()))
     assert memory.is_locked(plain)
