@@ -9,7 +9,7 @@ its control in the same call: a genuine value under its own name, served. The st
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import crc32c
 import pytest
@@ -24,12 +24,6 @@ from tests.test_remote_tier import KV, fresh_keys, open_tier, slot_bytes
 SECRET = b"the fleet's secret"
 #: the attacked block A is written from slot 0, its control C from slot 1; both read into 8, 9
 A_SLOT, C_SLOT, A_READ, C_READ = 0, 1, 8, 9
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[RedisServer]:
-    with RedisServer() as running:
-        yield running
 
 
 def fleet_tier(url: str, host: HostTier, **more) -> RemoteTier:

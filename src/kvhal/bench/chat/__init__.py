@@ -81,7 +81,7 @@ from kvhal.bench.chat.checks import (
 from kvhal.bench.chat.engines import run_config
 from kvhal.bench.chat.report import plot, print_report
 from kvhal.bench.chat.slow_tier import READ_BYTES_PER_S
-from kvhal.bench.chat.spinner import share_of_a_core
+from kvhal.bench.chat.spinner import share_of_a_core, spinning
 from kvhal.bench.chat.workload import CHAT_MODEL, COLD, CONFIGS, cold_workload, sizing
 from kvhal.bench.chat.workload import workload as make_workload
 from kvhal.bench.common import console as make_console
@@ -187,9 +187,10 @@ def run(args: argparse.Namespace) -> int:
                             [q["tokens"] for q in rnd["requests"]] for rnd in reference_run(same)["rounds"]
                         ]
                     served = cold if name in COLD else work
-                    runs.append(
-                        run_config(name, model, served, size, scratch, repeat, args, advance, answers)
-                    )
+                    with spinning(args.spin):  # (none without --spin)
+                        runs.append(
+                            run_config(name, model, served, size, scratch, repeat, args, advance, answers)
+                        )
                     last = runs[-1]
                     console.print(
                         f"run {repeat + 1}/{args.repeats} {name}: {last['wall_s']:.0f} s, load "

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 from kvhal.bench.chat.slow_tier import SLOW_TIER, install
-from kvhal.bench.chat.spinner import spinning
 from kvhal.bench.chat.workload import DTYPE, TOP_LOGPROBS
 from kvhal.bench.e2e import SHARING_ENV
 from kvhal.testing.scenario import JobEngine, run_scenario
@@ -305,23 +304,6 @@ def run_config(
     args: argparse.Namespace,
     advance: Callable[[str], None],
     answers: list[list[list[int]]] | None = None,
-) -> dict:
-    with spinning(getattr(args, "spin", None)):
-        run = _run_config(name, model, work, size, scratch, repeat, args, advance, answers)
-    run["spin"] = getattr(args, "spin", None)
-    return run
-
-
-def _run_config(
-    name: str,
-    model: str,
-    work: dict,
-    size: dict,
-    scratch: Path,
-    repeat: int,
-    args: argparse.Namespace,
-    advance: Callable[[str], None],
-    answers: list[list[list[int]]] | None,
 ) -> dict:
     per_token = size["kv_bytes_per_token"]
     load_before = os.getloadavg()
