@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # The checks a lent NVIDIA GPU runs (the device tool's machine: a CUDA torch, no network):
 # kvhal, kvhal-cuda and the conformance suite installed offline from this checkout, then the
-# CUDA plugin's tests, the conformance suite at full sizes and `kvhal bench copy --device cuda`.
-# Wheels the machine lacks travel in .whl/ (crc32c). Everything lands in $OUT (8 files at most).
+# cost of a layer-by-layer load to the engine's thread (plugins/cuda/tools/layerwise_submit.py),
+# the CUDA plugin's tests, the conformance suite at full sizes and `kvhal bench copy --device cuda`.
+# Wheels the machine lacks travel in .whl/ (crc32c, blake3). Everything lands in $OUT: one log
+# (gpu-check.log), the conformance report (cuda.md, cuda.json), the bench's JSON and plot and the
+# layer-by-layer tool's JSON (8 files at most come back).
 #   run: bash scripts/gpu-check.sh   (carry .whl)
 set -u
 OUT=${OUT:-/tmp/kvhal-gpu-check}
 mkdir -p "$OUT"
+exec > >(tee "$OUT/gpu-check.log") 2>&1
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site
 step() { echo; echo "=== $* ($(date +%T))"; }
 
@@ -14,19 +18,19 @@ step install
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target /tmp/site \
     .whl/*.whl . ./plugins/cuda ./conformance || exit 1
 KVHAL=/tmp/site/bin/kvhal
-{
-    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
-    python3 -c 'import sys, torch; print(sys.version.split()[0], torch.__version__, torch.version.cuda)'
-    $KVHAL devices
-} 2>&1 | tee "$OUT/machine.txt"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+python3 -c 'import sys, torch; print(sys.version.split()[0], torch.__version__, torch.version.cuda)'
+$KVHAL devices
+
+step layer-by-layer load: the submitting thread
+timeout 120 python3 plugins/cuda/tools/layerwise_submit.py cuda --json "$OUT/layerwise-cuda.json"
 
 step cuda plugin tests
-timeout 180 python3 -m pytest plugins/cuda/tests -q -p no:cacheprovider --timeout 120 -rs 2>&1 \
-    | tee "$OUT/cuda-tests.log" | tail -40
+timeout 180 python3 -m pytest plugins/cuda/tests -q -p no:cacheprovider --timeout 120 -rs 2>&1 | tail -40
 
 step conformance
-timeout 300 $KVHAL conformance --device cuda --report "$OUT" -q 2>&1 | tee "$OUT/conformance.log" | tail -40
+timeout 300 $KVHAL conformance --device cuda --report "$OUT" -q 2>&1 | tail -40
 
 step bench copy
-timeout 90 $KVHAL bench copy --device cuda --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -30
+timeout 90 $KVHAL bench copy --device cuda --out "$OUT/bench" 2>&1 | tail -30
 step done

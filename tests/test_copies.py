@@ -11,7 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvhal
-from kvhal.copyplan import plan_copy
+from kvhal.copyplan import plan_by_layer, plan_copy
+from kvhal.errors import CopyValidationError
 from kvhal.geometry import KVFormat, KVGeometry
 from kvhal.layouts import BLHNC, LBHNC, STANDARD_LAYOUTS
 from tests.helpers import DTYPES, block_bytes, examples, fill_random_bytes, snapshot
@@ -168,3 +169,41 @@ def test_one_block_host_cache(cpu, layout):
     target = cpu.allocate_kv_cache(g, layout)
     cpu.synchronize_event(cpu.copy_blocks(host, target, [(0, 3)]))
     assert block_bytes(kvhal.get_kv_from_block(target, 3)) == block_bytes(kvhal.get_kv_from_block(cache, 7))
+
+
+@pytest.mark.parametrize("layout", [LBHNC, BLHNC], ids=str)
+def test_a_plan_cut_by_layer_moves_what_the_whole_plan_moves(cpu, layout):
+    """Each layer's plan copies that layer's bytes of every mapped block; together they
+    are the whole copy, in a layer-separate and a cross-layer layout."""
+    g = geometry()
+    device_cache = cpu.allocate_kv_cache(g, layout)
+    fill_random_bytes(device_cache, seed=5)
+    host = cpu.allocate_host_cache(g, layout, num_blocks=6)
+    before = block_snapshot(host)
+    mapping = [(7, 0), (8, 1), (2, 4), (20, 5)]
+    whole = cpu.plan_copy(device_cache, host, mapping)
+    views = [device_cache.of_layers([i]) for i in range(g.num_layers)]
+    host_views = [host.of_layers([i]) for i in range(g.num_layers)]
+    plans = plan_by_layer(whole, views, host_views)
+    assert [p.num_blocks for p in plans] == [4] * g.num_layers
+    assert sum(p.num_bytes for p in plans) == whole.num_bytes
+    cpu.synchronize_event(cpu.submit(plans[0]))  # one layer: the others are untouched yet
+    assert block_bytes(kvhal.get_kv_from_block(host, 0)) != block_bytes(
+        kvhal.get_kv_from_block(device_cache, 7)
+    )
+    for plan in plans[1:]:
+        cpu.synchronize_event(cpu.submit(plan))
+    check_copied(device_cache, host, mapping, before)
+
+
+def test_plan_by_layer_refuses_views_of_other_caches(cpu):
+    g = geometry()
+    device_cache = cpu.allocate_kv_cache(g, LBHNC)
+    other = cpu.allocate_kv_cache(g, LBHNC)
+    host = cpu.allocate_host_cache(g, LBHNC, num_blocks=4)
+    whole = cpu.plan_copy(device_cache, host, [(1, 0)])
+    host_views = [host.of_layers([i]) for i in range(g.num_layers)]
+    with pytest.raises(CopyValidationError, match="src"):
+        plan_by_layer(whole, [other.of_layers([i]) for i in range(g.num_layers)], host_views)
+    with pytest.raises(CopyValidationError, match="dst"):
+        plan_by_layer(whole, [device_cache.of_layers([i]) for i in range(g.num_layers)], host_views[:2])

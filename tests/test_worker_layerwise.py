@@ -122,6 +122,45 @@ def test_a_layer_that_ran_without_waiting_gets_its_blocks_recomputed(gate):
     side.shutdown()
 
 
+def test_a_layer_by_layer_load_is_checked_and_ordered_once_per_job(gate, monkeypatch):
+    """The engine's thread checks a job once (not once per layer) and orders the load
+    stream after compute once; the copies still move every layer's bytes."""
+    side, caches = worker("layerwise")
+    forward(side, KVHALMetadata())
+    calls = {"plan_copy": 0, "order_after_compute": 0}
+    for name in calls:
+        real = getattr(side.device, name)
+
+        def counted(*args, _real=real, _name=name, **kwargs):
+            calls[_name] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(side.device, name, counted)
+    jobs = [sync_load(1, "b", [9, 10], [0, 1]), sync_load(2, "c", [11], [1])]
+    forward(side, KVHALMetadata(loads=jobs))
+    assert side.stats.data["layerwise_loads"] == 2
+    assert calls == {"plan_copy": 2, "order_after_compute": 1}, calls
+    for name in LAYERS:
+        assert equal(caches, 9, 3, name) and equal(caches, 10, 4, name) and equal(caches, 11, 4, name)
+    assert side.take_load_errors() == set()
+    side.shutdown()
+
+
+def test_a_refused_layer_by_layer_job_is_recomputed_and_the_others_load(gate):
+    """A job whose copy is refused (a device block out of range) moves no byte: its blocks
+    are load errors, and the other job of the step loads."""
+    side, caches = worker("layerwise")
+    forward(side, KVHALMetadata())
+    before = [part.clone() for part in caches[LAYERS[0]]]
+    jobs = [sync_load(1, "b", [9, 10_000], [0, 1]), sync_load(2, "c", [11], [1])]
+    forward(side, KVHALMetadata(loads=jobs))
+    assert side.take_load_errors() == {9, 10_000}
+    assert all(torch.equal(a[9], b[9]) for a, b in zip(caches[LAYERS[0]], before, strict=True))
+    assert all(equal(caches, 11, 4, name) for name in LAYERS)
+    assert side.jobs_in_flight == 0
+    side.shutdown()
+
+
 @pytest.mark.parametrize(
     ("mode", "overlapped", "min_bytes", "layer_by_layer"),
     [

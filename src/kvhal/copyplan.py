@@ -216,3 +216,28 @@ def plan_copy(src: KVCache, dst: KVCache, mapping: BlockMapping) -> CopyPlan:
     else:
         runs = np.zeros((0, 3), dtype=np.int64)
     return CopyPlan(src, dst, pairs, runs.astype(np.int64), _pair_families(src, dst))
+
+
+def plan_by_layer(
+    plan: CopyPlan, src_layers: Sequence[KVCache], dst_layers: Sequence[KVCache]
+) -> list[CopyPlan]:
+    """``plan`` cut into one plan per layer, for copies a layer's compute waits for alone.
+
+    ``src_layers[i]`` and ``dst_layers[i]`` are layer ``i``'s views of ``plan.src`` and
+    ``plan.dst`` (:meth:`KVCache.of_layers`, kept by the caller so that their segments are
+    derived once). The block ids were checked once, for ``plan``, and hold for every layer:
+    a layer-by-layer load checks its job once, not once per layer. Raises
+    :class:`CopyValidationError` for a view that is not the plan's layer.
+    """
+    num_layers = plan.src.geometry.num_layers
+    for side, views, whole in (("src", src_layers, plan.src), ("dst", dst_layers, plan.dst)):
+        if len(views) != num_layers or any(
+            len(view.layers) != 1 or view.layers[0] is not whole.layers[i] for i, view in enumerate(views)
+        ):
+            raise CopyValidationError(
+                side, f"the layer views are not {num_layers} views of the plan's layers"
+            )
+    return [
+        CopyPlan(src, dst, plan.mapping, plan.runs, _pair_families(src, dst))
+        for src, dst in zip(src_layers, dst_layers, strict=True)
+    ]

@@ -97,7 +97,19 @@ class TransferEngine:
     def _submit(
         self, kind: TransferKind, keys: Sequence[bytes], src: KVCache, dst: KVCache, mapping: BlockMapping
     ) -> int:
-        plan = self.device.plan_copy(src, dst, mapping)
+        return self.submit_plan(kind, self.device.plan_copy(src, dst, mapping), keys)
+
+    def submit_plan(
+        self, kind: TransferKind, plan: CopyPlan, keys: Sequence[bytes] = (), *, after_compute: bool = True
+    ) -> int:
+        """Submit a copy already checked by :meth:`Device.plan_copy
+        <kvhal.device.Device.plan_copy>` (or cut from one: :func:`~kvhal.copyplan.plan_by_layer`).
+
+        :param after_compute: order the copy after the compute stream's work. ``False`` only
+            right after a copy of the same ``kind`` that was, with nothing new on the compute
+            stream since: the copies of one kind share a stream, and run in its order.
+        :return: the job id.
+        """
         keys = tuple(keys)
         if keys and len(keys) != plan.num_blocks:
             raise ValidationError("keys", f"{len(keys)} keys for {plan.num_blocks} block pairs")
@@ -106,7 +118,7 @@ class TransferEngine:
             self._streams[kind] = self.device.create_stream()
         stream = self._streams[kind]
         try:
-            job.event = self.device.submit(plan, stream)
+            job.event = self.device.submit(plan, stream, after_compute=after_compute)
         except KVHALError as exc:  # a device failure: reported as a failed job...
             job.error = f"submission failed: {exc}"
             # ...once whatever part of the copy was queued has finished writing,

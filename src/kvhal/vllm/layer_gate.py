@@ -13,9 +13,10 @@ from __future__ import annotations
 from vllm.logger import init_logger
 
 from kvhal.cache import KVCache
+from kvhal.copyplan import CopyPlan, plan_by_layer
 from kvhal.descriptor import Capability
 from kvhal.device import Device
-from kvhal.offload.transfer import TransferEngine
+from kvhal.offload.transfer import TransferEngine, TransferKind
 from kvhal.vllm.config import ConnectorConfig, GroupInfo
 from kvhal.vllm.metadata import TransferJob
 
@@ -33,19 +34,25 @@ class LayerGate:
 
     def __init__(self, config: ConnectorConfig) -> None:
         self.config = config
-        # layer name -> (group, index); per group and layer, (device, host) one-layer views;
+        # layer name -> (group, index); per group, its (device, host) caches and their
+        # one-layer views (kept: a view's segments are derived once);
         # the copies each layer's attention waits for in this step; the layers vLLM waited
         # for in this forward; whether it waits for every layer
         self._layer_of: dict[str, tuple[int, int]] = {}
-        self._layer_views: dict[int, list[tuple[KVCache, KVCache]]] = {}
+        self._caches: dict[int, tuple[KVCache, KVCache]] = {}
+        self._layer_views: dict[int, tuple[list[KVCache], list[KVCache]]] = {}
         self._layer_copies: dict[str, list[int]] = {}
         self._waited: set[str] = set()
         self.layerwise = False
 
     def add_group(self, group: GroupInfo, cache: KVCache, host: KVCache) -> None:
         """Take ``group``'s layers: its device cache and its host view, one layer at a time."""
-        views = [(cache.of_layers([i]), host.of_layers([i])) for i in range(len(group.layer_names))]
-        self._layer_views[group.group_id] = views
+        layers = range(len(group.layer_names))
+        self._caches[group.group_id] = (cache, host)
+        self._layer_views[group.group_id] = (
+            [cache.of_layers([i]) for i in layers],
+            [host.of_layers([i]) for i in layers],
+        )
         self._layer_of.update({name: (group.group_id, i) for i, name in enumerate(group.layer_names)})
 
     def takes(self, job: TransferJob, device: Device | None) -> bool:
@@ -64,21 +71,42 @@ class LayerGate:
     def submit(self, engine: TransferEngine, jobs: list[TransferJob]) -> tuple[dict[int, set[int]], set[int]]:
         """Submit ``jobs``' copies layer by layer, every job's first layer first (the copies run
         in submission order): each job's copies, and the jobs a copy of which was refused (no
-        later layer of them is submitted; logged). :meth:`wait_for` hands out each layer's."""
+        later layer of them is submitted; logged). :meth:`wait_for` hands out each layer's.
+
+        A job is checked once and its copy cut into layers (:func:`plan_by_layer`), and the
+        copy stream is ordered after compute once: per layer only the copy itself is submitted,
+        on the engine's thread.
+        """
         copies: dict[int, set[int]] = {job.job_id: set() for job in jobs}
         refused: set[int] = set()
+        plans: dict[tuple[int, int], list[CopyPlan]] = {}
+        for job in jobs:
+            for group_id, (block_ids, slots) in job.groups.items():
+                if not block_ids or group_id not in self._caches:
+                    continue
+                cache, host = self._caches[group_id]
+                device_layers, host_layers = self._layer_views[group_id]
+                try:
+                    whole = engine.device.plan_copy(host, cache, list(zip(slots, block_ids, strict=True)))
+                    plans[job.job_id, group_id] = plan_by_layer(whole, host_layers, device_layers)
+                except Exception:  # a refused copy fails the job: its blocks are load errors
+                    logger.exception("kvhal: load job %d refused (group %d)", job.job_id, group_id)
+                    refused.add(job.job_id)
+        ordered = False  # the load stream waits for compute before its first copy only
         for name, (group_id, index) in self._layer_of.items():
-            cache, host = self._layer_views[group_id][index]
             for job in jobs:
-                block_ids, slots = job.groups.get(group_id, ([], []))
-                if not block_ids or job.job_id in refused:
+                layer_plans = plans.get((job.job_id, group_id))
+                if layer_plans is None or job.job_id in refused:
                     continue
                 try:
-                    engine_job = engine.submit_load((), host, cache, list(zip(slots, block_ids, strict=True)))
-                except Exception:  # a refused copy fails the job: its blocks are load errors
+                    engine_job = engine.submit_plan(
+                        TransferKind.LOAD, layer_plans[index], after_compute=not ordered
+                    )
+                except Exception:
                     logger.exception("kvhal: load job %d refused at layer %r", job.job_id, name)
                     refused.add(job.job_id)
                     continue
+                ordered = True
                 copies[job.job_id].add(engine_job)
                 self._layer_copies.setdefault(name, []).append(engine_job)
         return copies, refused
