@@ -26,11 +26,11 @@ step layer-by-layer load: the submitting thread
 timeout 120 python3 plugins/cuda/tools/layerwise_submit.py cuda --json "$OUT/layerwise-cuda.json"
 
 step cuda plugin tests
-timeout 180 python3 -m pytest plugins/cuda/tests -q -p no:cacheprovider --timeout 120 -rs 2>&1 | tail -40
+timeout 180 python3 -m pytest plugins/cuda/tests -q -p no:cacheprovider --timeout 120 -rs 2>&1
 
 step conformance
-timeout 300 $KVHAL conformance --device cuda --report "$OUT" -q 2>&1 | tail -40
+timeout 300 $KVHAL conformance --device cuda --report "$OUT" -q 2>&1
 
 step bench copy
-timeout 90 $KVHAL bench copy --device cuda --out "$OUT/bench" 2>&1 | tail -30
+timeout 90 $KVHAL bench copy --device cuda --out "$OUT/bench" 2>&1
 step done

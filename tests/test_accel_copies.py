@@ -73,6 +73,19 @@ def test_the_copy_runs_inside_the_given_stream_and_the_event_follows_it(caches):
     assert torch.equal(get_kv_from_block(caches[0], 1), get_kv_from_block(caches[1], 5))
 
 
+def test_an_engine_that_takes_the_stream_handle_runs_without_entering_the_stream(caches):
+    """Entering torch's stream context costs tens of microseconds per copy: an engine that
+    passes the stream's handle itself (a driver call) runs without it."""
+    module = FakeStreamModule()
+    spy = Spy(module)
+    spy.on_current_stream = False
+    plugin, stream = Plugin(module, spy), module.Stream()
+    event = plugin.kvhal_copy_blocks(as_if_direction(plan_copy(*caches, [(1, 5)]), Direction.D2H), stream)
+    assert spy.streams == [[]] and spy.jobs[0].stream is stream
+    assert plugin.kvhal_query_event(event) is True
+    assert torch.equal(get_kv_from_block(caches[0], 1), get_kv_from_block(caches[1], 5))
+
+
 def test_a_failed_submission_is_reported_by_the_event(caches):
     module = FakeStreamModule()
     plugin = Plugin(module, Spy(module, fail=True))

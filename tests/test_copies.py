@@ -172,10 +172,11 @@ def test_one_block_host_cache(cpu, layout):
 
 
 @pytest.mark.parametrize("layout", [LBHNC, BLHNC], ids=str)
-def test_a_plan_cut_by_layer_moves_what_the_whole_plan_moves(cpu, layout):
+@pytest.mark.parametrize("kv_format", list(KVFormat), ids=lambda f: f.value)
+def test_a_plan_cut_by_layer_moves_what_the_whole_plan_moves(cpu, layout, kv_format):
     """Each layer's plan copies that layer's bytes of every mapped block; together they
-    are the whole copy, in a layer-separate and a cross-layer layout."""
-    g = geometry()
+    are the whole copy, in a layer-separate and a cross-layer layout, K and V stacked or split."""
+    g = geometry(kv_format=kv_format)
     device_cache = cpu.allocate_kv_cache(g, layout)
     fill_random_bytes(device_cache, seed=5)
     host = cpu.allocate_host_cache(g, layout, num_blocks=6)
@@ -186,6 +187,9 @@ def test_a_plan_cut_by_layer_moves_what_the_whole_plan_moves(cpu, layout):
     host_views = [host.of_layers([i]) for i in range(g.num_layers)]
     plans = plan_by_layer(whole, views, host_views)
     assert [p.num_blocks for p in plans] == [4] * g.num_layers
+    for plan, view, host_view in zip(plans, views, host_views, strict=True):  # computed together, as alone
+        alone = plan_copy(view, host_view, mapping).descriptors
+        assert all(np.array_equal(a, b) for a, b in zip(plan.descriptors, alone, strict=True))
     assert sum(p.num_bytes for p in plans) == whole.num_bytes
     cpu.synchronize_event(cpu.submit(plans[0]))  # one layer: the others are untouched yet
     assert block_bytes(kvhal.get_kv_from_block(host, 0)) != block_bytes(

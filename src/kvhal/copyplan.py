@@ -16,6 +16,7 @@ enqueues until that work has run. docs/vendor-guide.md ("Copies") says more.
 from __future__ import annotations
 
 import enum
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -116,34 +117,53 @@ class CopyPlan:
         family-major (all of a family's descriptors together). Computed on first
         use, then kept.
         """
-        table = np.array(
-            [(s.address, s.block_stride, d.address, d.block_stride, s.length) for s, d in self.families],
-            dtype=np.int64,
-        ).reshape(-1, 5)
-        dense = np.array([s.dense and d.dense for s, d in self.families], dtype=bool)
-        pieces = []
-        for mask, rows in ((dense, self.runs), (~dense, self._single_runs)):
-            fam = table[mask]
-            if not len(fam) or not len(rows):
-                continue
-            src = fam[:, 0:1] + rows[None, :, 0] * fam[:, 1:2]
-            dst = fam[:, 2:3] + rows[None, :, 1] * fam[:, 3:4]
-            size = fam[:, 4:5] * rows[None, :, 2]
-            pieces.append((src.ravel(), dst.ravel(), size.ravel()))
-        if not pieces:
-            empty = np.zeros(0, dtype=np.int64)
-            return empty, empty, empty
-        return tuple(np.concatenate(column) for column in zip(*pieces, strict=True))  # type: ignore[return-value]
-
-    @property
-    def _single_runs(self) -> np.ndarray:
-        """The mapping as runs of one block each."""
-        return np.concatenate([self.mapping, np.ones((len(self.mapping), 1), dtype=np.int64)], axis=1)
+        return _descriptors([self.families], self.runs, self.mapping)[0]
 
     @property
     def num_descriptors(self) -> int:
         """How many descriptors :attr:`descriptors` holds."""
         return len(self.descriptors[2])
+
+
+_Triple = tuple[np.ndarray, np.ndarray, np.ndarray]
+
+
+def _descriptors(
+    families: Sequence[tuple[tuple[SegmentFamily, SegmentFamily], ...]], runs: np.ndarray, mapping: np.ndarray
+) -> list[_Triple]:
+    """:attr:`CopyPlan.descriptors` of plans sharing ``runs`` and ``mapping``, one per entry
+    of ``families``, computed together (a layer-by-layer load's layers: one numpy pass)."""
+    table = np.array(
+        [
+            (s.address, s.block_stride, d.address, d.block_stride, s.length)
+            for fams in families
+            for s, d in fams
+        ],
+        dtype=np.int64,
+    ).reshape(-1, 5)
+    dense = np.array([s.dense and d.dense for fams in families for s, d in fams], dtype=bool)
+    owner = np.repeat(np.arange(len(families)), [len(fams) for fams in families])
+    single = np.concatenate([mapping, np.ones((len(mapping), 1), dtype=np.int64)], axis=1)
+    pieces: list[list[_Triple]] = [[] for _ in families]
+    for mask, rows in ((dense, runs), (~dense, single)):
+        fam = table[mask]
+        if not len(fam) or not len(rows):
+            continue
+        src = fam[:, 0:1] + rows[None, :, 0] * fam[:, 1:2]
+        dst = fam[:, 2:3] + rows[None, :, 1] * fam[:, 3:4]
+        size = fam[:, 4:5] * rows[None, :, 2]
+        # rows of one plan's families are consecutive: cut the family-major blocks by plan
+        bounds = np.searchsorted(owner[mask], np.arange(len(families) + 1))
+        for i, (a, b) in enumerate(itertools.pairwise(bounds)):
+            if b > a:
+                pieces[i].append((src[a:b].ravel(), dst[a:b].ravel(), size[a:b].ravel()))
+    empty = np.zeros(0, dtype=np.int64)
+    return [
+        tuple(np.concatenate(column) for column in zip(*plan_pieces, strict=True))  # type: ignore[misc]
+        if plan_pieces
+        else (empty, empty, empty)
+        for plan_pieces in pieces
+    ]
 
 
 def _as_mapping(mapping: BlockMapping) -> np.ndarray:
@@ -237,7 +257,12 @@ def plan_by_layer(
             raise CopyValidationError(
                 side, f"the layer views are not {num_layers} views of the plan's layers"
             )
-    return [
+    plans = [
         CopyPlan(src, dst, plan.mapping, plan.runs, _pair_families(src, dst))
         for src, dst in zip(src_layers, dst_layers, strict=True)
     ]
+    for layer, descriptors in zip(
+        plans, _descriptors([p.families for p in plans], plan.runs, plan.mapping), strict=True
+    ):
+        layer.__dict__["descriptors"] = descriptors  # the cached property, filled in one pass
+    return plans

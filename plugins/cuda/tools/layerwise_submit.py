@@ -131,12 +131,18 @@ def main() -> None:
         help="matrix size per layer (default: 4096 on a GPU, 256 on a CPU)",
     )
     parser.add_argument("--forward-blocks", type=int, default=64)
+    parser.add_argument(
+        "--profile", action="store_true", help="profile the submission of 4-block loads, then exit"
+    )
     parser.add_argument("--json")
     args = parser.parse_args()
     device = select_device(args.device)
     if args.forward_dim is None:
         args.forward_dim = 256 if device.torch_device.type == "cpu" else 4096
     bench = Bench(device, 2 * max([*args.blocks, args.forward_blocks]))
+    if args.profile:
+        profile(bench)
+        return
     rows = []
     for blocks in args.blocks:
         mapping = bench.mapping(blocks)
@@ -196,6 +202,25 @@ def main() -> None:
         }
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "rows": rows, "forward": forward_rows}, f, indent=1)
+
+
+def profile(bench: Bench) -> None:
+    """Where the submitting thread's time goes: cProfile over 50 layer-by-layer loads."""
+    import cProfile
+    import pstats
+
+    mapping = bench.mapping(4)
+    for _ in range(5):
+        bench.engine.wait(bench.per_layer_once(mapping))
+    profiler = cProfile.Profile()
+    for _ in range(50):
+        profiler.enable()
+        jobs = bench.per_layer_once(mapping)
+        profiler.disable()
+        bench.engine.wait(jobs)
+    stats = pstats.Stats(profiler).strip_dirs().sort_stats("tottime")
+    stats.print_stats(30)
+    stats.sort_stats("cumulative").print_stats(30)
 
 
 def forward_beside_load(bench: Bench, args: argparse.Namespace) -> list[dict]:

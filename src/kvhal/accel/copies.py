@@ -5,14 +5,14 @@ The plugin supplies its stream module and engine chain; this hook
 0. refuses a stream the device cannot copy on (:meth:`EngineCopyHooks.check_copy_stream`),
    raising before any byte moves, and cuts descriptors where the host memory
    they cover changes registration (:meth:`EngineCopyHooks.host_split_points`);
-1. enters ``stream`` (so ops and ``Tensor.copy_`` that use the current stream
-   enqueue there, and driver calls get ``stream``'s handle from the job);
-2. tells torch's caching allocator that ``stream`` uses the device caches;
-3. runs host-to-host copies on the CPU after draining ``stream``, and every
+1. tells torch's caching allocator that ``stream`` uses the device caches;
+2. runs host-to-host copies on the CPU after draining ``stream``, and every
    other copy on the engine chain, letting the source be read out of stream
    order only for loads whose host source no unfinished store writes
-   (:mod:`kvhal.accel.host_writes`);
-4. records an event after the copy; a submission failure is carried by it.
+   (:mod:`kvhal.accel.host_writes`); the chain enters ``stream`` for engines that
+   enqueue on the current stream (ops, ``Tensor.copy_``), while driver calls get
+   ``stream``'s handle from the job;
+3. records an event after the copy; a submission failure is carried by it.
 
 Ordering after compute is :meth:`kvhal.device.Device.submit`'s job: it makes
 ``stream`` wait for the compute stream before calling the hook.
@@ -157,16 +157,16 @@ class EngineCopyHooks(TorchStreamHooks):
         try:  # reading the plan is part of the submission: its failure goes to the event too
             descriptors = split_at(Descriptors.of(plan), self.host_split_points())
             direction = plan.direction
-            with module.stream(stream):
-                self.keep_alive(plan, stream)
-                if direction is Direction.H2H:
-                    # A CPU memcpy runs outside any stream: let earlier copies on
-                    # this stream (perhaps into these buffers) finish first.
-                    stream.synchronize()
-                    torch_copy(plan.src, plan.dst, descriptors, non_blocking=False)
-                elif len(descriptors):
-                    early = source_may_be_read_early(direction, descriptors, self.host_writes)
-                    self.engine_chain().run(CopyJob(plan, descriptors, direction, stream, early))
+            self.keep_alive(plan, stream)
+            if direction is Direction.H2H:
+                # A CPU memcpy runs outside any stream: let earlier copies on
+                # this stream (perhaps into these buffers) finish first.
+                stream.synchronize()
+                torch_copy(plan.src, plan.dst, descriptors, non_blocking=False)
+            elif len(descriptors):
+                early = source_may_be_read_early(direction, descriptors, self.host_writes)
+                job = CopyJob(plan, descriptors, direction, stream, early, lambda: module.stream(stream))
+                self.engine_chain().run(job)
         except Exception as exc:  # reported through the event
             error = exc
         event = CopyEvent(module.Event())

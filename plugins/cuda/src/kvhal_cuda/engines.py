@@ -69,6 +69,7 @@ class BatchEngine:
     """A batched driver call per chunk of at most ``max_descriptors`` (0: unlimited)."""
 
     batched = True
+    on_current_stream = False  # the stream's handle goes to the driver
 
     def __init__(self, call: native.BatchMemcpy, max_descriptors: int = 0) -> None:
         self.call, self.max_descriptors = call, max_descriptors
@@ -94,6 +95,7 @@ class RuntimeLoopEngine:
     """``cudaMemcpyAsync``/``hipMemcpyAsync`` per descriptor on the job's stream."""
 
     batched = False
+    on_current_stream = False  # the stream's handle goes to the runtime
 
     def __init__(self, runtime: native.RuntimeLibrary) -> None:
         self.runtime = runtime
@@ -122,6 +124,7 @@ class VllmSwapBlocksBatchEngine:
 
     name = VLLM_SWAP_BLOCKS_BATCH
     batched = True
+    on_current_stream = True
 
     def __init__(self, op: Callable[..., None]) -> None:
         self.op = op

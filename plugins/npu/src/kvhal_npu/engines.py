@@ -42,6 +42,7 @@ class AscendSwapBlocksBatchEngine:
 
     name = ASCEND_SWAP_BLOCKS_BATCH
     batched = True
+    on_current_stream = True
 
     def __init__(self, op: Callable[..., None]) -> None:
         self.op = op
