@@ -13,12 +13,14 @@ Per row: the submitting thread's time (median), the time until every copy has fi
 the resulting throughput.
 
 Then a forward beside the load (one matrix product per layer on the compute stream, each
-layer's waiting for its copies, as ``wait_for_layer_load`` makes it): the wall time from
-the load's submission to the forward's end, with the layers submitted
+layer's waiting for its copies, as ``wait_for_layer_load`` makes it, after ``--launch-us`` of
+Python per layer that holds the GIL, as a model's own code does): the wall time from the
+load's submission to the forward's end, per load size, with the layers submitted
 
-- ``inline``: on the forward's thread before it starts (what kvhal does);
-- ``helper thread``: by another thread while the forward's thread launches the layers, each
-  layer's launch waiting until its copy is submitted (the alternative: off the engine's thread);
+- ``inline``: on the forward's thread before it starts;
+- ``helper thread``: by a thread of its own while the forward's thread launches the layers,
+  each layer's launch waiting until its copies are submitted (``LayerGate`` where the device's
+  copies run beside compute);
 
 beside the forward alone (no load: the floor) and one whole copy waited for before it.
 Prints tables; ``--json PATH`` writes them.
@@ -34,6 +36,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -130,7 +133,10 @@ def main() -> None:
         default=None,
         help="matrix size per layer (default: 4096 on a GPU, 256 on a CPU)",
     )
-    parser.add_argument("--forward-blocks", type=int, default=64)
+    parser.add_argument("--forward-blocks", type=int, nargs="+", default=[4, 16, 64, 256])
+    parser.add_argument(
+        "--launch-us", type=float, nargs="+", default=[0, 150], help="the model's Python per layer, in us"
+    )
     parser.add_argument(
         "--profile", action="store_true", help="profile the submission of 4-block loads, then exit"
     )
@@ -139,7 +145,7 @@ def main() -> None:
     device = select_device(args.device)
     if args.forward_dim is None:
         args.forward_dim = 256 if device.torch_device.type == "cpu" else 4096
-    bench = Bench(device, 2 * max([*args.blocks, args.forward_blocks]))
+    bench = Bench(device, 2 * max([*args.blocks, *args.forward_blocks]))
     if args.profile:
         profile(bench)
         return
@@ -185,12 +191,19 @@ def main() -> None:
         submit = "" if r["submit_us"] is None else f"{r['submit_us']:.0f}"
         print(f"{r['blocks']:>6} {r['MiB']:>6.0f}  {r['how']:<30} {submit:>11} ", end="")
         print(f"{r['done_us']:>10.0f} {r['GBps']:>6.1f}")
-    print(f"\na forward of {LAYERS} matrix products ({args.forward_dim}^3 each) ", end="")
-    print(f"beside a load of {args.forward_blocks} blocks")
-    print(f"{'how':<34} {'forward end (us)':>16} {'vs forward alone':>16}")
-    alone = forward_rows[0]["end_us"]
-    for r in forward_rows:
-        print(f"{r['how']:<34} {r['end_us']:>16.0f} {r['end_us'] / alone:>15.2f}x")
+    print(
+        f"\na forward of {LAYERS} matrix products ({args.forward_dim}^3 each) beside a load; forward end (us)"
+    )
+    print(
+        f"{'launch us':>9} {'blocks':>6}  "
+        + "  ".join(f"{how:>26}" for how in dict.fromkeys(r["how"] for r in forward_rows))
+    )
+    for launch_us in args.launch_us:
+        for blocks in args.forward_blocks:
+            cells = [r for r in forward_rows if r["launch_us"] == launch_us and r["blocks"] == blocks]
+            alone = cells[0]["end_us"]
+            line = "  ".join(f"{r['end_us']:>17.0f} ({r['end_us'] / alone:4.2f}x)" for r in cells)
+            print(f"{launch_us:>9.0f} {blocks:>6}  {line}")
     if args.json:
         meta = {
             "device": device.name,
@@ -224,7 +237,8 @@ def profile(bench: Bench) -> None:
 
 
 def forward_beside_load(bench: Bench, args: argparse.Namespace) -> list[dict]:
-    """Wall times from a load's submission to the end of a forward that waits per layer."""
+    """Wall times from a load's submission to the end of a forward that waits per layer, per
+    load size and Python launch time per layer (the engine thread's own work, holding the GIL)."""
     device, engine, host, cache = bench.device, bench.engine, bench.host, bench.cache
     n = args.forward_dim
     gpu = device.torch_device
@@ -232,70 +246,82 @@ def forward_beside_load(bench: Bench, args: argparse.Namespace) -> list[dict]:
     x = torch.randn(n, n, device=gpu, dtype=dtype)
     weights = [torch.randn(n, n, device=gpu, dtype=dtype) for _ in range(LAYERS)]
     compute = device.current_stream()
-    mapping = bench.mapping(args.forward_blocks)
+    pool = ThreadPoolExecutor(1, thread_name_prefix="kvhal-layers")  # kept, as LayerGate's
 
     def sync() -> None:
         if gpu.type == "cuda":
             torch.cuda.synchronize()
 
-    def forward(copy_of: Callable[[int], list[int]] | None) -> None:
+    def forward(copy_of: Callable[[int], list[int]] | None, launch_s: float) -> None:
         y = x
         for i in range(LAYERS):
             if copy_of is not None:
                 engine.order_after(compute, copy_of(i))
+            end = time.perf_counter() + launch_s
+            while time.perf_counter() < end:  # the model's Python per layer, holding the GIL
+                pass
             y = torch.mm(y, weights[i])
             y = y / n**0.5
 
-    def submit_layers(out: list[list[int]], ready: list[threading.Event]) -> None:
-        whole = device.plan_copy(host, cache, mapping)
-        for i, plan in enumerate(plan_by_layer(whole, bench.host_layers, bench.cache_layers)):
-            out[i] = [engine.submit_plan(TransferKind.LOAD, plan, after_compute=i == 0)]
+    def submit_layers(mapping: np.ndarray, out: list[list[int]], ready: list[threading.Event]) -> None:
+        for i, plan in enumerate(
+            plan_by_layer(device.plan_copy(host, cache, mapping), bench.host_layers, bench.cache_layers)
+        ):
+            out[i] = [engine.submit_plan(TransferKind.LOAD, plan, after_compute=False)]
             ready[i].set()
 
-    def alone() -> None:
-        forward(None)
+    def run(how: str, mapping: np.ndarray, launch_s: float) -> None:
+        if how == "forward alone (no load)":
+            forward(None, launch_s)
+        elif how == "whole copy, then forward":
+            engine.order_after(compute, [engine.submit_load((), host, cache, mapping)])
+            forward(None, launch_s)
+        else:
+            out: list[list[int]] = [[] for _ in range(LAYERS)]
+            ready = [threading.Event() for _ in range(LAYERS)]
+            engine.order_after_compute(TransferKind.LOAD)
+            if how == "per layer, inline":
+                submit_layers(mapping, out, ready)
+                forward(lambda i: out[i], launch_s)
+                return
+            future = pool.submit(submit_layers, mapping, out, ready)
 
-    def whole_first() -> None:
-        job = engine.submit_load((), host, cache, mapping)
-        engine.order_after(compute, [job])
-        forward(None)
+            def copy_of(i: int) -> list[int]:
+                if not ready[i].wait(5.0):
+                    raise SystemExit(f"layer {i}'s copy was not submitted within 5 s")
+                return out[i]
 
-    def inline() -> None:
-        out: list[list[int]] = [[] for _ in range(LAYERS)]
-        ready = [threading.Event() for _ in range(LAYERS)]
-        submit_layers(out, ready)
-        forward(lambda i: out[i])
-
-    def helper() -> None:
-        out: list[list[int]] = [[] for _ in range(LAYERS)]
-        ready = [threading.Event() for _ in range(LAYERS)]
-        thread = threading.Thread(target=submit_layers, args=(out, ready))
-        thread.start()
-
-        def copy_of(i: int) -> list[int]:
-            if not ready[i].wait(5.0):
-                raise SystemExit(f"layer {i}'s copy was not submitted within 5 s")
-            return out[i]
-
-        forward(copy_of)
-        thread.join()
+            forward(copy_of, launch_s)
+            future.result(timeout=5.0)
 
     rows = []
-    for name, fn in (
-        ("forward alone (no load)", alone),
-        ("whole copy, then forward", whole_first),
-        ("per layer, inline", inline),
-        ("per layer, helper thread", helper),
-    ):
-        times = []
-        for _ in range(args.repeats + 2):
-            sync()
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            times.append(time.perf_counter() - t0)
-            engine.wait()
-        rows.append({"how": name, "end_us": statistics.median(times[2:]) * 1e6})
+    hows = (
+        "forward alone (no load)",
+        "whole copy, then forward",
+        "per layer, inline",
+        "per layer, helper thread",
+    )
+    for launch_us in args.launch_us:
+        for blocks in args.forward_blocks:
+            mapping = bench.mapping(blocks)
+            for how in hows:
+                times = []
+                for _ in range(args.repeats + 2):
+                    sync()
+                    t0 = time.perf_counter()
+                    run(how, mapping, launch_us / 1e6)
+                    sync()
+                    times.append(time.perf_counter() - t0)
+                    engine.wait()
+                rows.append(
+                    {
+                        "launch_us": launch_us,
+                        "blocks": blocks,
+                        "how": how,
+                        "end_us": statistics.median(times[2:]) * 1e6,
+                    }
+                )
+    pool.shutdown()
     return rows
 
 
