@@ -60,9 +60,10 @@ def off_thread(request) -> bool:
 
 def worker(load_mode: str = "auto", off_thread: bool = False) -> tuple[WorkerSide, dict]:
     caches = kv_caches(split=True)
-    side = WorkerSide(dataclasses.replace(connector_config(), load_mode=load_mode))
+    config = dataclasses.replace(connector_config(), load_mode=load_mode, layer_submit_thread=off_thread)
+    side = WorkerSide(config)
     side.register(caches)
-    side.layer_gate.off_thread = off_thread
+    assert side.layer_gate.off_thread is off_thread
     step(side, stores=[store(0, "a", [3, 4], [0, 1])])  # slots 0 and 1 hold blocks 3 and 4
     settle(side)
     return side, caches
@@ -180,7 +181,7 @@ def test_a_refused_layer_by_layer_job_is_recomputed_and_the_others_load(gate, of
 )
 def test_which_loads_go_layer_by_layer(gate, monkeypatch, mode, overlapped, min_bytes, layer_by_layer):
     if min_bytes is not None:
-        monkeypatch.setattr(layer_gate, "LAYERWISE_MIN_BYTES", min_bytes)
+        monkeypatch.setattr(layer_gate, "LAYERWISE_MIN_LAYER_BYTES", min_bytes)
     side, caches = worker(mode)
     if overlapped:  # as a GPU plugin declares it
         caps = side.device.descriptor.capabilities | {Capability.OVERLAPPED_COPY.value}

@@ -212,6 +212,7 @@ def main() -> None:
             "repeats": args.repeats,
             "forward_dim": args.forward_dim,
             "forward_blocks": args.forward_blocks,
+            "launch_us": args.launch_us,
         }
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "rows": rows, "forward": forward_rows}, f, indent=1)

@@ -1,18 +1,19 @@
 """The workers' layer-by-layer load gate: a large synchronous load copied one layer at a time.
 
 Once vLLM is seen to wait for each layer's load (``wait_for_layer_load`` called for every
-layer of a forward), a synchronous load of at least :data:`LAYERWISE_MIN_BYTES` (where
+layer of a forward), a synchronous load of at least :data:`LAYERWISE_MIN_LAYER_BYTES` per layer (where
 copies run beside compute; always with ``load_mode="layerwise"``) is submitted layer by
 layer, and each layer's attention waits for its own copies only: the first layers compute
 while the later ones copy. A layer that runs without waiting for its copies has its blocks
 recomputed, and loads no longer go layer by layer.
 
-Where copies run beside compute (a GPU's copy engines), the layers' copies are submitted by
-a thread of kvhal's while the engine's thread launches the forward: each layer's attention
-waits until its own copies are submitted. A driver queue blocks the thread that submits a
-few thousand descriptors until its stream drains (BENCHMARKS.md), and on an H200 a 64-block
-load submitted layer by layer on the engine's thread ended its forward 1.59x later than the
-forward alone, from a helper thread 1.15x (``plugins/cuda/tools/layerwise_submit.py``).
+The copies are submitted on the engine's thread before the forward, or, with
+``layer_submit_thread``, by a thread of kvhal's while the engine's thread launches the
+forward: each layer's attention then waits until its own copies are submitted. Measured on
+an H200 (``plugins/cuda/tools/layerwise_submit.py``, BENCHMARKS.md): kvhal's thread wins where
+the engine's thread holds the GIL little per layer (a driver queue blocks the thread that
+submits a few thousand descriptors until its stream drains), and loses where the model's
+Python holds it (the submitting thread then waits for the GIL).
 """
 
 from __future__ import annotations
@@ -35,11 +36,14 @@ from kvhal.vllm.metadata import TransferJob
 
 logger = init_logger("vllm." + __name__)  # under "vllm": its handlers and level
 
-#: A synchronous load of at least this many bytes (this worker's share) is copied layer by
-#: layer, once vLLM is seen to wait per layer (``wait_for_layer_load``): each layer's
-#: attention waits for its own copy, so the first layers compute while the later ones copy.
-#: A smaller one is one copy, waited for whole before the forward (fewer submissions).
-LAYERWISE_MIN_BYTES = 4 << 20
+#: A synchronous load of at least this many bytes per layer (this worker's share) is copied
+#: layer by layer, once vLLM is seen to wait per layer (``wait_for_layer_load``): each
+#: layer's attention waits for its own copy, so the first layers compute while the later
+#: ones copy. A smaller one is one copy, waited for whole before the forward. A layer's copy
+#: costs its submitting thread 50-95 us on an H200's host (about 4 MiB at its 50 GB/s link):
+#: there, loads of 8 and 32 MiB (32 layers) ended the forward later layer by layer than as
+#: one copy, 128 MiB as late or earlier, 512 MiB earlier (BENCHMARKS.md).
+LAYERWISE_MIN_LAYER_BYTES = 4 << 20
 
 #: How long a layer's attention waits for its copies to be submitted by kvhal's thread (a
 #: submission blocks at most until the copy stream drains: milliseconds). Past it the jobs
@@ -86,8 +90,8 @@ class LayerGate:
         self._pool: ThreadPoolExecutor | None = None
         self._waited: set[str] = set()  # the layers vLLM waited for in this forward
         self.layerwise = False  # whether vLLM waits for every layer
-        #: Whether the copies are submitted by kvhal's thread (set at registration: where
-        #: the device's copies run beside compute) or on the engine's thread.
+        #: Whether the copies are submitted by kvhal's thread (``layer_submit_thread``) or
+        #: on the engine's thread.
         self.off_thread = False
 
     def add_group(self, group: GroupInfo, cache: KVCache, host: KVCache) -> None:
@@ -108,9 +112,10 @@ class LayerGate:
             return True
         # auto: where copies run beside compute (a GPU's DMA engines), not on its cores
         assert device is not None
+        layers = max(1, len(self._layer_of))
         return (
             device.descriptor.supports(Capability.OVERLAPPED_COPY)
-            and job.num_blocks * self.config.slot_bytes >= LAYERWISE_MIN_BYTES
+            and job.num_blocks * self.config.slot_bytes >= LAYERWISE_MIN_LAYER_BYTES * layers
         )
 
     def submit(self, engine: TransferEngine, jobs: list[TransferJob]) -> set[int]:

@@ -48,7 +48,6 @@ from typing import Any, TypeVar
 from vllm.logger import init_logger
 
 from kvhal.cache import KVCache
-from kvhal.descriptor import Capability
 from kvhal.device import Device
 from kvhal.errors import ValidationError
 from kvhal.layouts import layout_by_name
@@ -194,9 +193,7 @@ class WorkerSide:
         for group in self.config.groups:
             self.layer_gate.add_group(group, self.caches[group.group_id], self.host_views[group.group_id])
         self.engine = TransferEngine(self.device)
-        # where copies run beside compute, kvhal's thread submits a load's layers while the
-        # engine's thread launches the forward (measured: kvhal.vllm.layer_gate)
-        self.layer_gate.off_thread = self.device.descriptor.supports(Capability.OVERLAPPED_COPY)
+        self.layer_gate.off_thread = self.config.layer_submit_thread
         if self.config.lower_tier is not None:
             self.lower_backend = open_lower_tier(self.config, role="io", rank=_tensor_parallel_rank())
             self.tier_io = TierIO(self.host_tier, self.lower_backend)
