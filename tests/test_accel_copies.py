@@ -20,11 +20,12 @@ from kvhal.testing.accel import FakeStreamModule, as_if_direction
 
 class Spy(TorchCopyEngine):
     def __init__(self, module: FakeStreamModule, fail: bool = False) -> None:
-        self.module, self.fail, self.jobs, self.streams = module, fail, [], []
+        self.module, self.fail, self.jobs, self.streams, self.devices = module, fail, [], [], []
 
     def run(self, job: CopyJob) -> None:
         self.jobs.append(job)
         self.streams.append(list(self.module.entered))
+        self.devices.append(list(self.module.devices_entered))
         if self.fail:
             raise OSError("driver said no")
         super().run(job)
@@ -75,13 +76,15 @@ def test_the_copy_runs_inside_the_given_stream_and_the_event_follows_it(caches):
 
 def test_an_engine_that_takes_the_stream_handle_runs_without_entering_the_stream(caches):
     """Entering torch's stream context costs tens of microseconds per copy: an engine that
-    passes the stream's handle itself (a driver call) runs without it."""
+    passes the stream's handle itself (a driver call) runs without it, with the stream's
+    device current (the thread may be one of kvhal's that never used the device)."""
     module = FakeStreamModule()
     spy = Spy(module)
     spy.on_current_stream = False
     plugin, stream = Plugin(module, spy), module.Stream()
     event = plugin.kvhal_copy_blocks(as_if_direction(plan_copy(*caches, [(1, 5)]), Direction.D2H), stream)
     assert spy.streams == [[]] and spy.jobs[0].stream is stream
+    assert spy.devices == [[stream.device]], "a driver call runs with its stream's device current"
     assert plugin.kvhal_query_event(event) is True
     assert torch.equal(get_kv_from_block(caches[0], 1), get_kv_from_block(caches[1], 5))
 

@@ -67,8 +67,6 @@ def test_pipeline_parallelism_is_refused_by_name() -> None:
         ("device", ["cpu"], "must be a device plugin's name"),
         ("load_mode", "eager", "must be one of \\['auto', 'sync', 'layerwise', 'async'\\]"),
         ("load_mode", True, "must be one of"),
-        ("layer_submit_thread", "true", "must be a JSON boolean"),
-        ("layer_submit_thread", 1, "must be a JSON boolean"),
     ],
 )
 def test_mistyped_extra_config_value_is_refused_by_name(key: str, value: object, phrase: str) -> None:
@@ -85,9 +83,6 @@ def test_well_typed_extra_config_values_are_kept() -> None:
     assert (config.offload_prompt_only, config.eviction_policy, config.device) == (False, "s3fifo", "cpu")
     config = ConnectorConfig.from_vllm(*configs({"cpu_bytes_to_use": 1 << 30, "device": None}))
     assert (config.offload_prompt_only, config.eviction_policy, config.device) == (True, "lru", None)
-    assert config.layer_submit_thread is False
-    config = ConnectorConfig.from_vllm(*configs({"cpu_bytes_to_use": 1 << 30, "layer_submit_thread": True}))
-    assert config.layer_submit_thread is True
 
 
 def test_no_prefix_cacheable_group_is_refused() -> None:

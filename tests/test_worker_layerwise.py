@@ -52,18 +52,10 @@ def gate(monkeypatch) -> LayerGate:
     gate.open.set()
 
 
-@pytest.fixture(params=[False, True], ids=["engine-thread", "off-thread"])
-def off_thread(request) -> bool:
-    """Whether the layers' copies are submitted by kvhal's thread (as on a GPU) or inline."""
-    return request.param
-
-
-def worker(load_mode: str = "auto", off_thread: bool = False) -> tuple[WorkerSide, dict]:
+def worker(load_mode: str = "auto") -> tuple[WorkerSide, dict]:
     caches = kv_caches(split=True)
-    config = dataclasses.replace(connector_config(), load_mode=load_mode, layer_submit_thread=off_thread)
-    side = WorkerSide(config)
+    side = WorkerSide(dataclasses.replace(connector_config(), load_mode=load_mode))
     side.register(caches)
-    assert side.layer_gate.off_thread is off_thread
     step(side, stores=[store(0, "a", [3, 4], [0, 1])])  # slots 0 and 1 hold blocks 3 and 4
     settle(side)
     return side, caches
@@ -83,8 +75,8 @@ def equal(caches: dict, a: int, b: int, layer: str) -> bool:
     return all(torch.equal(part[a], part[b]) for part in caches[layer])
 
 
-def test_loads_go_layer_by_layer_once_vllm_is_seen_to_wait_per_layer(gate, off_thread):
-    side, caches = worker("layerwise", off_thread)
+def test_loads_go_layer_by_layer_once_vllm_is_seen_to_wait_per_layer(gate):
+    side, caches = worker("layerwise")
     assert not side.layer_gate.layerwise
     forward(side, KVHALMetadata(loads=[sync_load(1, "b", [9, 10], [0, 1])]))  # whole: not seen yet
     assert side.layer_gate.layerwise and "layerwise_loads" not in side.stats.data
@@ -95,8 +87,8 @@ def test_loads_go_layer_by_layer_once_vllm_is_seen_to_wait_per_layer(gate, off_t
     side.shutdown()
 
 
-def test_each_layer_waits_for_its_own_copies_only(gate, off_thread):
-    side, caches = worker("layerwise", off_thread)
+def test_each_layer_waits_for_its_own_copies_only(gate):
+    side, caches = worker("layerwise")
     forward(side, KVHALMetadata())  # vLLM waits per layer: seen
     gate.layer = caches[LAYERS[1]][0].data_ptr()  # the second layer's copies are held
     meta = KVHALMetadata(loads=[sync_load(1, "b", [9], [0])])
@@ -119,10 +111,10 @@ def test_each_layer_waits_for_its_own_copies_only(gate, off_thread):
     side.shutdown()
 
 
-def test_a_layer_that_ran_without_waiting_gets_its_blocks_recomputed(gate, off_thread):
+def test_a_layer_that_ran_without_waiting_gets_its_blocks_recomputed(gate):
     """The negative control: vLLM skipped a layer's wait, so its blocks may have been read
     before their copy: reported as load errors (vLLM recomputes them), and loads go whole."""
-    side, _ = worker("layerwise", off_thread)
+    side, _ = worker("layerwise")
     forward(side, KVHALMetadata())
     forward(side, KVHALMetadata(loads=[sync_load(1, "b", [9, 10], [0, 1])]), waited=LAYERS[:1])
     assert side.take_load_errors() == {9, 10}
@@ -130,10 +122,10 @@ def test_a_layer_that_ran_without_waiting_gets_its_blocks_recomputed(gate, off_t
     side.shutdown()
 
 
-def test_a_layer_by_layer_load_is_checked_and_ordered_once_per_job(gate, monkeypatch, off_thread):
+def test_a_layer_by_layer_load_is_checked_and_ordered_once_per_job(gate, monkeypatch):
     """The engine's thread checks a job once (not once per layer) and orders the load
     stream after compute once; the copies still move every layer's bytes."""
-    side, caches = worker("layerwise", off_thread)
+    side, caches = worker("layerwise")
     forward(side, KVHALMetadata())
     calls = {"plan_copy": 0, "order_after_compute": 0}
     for name in calls:
@@ -154,10 +146,10 @@ def test_a_layer_by_layer_load_is_checked_and_ordered_once_per_job(gate, monkeyp
     side.shutdown()
 
 
-def test_a_refused_layer_by_layer_job_is_recomputed_and_the_others_load(gate, off_thread):
+def test_a_refused_layer_by_layer_job_is_recomputed_and_the_others_load(gate):
     """A job whose copy is refused (a device block out of range) moves no byte: its blocks
     are load errors, and the other job of the step loads."""
-    side, caches = worker("layerwise", off_thread)
+    side, caches = worker("layerwise")
     forward(side, KVHALMetadata())
     before = [part.clone() for part in caches[LAYERS[0]]]
     jobs = [sync_load(1, "b", [9, 10_000], [0, 1]), sync_load(2, "c", [11], [1])]
@@ -191,36 +183,3 @@ def test_which_loads_go_layer_by_layer(gate, monkeypatch, mode, overlapped, min_
     assert ("layerwise_loads" in side.stats.data) is layer_by_layer
     assert all(equal(caches, 9, 3, name) and equal(caches, 10, 4, name) for name in LAYERS)
     side.shutdown()
-
-
-class StuckSubmission:
-    """Holds the submission of copies by kvhal's layer thread until released."""
-
-    def __init__(self) -> None:
-        self.release = threading.Event()
-
-    @hookimpl(wrapper=True)
-    def kvhal_copy_blocks(self, plan, stream):
-        if threading.current_thread().name.startswith("kvhal-layers"):
-            self.release.wait(10)
-        return (yield)
-
-
-def test_a_stuck_submitting_thread_fails_its_loads_and_the_next_go_on_the_engine_thread(monkeypatch):
-    """A layer waits for its copies' submission at most SUBMIT_WAIT_S: past it the step's
-    layer-by-layer loads are load errors (recomputed), the engine goes on, and later loads are
-    submitted on the engine's thread. A copy the stuck thread submits late joins nothing."""
-    stuck = StuckSubmission()
-    cpu_plugin_with(monkeypatch, stuck, "stuck-submission")
-    monkeypatch.setattr(layer_gate, "SUBMIT_WAIT_S", 0.3)
-    side, caches = worker("layerwise", off_thread=True)
-    forward(side, KVHALMetadata())
-    forward(side, KVHALMetadata(loads=[sync_load(1, "b", [9, 10], [0, 1])]))
-    assert side.take_load_errors() == {9, 10}
-    assert not side.layer_gate.off_thread
-    stuck.release.set()
-    forward(side, KVHALMetadata(loads=[sync_load(2, "c", [11, 12], [0, 1])]))
-    assert all(equal(caches, 11, 3, name) and equal(caches, 12, 4, name) for name in LAYERS)
-    assert side.take_load_errors() == set()
-    side.shutdown()
-    assert side.jobs_in_flight == 0

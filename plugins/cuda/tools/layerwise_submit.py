@@ -15,14 +15,9 @@ the resulting throughput.
 Then a forward beside the load (one matrix product per layer on the compute stream, each
 layer's waiting for its copies, as ``wait_for_layer_load`` makes it, after ``--launch-us`` of
 Python per layer that holds the GIL, as a model's own code does): the wall time from the
-load's submission to the forward's end, per load size, with the layers submitted
-
-- ``inline``: on the forward's thread before it starts;
-- ``helper thread``: by a thread of its own while the forward's thread launches the layers,
-  each layer's launch waiting until its copies are submitted (``LayerGate`` where the device's
-  copies run beside compute);
-
-beside the forward alone (no load: the floor) and one whole copy waited for before it.
+load's submission to the forward's end, per load size, with the layers submitted on the
+forward's thread before it starts (``LayerGate``), beside the forward alone (no load: the
+floor) and one whole copy waited for before it.
 Prints tables; ``--json PATH`` writes them.
 
     python plugins/cuda/tools/layerwise_submit.py [cuda|cpu] [--json PATH]
@@ -33,10 +28,8 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -247,7 +240,6 @@ def forward_beside_load(bench: Bench, args: argparse.Namespace) -> list[dict]:
     x = torch.randn(n, n, device=gpu, dtype=dtype)
     weights = [torch.randn(n, n, device=gpu, dtype=dtype) for _ in range(LAYERS)]
     compute = device.current_stream()
-    pool = ThreadPoolExecutor(1, thread_name_prefix="kvhal-layers")  # kept, as LayerGate's
 
     def sync() -> None:
         if gpu.type == "cuda":
@@ -264,12 +256,10 @@ def forward_beside_load(bench: Bench, args: argparse.Namespace) -> list[dict]:
             y = torch.mm(y, weights[i])
             y = y / n**0.5
 
-    def submit_layers(mapping: np.ndarray, out: list[list[int]], ready: list[threading.Event]) -> None:
-        for i, plan in enumerate(
-            plan_by_layer(device.plan_copy(host, cache, mapping), bench.host_layers, bench.cache_layers)
-        ):
-            out[i] = [engine.submit_plan(TransferKind.LOAD, plan, after_compute=False)]
-            ready[i].set()
+    def submit_layers(mapping: np.ndarray) -> list[list[int]]:
+        whole = device.plan_copy(host, cache, mapping)
+        plans = plan_by_layer(whole, bench.host_layers, bench.cache_layers)
+        return [[engine.submit_plan(TransferKind.LOAD, p, after_compute=i == 0)] for i, p in enumerate(plans)]
 
     def run(how: str, mapping: np.ndarray, launch_s: float) -> None:
         if how == "forward alone (no load)":
@@ -278,29 +268,14 @@ def forward_beside_load(bench: Bench, args: argparse.Namespace) -> list[dict]:
             engine.order_after(compute, [engine.submit_load((), host, cache, mapping)])
             forward(None, launch_s)
         else:
-            out: list[list[int]] = [[] for _ in range(LAYERS)]
-            ready = [threading.Event() for _ in range(LAYERS)]
-            engine.order_after_compute(TransferKind.LOAD)
-            if how == "per layer, inline":
-                submit_layers(mapping, out, ready)
-                forward(lambda i: out[i], launch_s)
-                return
-            future = pool.submit(submit_layers, mapping, out, ready)
-
-            def copy_of(i: int) -> list[int]:
-                if not ready[i].wait(5.0):
-                    raise SystemExit(f"layer {i}'s copy was not submitted within 5 s")
-                return out[i]
-
-            forward(copy_of, launch_s)
-            future.result(timeout=5.0)
+            out = submit_layers(mapping)
+            forward(lambda i: out[i], launch_s)
 
     rows = []
     hows = (
         "forward alone (no load)",
         "whole copy, then forward",
         "per layer, inline",
-        "per layer, helper thread",
     )
     for launch_us in args.launch_us:
         for blocks in args.forward_blocks:
@@ -313,7 +288,9 @@ def forward_beside_load(bench: Bench, args: argparse.Namespace) -> list[dict]:
                     run(how, mapping, launch_us / 1e6)
                     sync()
                     times.append(time.perf_counter() - t0)
-                    engine.wait()
+                    failed = [r.error for r in engine.wait() if not r.success]
+                    if failed:  # a failed copy is fast: its time would mean nothing
+                        raise SystemExit(f"{how}: a copy failed: {failed[0]}")
                 rows.append(
                     {
                         "launch_us": launch_us,
@@ -322,7 +299,6 @@ def forward_beside_load(bench: Bench, args: argparse.Namespace) -> list[dict]:
                         "end_us": statistics.median(times[2:]) * 1e6,
                     }
                 )
-    pool.shutdown()
     return rows
 
 

@@ -11,7 +11,8 @@ The plugin supplies its stream module and engine chain; this hook
    order only for loads whose host source no unfinished store writes
    (:mod:`kvhal.accel.host_writes`); the chain enters ``stream`` for engines that
    enqueue on the current stream (ops, ``Tensor.copy_``), while driver calls get
-   ``stream``'s handle from the job;
+   ``stream``'s handle from the job and run with its device current (a thread of
+   kvhal's may submit copies: :mod:`kvhal.vllm.layer_gate`);
 3. records an event after the copy; a submission failure is carried by it.
 
 Ordering after compute is :meth:`kvhal.device.Device.submit`'s job: it makes
@@ -165,7 +166,15 @@ class EngineCopyHooks(TorchStreamHooks):
                 torch_copy(plan.src, plan.dst, descriptors, non_blocking=False)
             elif len(descriptors):
                 early = source_may_be_read_early(direction, descriptors, self.host_writes)
-                job = CopyJob(plan, descriptors, direction, stream, early, lambda: module.stream(stream))
+                job = CopyJob(
+                    plan,
+                    descriptors,
+                    direction,
+                    stream,
+                    early,
+                    enter_stream=lambda: module.stream(stream),
+                    enter_device=lambda: module.device(stream.device),
+                )
                 self.engine_chain().run(job)
         except Exception as exc:  # reported through the event
             error = exc

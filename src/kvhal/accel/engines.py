@@ -58,6 +58,8 @@ class CopyJob:
     :param enter_stream: makes ``stream`` torch's current stream while it is entered; the
         chain enters it only for engines that enqueue on the current stream (entering
         torch's stream context costs tens of microseconds, per copy and layer).
+    :param enter_device: makes ``stream``'s device the current one (its context current, for
+        driver calls from a thread that never used it); entered for the other engines.
     """
 
     plan: CopyPlan
@@ -66,6 +68,7 @@ class CopyJob:
     stream: Any
     source_early: bool = False
     enter_stream: Callable[[], AbstractContextManager[Any]] = nullcontext
+    enter_device: Callable[[], AbstractContextManager[Any]] = nullcontext
 
 
 class CopyEngine(Protocol):
@@ -152,7 +155,7 @@ class EngineChain:
             engine = self._engines[index]
             last = position == len(order) - 1
             try:
-                with job.enter_stream() if on_current_stream(engine) else nullcontext():
+                with job.enter_stream() if on_current_stream(engine) else job.enter_device():
                     engine.run(job)
             except CopyArgumentError as exc:
                 self._refused(engine, exc, None if last else self._engines[order[position + 1]])

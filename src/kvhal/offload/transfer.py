@@ -15,8 +15,6 @@ raising :class:`~kvhal.errors.TransferError` -- is a result with
 from __future__ import annotations
 
 import enum
-import itertools
-import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -72,11 +70,8 @@ class TransferEngine:
         self.device = device
         self.listener = listener
         self._streams: dict[TransferKind, Any] = {}
-        self._streams_lock = threading.Lock()
         self._jobs: dict[int, _Job] = {}
-        # Jobs may be submitted from a thread beside the engine's (layer-by-layer loads):
-        # ids come from an atomic counter, and every read of the jobs takes a snapshot.
-        self._ids = itertools.count()
+        self._next_id = 0
 
     @property
     def pending(self) -> int:
@@ -119,7 +114,9 @@ class TransferEngine:
         if keys and len(keys) != plan.num_blocks:
             raise ValidationError("keys", f"{len(keys)} keys for {plan.num_blocks} block pairs")
         job = _Job(kind, keys, plan)
-        stream = self.stream(kind)
+        if kind not in self._streams:
+            self._streams[kind] = self.device.create_stream()
+        stream = self._streams[kind]
         try:
             job.event = self.device.submit(plan, stream, after_compute=after_compute)
         except KVHALError as exc:  # a device failure: reported as a failed job...
@@ -128,21 +125,10 @@ class TransferEngine:
             # so that a caller recomputing the blocks cannot race those writes
             job.event = self.device.create_event()
             self.device.record_event(job.event, stream)
-        job_id = next(self._ids)
+        job_id = self._next_id
+        self._next_id += 1
         self._jobs[job_id] = job
         return job_id
-
-    def stream(self, kind: TransferKind) -> Any:
-        """The copy stream of ``kind``'s jobs (created on first use): they run in its order."""
-        with self._streams_lock:
-            if kind not in self._streams:
-                self._streams[kind] = self.device.create_stream()
-            return self._streams[kind]
-
-    def order_after_compute(self, kind: TransferKind) -> None:
-        """Order ``kind``'s stream after the compute stream's work so far: copies submitted
-        with ``after_compute=False`` from now on (:meth:`submit_plan`) follow it."""
-        self.device.order_after_compute(self.stream(kind))
 
     def _finish(self, job_id: int, error: str | None) -> TransferResult:
         job = self._jobs.pop(job_id)
@@ -185,7 +171,7 @@ class TransferEngine:
         if job_ids is None:
             jobs = list(self._jobs.values())
         else:
-            jobs = [job for i in dict.fromkeys(job_ids) if (job := self._jobs.get(i)) is not None]
+            jobs = [self._jobs[i] for i in dict.fromkeys(job_ids) if i in self._jobs]
         count = 0
         for job in jobs:
             if job.kind is TransferKind.STORE and job.event is not None:
@@ -200,7 +186,7 @@ class TransferEngine:
 
         :return: how many pending jobs the stream now waits for.
         """
-        jobs = [job for i in dict.fromkeys(job_ids) if (job := self._jobs.get(i)) is not None]
+        jobs = [self._jobs[i] for i in dict.fromkeys(job_ids) if i in self._jobs]
         for job in jobs:
             self.device.stream_wait_event(stream, job.event)
         return len(jobs)

@@ -74,6 +74,7 @@ class FakeStreamModule:
     hold_events: bool = False
     log: list[tuple[str, Any]] = field(default_factory=list)
     entered: list[FakeStream] = field(default_factory=list)
+    devices_entered: list[Any] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.compute = FakeStream(self)
@@ -109,8 +110,12 @@ class FakeStreamModule:
         return 0
 
     @contextlib.contextmanager
-    def device(self, index: int) -> Iterator[None]:
-        yield
+    def device(self, index: Any) -> Iterator[None]:  # torch.cuda.device
+        self.devices_entered.append(index)
+        try:
+            yield
+        finally:
+            self.devices_entered.pop()
 
     def complete_all(self) -> None:
         for event in self.events:

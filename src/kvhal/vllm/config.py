@@ -29,7 +29,6 @@ KNOWN_KEYS = {
     "eviction_policy",
     "offload_prompt_only",
     "load_mode",
-    "layer_submit_thread",
     "disk_path",
     "disk_bytes_to_use",
     "disk_write",
@@ -167,10 +166,6 @@ class ConnectorConfig:
         (``copy.overlapped``: a GPU's, not the CPU's). ``"sync"``: as ``"auto"``, every
         synchronous load copied whole; ``"layerwise"``: every one layer by layer. ``"async"``:
         every hit asynchronously (vLLM parks the request for a step).
-    :param layer_submit_thread: a layer-by-layer load's copies are submitted by a thread of
-        kvhal's while the engine's thread launches the forward (default false: by the
-        engine's thread, before the forward). Measured on an H200 (BENCHMARKS.md): it wins
-        where the engine's thread holds the GIL little per layer, and loses where it does.
     """
 
     cpu_bytes_to_use: int
@@ -184,7 +179,6 @@ class ConnectorConfig:
     lower_tier: LowerTierConfig | None = None
     remote_tier: RemoteTierConfig | None = None
     load_mode: str = "auto"
-    layer_submit_thread: bool = False
     #: vLLM's id of the engine (its scheduler and workers share it)
     engine_id: str | None = None
     #: what the KV is, for the tiers below (see :func:`kv_fingerprint`)
@@ -293,12 +287,6 @@ class ConnectorConfig:
             raise ValidationError(
                 "kv_connector_extra_config.load_mode", f"must be one of {list(LOAD_MODES)}, got {load_mode!r}"
             )
-        layer_submit_thread = extra.get("layer_submit_thread", False)
-        if not isinstance(layer_submit_thread, bool):
-            raise ValidationError(
-                "kv_connector_extra_config.layer_submit_thread",
-                f"must be a JSON boolean (true or false), got {layer_submit_thread!r}",
-            )
         layout = kv_cache_layout(kv_cache_config) or "LBHNC"
         lower_tier = _lower_tier(extra)
         remote_tier = _remote_tier(extra)
@@ -321,7 +309,6 @@ class ConnectorConfig:
             lower_tier=lower_tier,
             remote_tier=remote_tier,
             load_mode=load_mode,
-            layer_submit_thread=layer_submit_thread,
             engine_id=getattr(vllm_config.kv_transfer_config, "engine_id", None),
             fingerprint=kv_fingerprint(vllm_config, tuple(groups), layout, block_size, model_version)
             if lower_tier or remote_tier

@@ -142,7 +142,6 @@ class WorkerSide:
         self.host_views: dict[int, KVCache] = {}
         self._running: dict[int, _Running] = {}
         self._by_engine_job: dict[int, int] = {}
-        self._by_layer: set[int] = set()  # this step's load jobs submitted layer by layer
         self.reports = WorkerReports()  # what this worker has yet to report
         self._stores_started: KVHALMetadata | None = None  # the step whose stores were submitted
         self._sync_jobs: set[int] = set()  # synchronous loads not yet reported
@@ -193,7 +192,6 @@ class WorkerSide:
         for group in self.config.groups:
             self.layer_gate.add_group(group, self.caches[group.group_id], self.host_views[group.group_id])
         self.engine = TransferEngine(self.device)
-        self.layer_gate.off_thread = self.config.layer_submit_thread
         if self.config.lower_tier is not None:
             self.lower_backend = open_lower_tier(self.config, role="io", rank=_tensor_parallel_rank())
             self.tier_io = TierIO(self.host_tier, self.lower_backend)
@@ -260,25 +258,16 @@ class WorkerSide:
 
     def _submit_by_layer(self, jobs: list[TransferJob]) -> None:
         """Submit synchronous loads layer by layer (:class:`~kvhal.vllm.layer_gate.LayerGate`):
-        the attention of each layer waits for its copies only, in :meth:`wait_for_layer`, and
-        each copy joins its job as its layer is waited for (the rest in :meth:`_end_forward`)."""
+        the attention of each layer waits for its copies only, in :meth:`wait_for_layer`."""
         assert self.engine is not None
         self.stats.add("layerwise_loads", len(jobs))
-        refused = self.layer_gate.submit(self.engine, jobs)
+        copies, refused = self.layer_gate.submit(self.engine, jobs)
         for job in jobs:
-            self._running[job.job_id] = _Running(job, set(), ok=job.job_id not in refused)
-            if job.job_id in refused:
+            engine_jobs = copies[job.job_id]
+            self._running[job.job_id] = _Running(job, engine_jobs, ok=job.job_id not in refused)
+            self._by_engine_job.update(dict.fromkeys(engine_jobs, job.job_id))
+            if not engine_jobs:
                 self._finish(job.job_id)
-            else:
-                self._by_layer.add(job.job_id)
-
-    def _take_copies(self, copies: dict[int, int], ok: bool = True) -> None:
-        """Copies submitted layer by layer (engine job -> load job) join their jobs."""
-        for copy, job_id in copies.items():
-            running = self._running[job_id]
-            running.engine_jobs.add(copy)
-            running.ok &= ok
-            self._by_engine_job[copy] = job_id
 
     @_on_engine_thread
     def wait_for_layer(self, name: str) -> None:
@@ -286,25 +275,18 @@ class WorkerSide:
         copies = self.layer_gate.wait_for(name)
         if copies:
             assert self.engine is not None and self.device is not None
-            self._take_copies(copies)
-            self.engine.order_after(self.device.current_stream(), list(copies))
+            self.engine.order_after(self.device.current_stream(), copies)
 
     def _end_forward(self) -> None:
-        """After the forward: a copy no layer waited for is waited for now, its job failed;
-        a job a copy of which was refused fails; a job whose copies all ended ends."""
-        left, refused = self.layer_gate.end_forward()
+        """After the forward: a copy no layer waited for is waited for now, its job failed."""
+        left = self.layer_gate.end_forward()
         if left:
+            for copy in left:
+                running = self._running.get(self._by_engine_job.get(copy, -1))
+                if running is not None:
+                    running.ok = False
             assert self.engine is not None and self.device is not None
-            self._take_copies(left, ok=False)
-            self.engine.order_after(self.device.current_stream(), list(left))
-        for job_id in self._by_layer:
-            running = self._running.get(job_id)
-            if running is None:
-                continue
-            running.ok &= job_id not in refused
-            if not running.engine_jobs:
-                self._finish(job_id)
-        self._by_layer.clear()
+            self.engine.order_after(self.device.current_stream(), left)
 
     def _start_reads(self, job: TransferJob) -> None:
         reading = _Reading(job, [])
@@ -375,9 +357,7 @@ class WorkerSide:
             self._finish(job.job_id)
 
     def _on_result(self, result: TransferResult) -> None:
-        job_id = self._by_engine_job.pop(result.job_id, None)
-        if job_id is None:  # a layer's copy submitted after its step gave up on it (failed)
-            return
+        job_id = self._by_engine_job.pop(result.job_id)
         running = self._running[job_id]
         running.engine_jobs.discard(result.job_id)
         running.ok &= result.success
@@ -546,7 +526,6 @@ class WorkerSide:
         Reads and writes of the tiers below are waited for up to :data:`SHUTDOWN_WAIT_S`; one
         still running then keeps its host memory and its tier as they are (leaked, not freed
         under it) and the shutdown goes on."""
-        self.layer_gate.shutdown()
         if self.engine is not None:
             for result in self.engine.wait():
                 self._on_result(result)  # a finished store starts its write-through
