@@ -1,5 +1,6 @@
 """Builds kvhal's optional native parts (the CPU plugin's copy kernel, the manager's key
-index); everything else is in pyproject.toml."""
+index, the Redis reader that receives values into host slots); everything else is in
+pyproject.toml."""
 
 from setuptools import Extension, setup
 
@@ -17,6 +18,13 @@ setup(
             ["src/kvhal/offload/_keyindex.c"],
             extra_compile_args=["-O2"],
             # Without a compiler the manager indexes keys with a dict (more memory per block).
+            optional=True,
+        ),
+        Extension(
+            "kvhal.tiers.stores._resp",
+            ["src/kvhal/tiers/stores/_resp.c"],
+            extra_compile_args=["-O2"],
+            # Without a compiler Redis values are read through valkey-glide or redis-py.
             optional=True,
         ),
     ]

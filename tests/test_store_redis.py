@@ -136,7 +136,7 @@ def test_writes_through_either_client_join_parts_and_never_replace_a_value(
     store = RedisStore.from_url(server.url + "?ttl=60")
     calls: list[int] = []
     if writer == "redis-py":
-        store._glide = None
+        store._glide = store._direct = None
     else:
         assert store._glide is not None, "writes of a plain server go through glide where it is installed"
         set_new = store._glide.set_new
@@ -155,17 +155,21 @@ def test_writes_through_either_client_join_parts_and_never_replace_a_value(
     store.close()
 
 
-@pytest.mark.parametrize("reader", ["glide", "redis-py"])
-def test_an_oversized_value_is_never_read_whole(server: RedisServer, reader: str) -> None:
+@pytest.mark.parametrize("reader", ["direct", "glide", "redis-py"])
+def test_an_oversized_value_is_never_read_whole(
+    server: RedisServer, reader: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A value planted under a block's name, far larger than a block: the read fails without
     bringing it into memory (GETRANGE asks for one byte more than the buffers hold)."""
     import tracemalloc
 
+    monkeypatch.setenv("KVHAL_REDIS_READER", reader)
     store = RedisStore.from_url(server.url)
-    if reader == "redis-py":
-        store._glide = None
-    else:
-        assert store._glide is not None, "reads of a plain server go through glide where it is installed"
+    assert (store._direct is not None, store._glide is not None) == {
+        "direct": (True, True),  # reads direct, writes through glide
+        "glide": (False, True),
+        "redis-py": (False, False),
+    }[reader], "each reader serves a plain server where it is installed"
     (name,) = names(1)
     planted = 32 << 20
     server.client().set(name, b"\0" * planted)
@@ -245,6 +249,7 @@ def test_cluster_round_trip_across_slots(cluster: RedisCluster, client: str) -> 
     glide cannot express keeps it there."""
     store = open_store(cluster.url, PluginRegistry())
     assert isinstance(store, RedisStore) and store._glide is not None, "a cluster's values go through glide"
+    assert store._direct is None, "kvhal's own reader serves one plain-TCP server only"
     if client == "redis-py":
         store._glide.close()
         store._glide = None
@@ -545,6 +550,7 @@ def test_tls_round_trip(tmp_path) -> None:
         assert s.url.startswith("rediss://")
         store = open_store(s.url, PluginRegistry())
         assert isinstance(store, RedisStore) and store._glide is not None, "TLS reads go through glide"
+        assert store._direct is None, "kvhal's own reader does not speak TLS"
         try:
             _round_trip(store)
         finally:

@@ -82,6 +82,14 @@ _TABLE = (
         "KVHAL_REDIS_PASSWORD", "none", "the Redis password, when `remote_url` carries none", "kvhal (redis)"
     ),
     Setting(
+        "KVHAL_REDIS_READER",
+        "`direct` where it can",
+        "who reads Redis values: `direct` (kvhal's reader, into host slots; one plain-TCP server; "
+        "writes through glide), `glide` (valkey-glide reads and writes) or `redis-py` (all through "
+        "redis-py); one that cannot serve the URL falls back to the next",
+        "kvhal (redis)",
+    ),
+    Setting(
         "KVHAL_SCENARIO_LOG",
         "none",
         "a file the test harness appends one JSON line to per engine it runs (test, seconds, kind)",

@@ -3,9 +3,12 @@
 Each value is one binary Redis string under its name, written with ``SET NX`` (names are
 content-addressed: an existing value is never replaced) and read with ``GETRANGE name 0
 SIZE``, at most one byte more than the value can be (an oversized value is never read whole);
-batches are pipelined. Nothing is pickled. Reads and writes go through valkey-glide where it
-is installed, for one server and for a cluster (:mod:`kvhal.tiers.stores.redis_glide`: its
-I/O does not wait on the engine's GIL); lookups go through redis-py.
+batches are pipelined. Nothing is pickled. Reads of one plain-TCP server go through kvhal's
+own reader, which receives each value straight into its host slot with the GIL released
+(:mod:`kvhal.tiers.stores.redis_direct`); other reads, and writes, go through valkey-glide
+where it is installed, for one server and for a cluster (:mod:`kvhal.tiers.stores.redis_glide`:
+its I/O does not wait on the engine's GIL); lookups go through redis-py.
+``KVHAL_REDIS_READER`` (``direct``, ``glide``, ``redis-py``) picks another for comparison.
 
 URL forms (``remote_url``)::
 
@@ -47,7 +50,7 @@ from redis.retry import Retry
 from kvhal import env
 from kvhal.errors import ValidationError
 from kvhal.tiers.remote.store import ABSENT, FAILED, RemoteStore, StoreUnavailable
-from kvhal.tiers.stores import redis_glide
+from kvhal.tiers.stores import redis_direct, redis_glide
 
 __all__ = ["RedisStore"]
 
@@ -58,6 +61,9 @@ SCHEMES = {"redis": (False, False), "rediss": (True, False), "redis+cluster": (F
 SCHEMES["rediss+cluster"] = (True, True)
 DEFAULT_PORT = 6379
 DEFAULT_TIMEOUT = 2.0
+#: who may read values (``KVHAL_REDIS_READER``), best first: one that cannot read the URL
+#: (the direct reader: TLS, a cluster; glide: a redis-py TLS option) falls back to the next
+READERS = ("direct", "glide", "redis-py")
 #: commands per pipeline, and the value bytes one put pipeline holds at most (bounds the
 #: memory of joined values and the size of one round trip)
 PIPELINE_COMMANDS = 128
@@ -277,6 +283,7 @@ class RedisStore(RemoteStore):
         :raises StoreUnavailable: it does not answer.
         :raises ValidationError: it refused the credentials.
         """
+        reader = _reader_asked()  # checked before anything connects
         self._target = target
         self._lock = threading.Lock()
         self._closed = False
@@ -294,6 +301,14 @@ class RedisStore(RemoteStore):
         # the reads' and writes' client, once the server answered redis-py (its errors are the clearer)
         why_not = redis_glide.unsupported(target)
         self._glide = redis_glide.GlideStoreClient(target, self._what) if why_not is None else None
+        if reader == "redis-py":
+            self._glide = None
+        # reads straight into host slots, where the URL allows (one plain-TCP server)
+        self._direct = (
+            redis_direct.DirectReader(target, self._what)
+            if reader == "direct" and redis_direct.unsupported(target) is None
+            else None
+        )
         if self._glide is not None:
             try:  # connected now: a first read that connects would measure the store slow
                 self._glide.connect()
@@ -455,6 +470,8 @@ class RedisStore(RemoteStore):
     def get(self, names: Sequence[str], buffers: Sequence[Sequence[memoryview]]) -> list[int]:
         if len(names) != len(buffers):
             raise ValueError(f"{len(names)} names but {len(buffers)} buffers")
+        if self._direct is not None:
+            return self._direct.getrange_into(names, [[_bytes_view(p) for p in parts] for parts in buffers])
         sizes = [sum(len(_bytes_view(part)) for part in parts) for parts in buffers]
         if self._glide is not None:  # (a closed store's glide client says so itself)
             replies = self._glide.getrange(names, sizes)
@@ -487,6 +504,16 @@ class RedisStore(RemoteStore):
             client.close()
         if self._glide is not None:
             self._glide.close()
+        if self._direct is not None:
+            self._direct.close()
+
+
+def _reader_asked() -> str:
+    """``KVHAL_REDIS_READER``, checked: who reads values (``direct`` by default)."""
+    reader = env.read("KVHAL_REDIS_READER") or "direct"
+    if reader not in READERS:
+        raise ValidationError("KVHAL_REDIS_READER", f"must be one of {list(READERS)}, got {reader!r}")
+    return reader
 
 
 def _scatter(value: bytes, parts: Sequence[memoryview]) -> int:
