@@ -13,6 +13,7 @@ def test_the_bench_measures_every_reader_and_writer_and_writes_json(tmp_path, ca
     result = json.loads((tmp_path / "gil.json").read_text())
     readers = [row["reader"] for row in result["rows"]]
     assert readers == [
+        "kvhal RedisStore, kvhal's reader",
         "kvhal RedisStore, valkey-glide reads",
         "kvhal RedisStore, redis-py + hiredis reads",
         "limit: memcpy of the same bytes",
@@ -20,4 +21,5 @@ def test_the_bench_measures_every_reader_and_writer_and_writes_json(tmp_path, ca
         "kvhal RedisStore, redis-py + hiredis writes",
     ]
     assert all(row["alone_s"] > 0 and row["beside_busy_thread_s"] > 0 for row in result["rows"])
+    assert all(row["cpu_s"] >= 0 for row in result["rows"])
     assert "beside a busy thread" in capsys.readouterr().out

@@ -3,10 +3,12 @@
 ``python -m kvhal.bench.shared.gil [--out DIR]``. A returning user's blocks (60 values of
 192 KiB, by default) are read by kvhal's ``RedisStore.get`` on a thread of their own, alone
 and beside a thread that runs Python without pause (as an engine's loop holds the GIL between
-its steps), through each reader side by side: valkey-glide (the default where installed) and
-redis-py with hiredis; then the same values written (``SET NX`` under fresh names) through each.
-The limit beside them: the same bytes as one ``memcpy`` (the copy into host slots both do).
-Prints a table and writes ``gil.json``.
+its steps), through each reader side by side: kvhal's own reader (values received into the
+buffers, the default where built), valkey-glide and redis-py with hiredis; then the same
+values written (``SET NX`` under fresh names) through glide and redis-py. Beside the times,
+the CPU seconds of the whole process per call (alone: every thread's, the clients' own
+included). The limit beside them: the same bytes as one ``memcpy``. Prints a table and writes
+``gil.json``.
 """
 
 from __future__ import annotations
@@ -29,6 +31,29 @@ def _busy(stop: threading.Event) -> None:
     spins = 0
     while not stop.is_set():
         spins += 1
+
+
+def _cpu(read: Callable[[], object], repeats: int) -> float:
+    """The median CPU seconds of this process (every thread) per call of ``read``, alone."""
+    times = []
+    for _ in range(repeats):
+        start = time.process_time()
+        read()
+        times.append(time.process_time() - start)
+    return statistics.median(times)
+
+
+def _store(url: str, reader: str) -> RedisStore:
+    """A store of ``url`` reading through ``reader`` (``KVHAL_REDIS_READER``, set while it connects)."""
+    before = os.environ.get("KVHAL_REDIS_READER")
+    os.environ["KVHAL_REDIS_READER"] = reader
+    try:
+        return RedisStore.from_url(url)
+    finally:
+        if before is None:
+            del os.environ["KVHAL_REDIS_READER"]
+        else:
+            os.environ["KVHAL_REDIS_READER"] = before
 
 
 def _timed(read: Callable[[], object], contended: bool, repeats: int) -> float:
@@ -74,11 +99,11 @@ def main(argv: list[str] | None = None) -> int:
         buffers = [[memoryview(destination)[i * size : (i + 1) * size]] for i in range(args.values)]
         source = bytes(destination)
         readers: dict[str, Callable[[], object]] = {}
-        glide = RedisStore.from_url(server.url)
+        direct, glide, plain = (_store(server.url, r) for r in ("direct", "glide", "redis-py"))
+        if direct._direct is not None:
+            readers["kvhal RedisStore, kvhal's reader"] = lambda: direct.get(names, buffers)
         if glide._glide is not None:
             readers["kvhal RedisStore, valkey-glide reads"] = lambda: glide.get(names, buffers)
-        plain = RedisStore.from_url(server.url)
-        plain._glide = None
         readers["kvhal RedisStore, redis-py + hiredis reads"] = lambda: plain.get(names, buffers)
         readers["limit: memcpy of the same bytes"] = lambda: destination.__setitem__(slice(None), source)
         values = [[memoryview(source)[i * size : (i + 1) * size]] for i in range(args.values)]
@@ -98,15 +123,19 @@ def main(argv: list[str] | None = None) -> int:
             read()  # connect, warm up
             alone = _timed(read, False, args.repeats)
             busy = _timed(read, True, args.repeats)
-            rows.append({"reader": label, "alone_s": alone, "beside_busy_thread_s": busy})
-        glide.close()
-        plain.close()
+            cpu = _cpu(read, args.repeats)
+            rows.append({"reader": label, "alone_s": alone, "beside_busy_thread_s": busy, "cpu_s": cpu})
+        for store in (direct, glide, plain):
+            store.close()
     megabytes = args.values * size / 1e6
     print(f"{args.values} values of {args.kib} KiB ({megabytes:.1f} MB), median of {args.repeats} calls, s")
-    print(f"{'reader':44} {'alone':>8} {'beside a busy thread':>22} {'ratio':>7}")
+    print(f"{'reader':44} {'alone':>8} {'beside a busy thread':>22} {'ratio':>7} {'CPU s, alone':>13}")
     for row in rows:
         ratio = row["beside_busy_thread_s"] / row["alone_s"]
-        print(f"{row['reader']:44} {row['alone_s']:8.4f} {row['beside_busy_thread_s']:22.4f} {ratio:7.1f}")
+        print(
+            f"{row['reader']:44} {row['alone_s']:8.4f} {row['beside_busy_thread_s']:22.4f} {ratio:7.1f} "
+            f"{row['cpu_s']:13.4f}"
+        )
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         result = {"values": args.values, "value_bytes": size, "repeats": args.repeats, "rows": rows}
