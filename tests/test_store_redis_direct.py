@@ -85,19 +85,20 @@ def test_absent_refused_and_oversized_names_fail_alone(server: RedisServer) -> N
     longer than its buffers fails (drained, never delivered); the others read, and the
     connection stays usable (the next call reads on it)."""
     present, missing, listed, big, after = names(5)
+    size = 100 << 10  # the oversized reply (SIZE + 1 bytes) is drained through a 64 KiB buffer
     with server.client() as raw:
-        raw.set(present, b"p" * 1000)
+        raw.set(present, b"p" * size)
         raw.rpush(listed, b"x")
-        raw.set(big, b"b" * 5000)
+        raw.set(big, b"b" * (3 * size))
         raw.set(after, b"a" * 10)
     store = RedisStore.from_url(server.url)
     assert store._direct is not None
-    buffers = [[memoryview(bytearray(1000))] for _ in range(5)]
-    assert store.get([present, missing, listed, big, after], buffers) == [1000, ABSENT, FAILED, FAILED, 10]
-    assert bytes(buffers[0][0]) == b"p" * 1000 and bytes(buffers[4][0][:10]) == b"a" * 10
-    assert bytes(buffers[3][0]) == bytes(1000), "a value longer than its buffers was delivered"
+    buffers = [[memoryview(bytearray(size))] for _ in range(5)]
+    assert store.get([present, missing, listed, big, after], buffers) == [size, ABSENT, FAILED, FAILED, 10]
+    assert bytes(buffers[0][0]) == b"p" * size and bytes(buffers[4][0][:10]) == b"a" * 10
+    assert bytes(buffers[3][0]) == bytes(size), "a value longer than its buffers was delivered"
     idle = store._direct._idle.qsize()
-    assert store.get([present], [[memoryview(bytearray(1000))]]) == [1000]
+    assert store.get([present], [[memoryview(bytearray(size))]]) == [size]
     assert store._direct._idle.qsize() == idle == 1, "the connection was not reused"
     store.close()
 
@@ -107,6 +108,7 @@ def test_more_names_than_one_round_trip_each_get_their_own_value(server: RedisSe
     with server.client() as raw:
         raw.mset({k: f"value {i}".encode() for i, k in enumerate(keys)})
     store = RedisStore.from_url(server.url)
+    assert store._direct is not None
     buffers = [[memoryview(bytearray(16))] for _ in keys]
     got = store.get(keys, buffers)
     assert [bytes(b[0][:n]) for b, n in zip(buffers, got, strict=True)] == [
@@ -135,6 +137,8 @@ def test_a_stopped_server_is_unavailable_within_the_timeout_then_read_again(serv
     with server.client() as raw:
         raw.set(name, b"still here")
     store = RedisStore.from_url(server.url + "?timeout=0.5")
+    assert store._direct is not None
+    store.get([name], [[memoryview(bytearray(16))]])  # a pooled connection, now stalled too
     (pid,) = server.pids
     os.kill(pid, signal.SIGSTOP)
     try:
@@ -145,6 +149,48 @@ def test_a_stopped_server_is_unavailable_within_the_timeout_then_read_again(serv
     finally:
         os.kill(pid, signal.SIGCONT)
     assert store.get([name], [[memoryview(bytearray(16))]]) == [10]
+    store.close()
+
+
+def test_one_connection_serves_call_after_call(server: RedisServer) -> None:
+    """A pooled connection is checked without waiting (a check that waited for the socket's
+    timeout once made every other call time out) and reused."""
+    (name,) = names(1)
+    with server.client() as raw:
+        raw.set(name, b"value")
+    store = RedisStore.from_url(server.url)
+    assert store._direct is not None
+    start = time.monotonic()
+    for _ in range(20):
+        assert store.get([name], [[memoryview(bytearray(8))]]) == [5]
+        assert store._direct._idle.qsize() == 1
+    assert time.monotonic() - start < 1.0
+    store.close()
+
+
+def test_pooled_connections_the_server_closed_are_not_used(server: RedisServer) -> None:
+    """A restart or an idle timeout closes the pooled connections: the next read connects
+    afresh instead of failing on a dead one (which would mark the store down)."""
+    (name,) = names(1)
+    with server.client() as raw:
+        raw.set(name, b"value")
+    store = RedisStore.from_url(server.url)
+    assert store._direct is not None
+    barrier = threading.Barrier(3)
+
+    def read() -> None:  # three calls at once: three pooled connections
+        barrier.wait()
+        assert store.get([name], [[memoryview(bytearray(8))]]) == [5]
+
+    threads = [threading.Thread(target=read) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert store._direct._idle.qsize() >= 2
+    with server.client() as raw:
+        raw.client_kill_filter(_type="normal", skipme=True)
+    assert store.get([name], [[memoryview(bytearray(8))]]) == [5]
     store.close()
 
 
@@ -174,7 +220,10 @@ def hostile(answer: Callable[[socket.socket], None]) -> Iterator[str]:
             conn, _ = listener.accept()
             with conn:
                 conn.recv(65536)
-                answer(conn)
+                try:
+                    answer(conn)
+                except OSError:  # the reader hung up first, as it should
+                    return
                 time.sleep(1.0)  # keep the connection open: the reader must not wait for its end
 
     thread = threading.Thread(target=serve, daemon=True)
@@ -209,6 +258,33 @@ def test_a_reply_no_redis_sends_drops_the_connection(reply: bytes, says: str) ->
         assert time.monotonic() - start < 2.0
         assert peak < 1 << 20, f"the reader allocated {peak >> 10} KiB for a bad reply"
         assert reader._idle.qsize() == 0, "a connection that answered garbage was kept"
+        reader.close()
+
+
+def test_a_server_trickling_bytes_is_cut_off_at_the_deadline() -> None:
+    """One deadline for the whole call: a reply that keeps arriving, a byte at a time, is
+    cut off when it passes (not renewed by each byte)."""
+
+    def answer(conn: socket.socket) -> None:
+        conn.sendall(b"$16\r\n")
+        for _ in range(16):
+            time.sleep(0.1)
+            conn.sendall(b"x")
+
+    for url in hostile(answer):
+        reader = redis_direct.DirectReader(_parse_url(url), "hostile")
+        start = time.monotonic()
+        with pytest.raises(StoreUnavailable, match="timed out"):
+            reader.getrange_into(["a"], [[memoryview(bytearray(16))]])
+        assert time.monotonic() - start < 1.0
+        reader.close()
+
+
+def test_a_server_that_cannot_serve_now_is_unavailable_not_a_refused_name() -> None:
+    for url in hostile(lambda conn: conn.sendall(b"-LOADING Redis is loading the dataset in memory\r\n")):
+        reader = redis_direct.DirectReader(_parse_url(url), "hostile")
+        with pytest.raises(StoreUnavailable, match="cannot serve now"):
+            reader.getrange_into(["a"], [[memoryview(bytearray(16))]])
         reader.close()
 
 

@@ -14,6 +14,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <errno.h>
+#include <limits.h>
 #include <poll.h>
 #include <stdint.h>
 #include <string.h>
@@ -56,7 +57,7 @@ static int fail(Reader *r, const char *why, int err) {
 /* recv into dst (at most n bytes) once data is there, within the deadline: bytes read, or -1 */
 static ssize_t recv_some(Reader *r, char *dst, size_t n) {
     for (;;) {
-        ssize_t got = recv(r->fd, dst, n, 0);
+        ssize_t got = recv(r->fd, dst, n, MSG_DONTWAIT); /* never blocks: the deadline is ours */
         if (got > 0) return got;
         if (got == 0) return fail(r, "the server closed the connection", 0);
         if (errno == EINTR) continue;
@@ -64,7 +65,8 @@ static ssize_t recv_some(Reader *r, char *dst, size_t n) {
         int64_t left = r->deadline_ns - now_ns();
         if (left <= 0) return fail(r, "timed out", ETIMEDOUT);
         struct pollfd p = {r->fd, POLLIN, 0};
-        int ms = (int)((left + 999999) / 1000000);
+        int64_t wait_ms = (left + 999999) / 1000000;
+        int ms = wait_ms > INT_MAX ? INT_MAX : (int)wait_ms;
         int ready = poll(&p, 1, ms);
         if (ready < 0 && errno != EINTR) return fail(r, "poll failed", errno);
         if (ready == 0 && now_ns() >= r->deadline_ns) return fail(r, "timed out", ETIMEDOUT);
@@ -150,7 +152,18 @@ static long long read_reply(Reader *r, Part *parts, size_t nparts, size_t cap) {
     size_t n;
     if (read_line(r, line, &n) < 0) return -2;
     if (n == 0) { fail(r, "malformed reply header", 0); return -2; }
-    if (line[0] == '-') return REPLY_FAILED; /* the command was refused (e.g. WRONGTYPE) */
+    if (line[0] == '-') {
+        /* the server cannot serve anything now: the store is unavailable, not this name */
+        static const char *const down[] = {"-LOADING", "-NOAUTH", "-MASTERDOWN", "-BUSY", "-TRYAGAIN", "-CLUSTERDOWN"};
+        for (size_t k = 0; k < sizeof(down) / sizeof(down[0]); k++) {
+            size_t m = strlen(down[k]);
+            if (n >= m && memcmp(line, down[k], m) == 0) {
+                fail(r, "the server answered that it cannot serve now", 0);
+                return -2;
+            }
+        }
+        return REPLY_FAILED; /* this command was refused (e.g. WRONGTYPE) */
+    }
     long long len;
     if (line[0] != '$' || parse_length(line + 1, n - 1, &len) < 0) {
         fail(r, "unexpected reply type", 0);
@@ -184,15 +197,18 @@ static PyObject *read_getrange(PyObject *self, PyObject *args) {
     PyObject *buffers;
     double timeout;
     if (!PyArg_ParseTuple(args, "iOd", &fd, &buffers, &timeout)) return NULL;
-    PyObject *seq = PySequence_Fast(buffers, "buffers must be a sequence of sequences of buffers");
+    /* tuples: their lengths cannot change between counting the parts and taking them */
+    PyObject *seq = PySequence_Tuple(buffers);
     if (seq == NULL) return NULL;
-    Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
+    Py_ssize_t count = PyTuple_GET_SIZE(seq);
+    PyObject *items = PyTuple_New(count);
+    if (items == NULL) { Py_DECREF(seq); return NULL; }
     Py_ssize_t total = 0;
     for (Py_ssize_t i = 0; i < count; i++) {
-        PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
-        Py_ssize_t k = PySequence_Size(item);
-        if (k < 0) { Py_DECREF(seq); return NULL; }
-        total += k;
+        PyObject *item = PySequence_Tuple(PyTuple_GET_ITEM(seq, i));
+        if (item == NULL) { Py_DECREF(items); Py_DECREF(seq); return NULL; }
+        PyTuple_SET_ITEM(items, i, item);
+        total += PyTuple_GET_SIZE(item);
     }
     Py_buffer *views = PyMem_Calloc(total ? total : 1, sizeof(Py_buffer));
     Part *parts = PyMem_Calloc(total ? total : 1, sizeof(Part));
@@ -203,19 +219,15 @@ static PyObject *read_getrange(PyObject *self, PyObject *args) {
     PyObject *out = NULL;
     if (!views || !parts || !first || !results || !reader) { PyErr_NoMemory(); goto done; }
     for (Py_ssize_t i = 0; i < count; i++) {
-        PyObject *item = PySequence_Fast(PySequence_Fast_GET_ITEM(seq, i), "a reply's buffers must be a sequence");
-        if (item == NULL) goto done;
+        PyObject *item = PyTuple_GET_ITEM(items, i);
         first[i] = (size_t)taken;
-        for (Py_ssize_t j = 0; j < PySequence_Fast_GET_SIZE(item); j++) {
-            if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(item, j), &views[taken], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
-                Py_DECREF(item);
+        for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(item) && taken < total; j++) {
+            if (PyObject_GetBuffer(PyTuple_GET_ITEM(item, j), &views[taken], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
                 goto done;
-            }
             parts[taken].ptr = views[taken].buf;
             parts[taken].len = (size_t)views[taken].len;
             taken++;
         }
-        Py_DECREF(item);
     }
     first[count] = (size_t)taken;
     reader->fd = fd;
@@ -249,6 +261,7 @@ done:
     PyMem_Free(first);
     PyMem_Free(results);
     PyMem_Free(reader);
+    Py_DECREF(items);
     Py_DECREF(seq);
     return out;
 }
