@@ -43,19 +43,6 @@ def _cpu(read: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
-def _store(url: str, reader: str) -> RedisStore:
-    """A store of ``url`` reading through ``reader`` (``KVHAL_REDIS_READER``, set while it connects)."""
-    before = os.environ.get("KVHAL_REDIS_READER")
-    os.environ["KVHAL_REDIS_READER"] = reader
-    try:
-        return RedisStore.from_url(url)
-    finally:
-        if before is None:
-            del os.environ["KVHAL_REDIS_READER"]
-        else:
-            os.environ["KVHAL_REDIS_READER"] = before
-
-
 def _timed(read: Callable[[], object], contended: bool, repeats: int) -> float:
     """The median seconds of ``read`` on its own thread, beside a busy one if ``contended``."""
     times = []
@@ -99,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         buffers = [[memoryview(destination)[i * size : (i + 1) * size]] for i in range(args.values)]
         source = bytes(destination)
         readers: dict[str, Callable[[], object]] = {}
-        direct, glide, plain = (_store(server.url, r) for r in ("direct", "glide", "redis-py"))
+        direct, glide, plain = (RedisStore.from_url(server.url, r) for r in ("direct", "glide", "redis-py"))
         if direct._direct is not None:
             readers["kvhal RedisStore, kvhal's reader"] = lambda: direct.get(names, buffers)
         if glide._glide is not None:

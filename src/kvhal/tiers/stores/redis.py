@@ -277,13 +277,13 @@ class RedisStore(RemoteStore):
 
     concurrency = 4
 
-    def __init__(self, target: _Target) -> None:
+    def __init__(self, target: _Target, reader: str | None = None) -> None:
         """Connect to ``target`` and PING it (use :meth:`from_url`).
 
         :raises StoreUnavailable: it does not answer.
         :raises ValidationError: it refused the credentials.
         """
-        reader = _reader_asked()  # checked before anything connects
+        reader = _reader_asked(reader)  # checked before anything connects
         self._target = target
         self._lock = threading.Lock()
         self._closed = False
@@ -317,14 +317,17 @@ class RedisStore(RemoteStore):
                 raise
 
     @classmethod
-    def from_url(cls, url: str) -> RedisStore:
+    def from_url(cls, url: str, reader: str | None = None) -> RedisStore:
         """Connect to the server or cluster ``url`` names (see the module's documentation).
+
+        :param reader: who reads values (one of :data:`READERS`; default ``KVHAL_REDIS_READER``,
+            else ``direct``).
 
         :raises ValidationError: the URL or an option is malformed (nothing was connected),
             or the server refused the credentials; the argument is ``remote_url``.
         :raises StoreUnavailable: the server does not answer.
         """
-        return cls(_parse_url(url))
+        return cls(_parse_url(url), reader)
 
     def __repr__(self) -> str:
         t = self._target
@@ -508,11 +511,12 @@ class RedisStore(RemoteStore):
             self._direct.close()
 
 
-def _reader_asked() -> str:
-    """``KVHAL_REDIS_READER``, checked: who reads values (``direct`` by default)."""
-    reader = env.read("KVHAL_REDIS_READER") or "direct"
+def _reader_asked(reader: str | None) -> str:
+    """Who reads values, checked: ``reader``, else ``KVHAL_REDIS_READER``, else ``direct``."""
+    where = "reader" if reader is not None else "KVHAL_REDIS_READER"
+    reader = reader or env.read("KVHAL_REDIS_READER") or "direct"
     if reader not in READERS:
-        raise ValidationError("KVHAL_REDIS_READER", f"must be one of {list(READERS)}, got {reader!r}")
+        raise ValidationError(where, f"must be one of {list(READERS)}, got {reader!r}")
     return reader
 
 
