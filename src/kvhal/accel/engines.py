@@ -58,8 +58,10 @@ class CopyJob:
     :param enter_stream: makes ``stream`` torch's current stream while it is entered; the
         chain enters it only for engines that enqueue on the current stream (entering
         torch's stream context costs tens of microseconds, per copy and layer).
-    :param enter_device: makes ``stream``'s device the current one (its context current, for
-        driver calls from a thread that never used it); entered for the other engines.
+    :param enter_device: makes ``stream``'s device torch's current one (a thread whose current
+        device is another GPU); entered for the other engines. A thread that never used the
+        device is not enough for it: on an H200, ``cuMemcpyBatchAsync`` failed from such a
+        thread even inside it (BENCHMARKS.md, "Layer by layer on an NVIDIA H200").
     """
 
     plan: CopyPlan
