@@ -256,11 +256,6 @@ def forward_beside_load(bench: Bench, args: argparse.Namespace) -> list[dict]:
             y = torch.mm(y, weights[i])
             y = y / n**0.5
 
-    def submit_layers(mapping: np.ndarray) -> list[list[int]]:
-        whole = device.plan_copy(host, cache, mapping)
-        plans = plan_by_layer(whole, bench.host_layers, bench.cache_layers)
-        return [[engine.submit_plan(TransferKind.LOAD, p, after_compute=i == 0)] for i, p in enumerate(plans)]
-
     def run(how: str, mapping: np.ndarray, launch_s: float) -> None:
         if how == "forward alone (no load)":
             forward(None, launch_s)
@@ -268,8 +263,8 @@ def forward_beside_load(bench: Bench, args: argparse.Namespace) -> list[dict]:
             engine.order_after(compute, [engine.submit_load((), host, cache, mapping)])
             forward(None, launch_s)
         else:
-            out = submit_layers(mapping)
-            forward(lambda i: out[i], launch_s)
+            out = bench.per_layer_once(mapping)  # one copy per layer, as LayerGate submits them
+            forward(lambda i: [out[i]], launch_s)
 
     rows = []
     hows = (

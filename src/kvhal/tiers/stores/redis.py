@@ -299,10 +299,8 @@ class RedisStore(RemoteStore):
                 unchecked,
             )
         # the reads' and writes' client, once the server answered redis-py (its errors are the clearer)
-        why_not = redis_glide.unsupported(target)
-        self._glide = redis_glide.GlideStoreClient(target, self._what) if why_not is None else None
-        if reader == "redis-py":
-            self._glide = None
+        glide = reader != "redis-py" and redis_glide.unsupported(target) is None
+        self._glide = redis_glide.GlideStoreClient(target, self._what) if glide else None
         # reads straight into host slots, where the URL allows (one plain-TCP server)
         self._direct = (
             redis_direct.DirectReader(target, self._what)
