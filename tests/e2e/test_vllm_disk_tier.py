@@ -57,6 +57,20 @@ def one_by_one(batch: list[list[int]]) -> list[dict]:
     return [{"op": "generate", "prompts": [p]} for p in batch]
 
 
+def two_rounds(batch: list[list[int]], *after: dict) -> list[dict]:
+    """Round 1 one by one, each prompt's writes landed before the next prompt (a store that
+    finds the small host tier's room pinned by writes in flight is skipped, and on a loaded CI
+    machine one prompt's was, leaving it nothing to hit), a reset, round 2 newest first."""
+    first = [step for prompt in one_by_one(batch) for step in (prompt, {"op": "settle"})]
+    return [*first, {"op": "reset"}, *one_by_one(batch[::-1]), *after]
+
+
+def without_settles(raw: list[dict], batch: list[list[int]]) -> list[dict]:
+    """`two_rounds`' results without round 1's settles: round 1 at [0:n], the reset at [n],
+    round 2 at [n+1:2n+1], then `after`'s."""
+    return [*raw[0 : 2 * len(batch) : 2], *raw[2 * len(batch) :]]
+
+
 def metrics(step: dict) -> dict:
     return {k.removeprefix("vllm:kvhal_"): v for k, v in step["metrics"].items() if "kvhal_" in k}
 
@@ -64,8 +78,8 @@ def metrics(step: dict) -> dict:
 @pytest.mark.parametrize("write", ["through", "back"])
 def test_hits_come_from_disk_when_the_host_tier_is_too_small(model, tmp_path, write):
     batch = prompts(4, LENGTH, seed=21)
-    steps = [*one_by_one(batch), {"op": "reset"}, *one_by_one(batch[::-1]), {"op": "metrics"}]
-    result = engine(model, disk(tmp_path, disk_write=write), steps)
+    raw = engine(model, disk(tmp_path, disk_write=write), two_rounds(batch, {"op": "metrics"}))
+    result = without_settles(raw, batch)
     expected = baseline(model, batch)
     assert [tokens(s)[0] for s in result[:4]] == expected
     warm = result[5:9][::-1]
@@ -175,8 +189,9 @@ def test_kill_9_while_writing_never_serves_a_torn_block(model, tmp_path):
 @pytest.mark.parametrize("fault", ["disk_full", "disk_eio"])
 def test_disk_full_or_io_errors_fail_cleanly_and_recompute(model, tmp_path, fault):
     batch = prompts(4, LENGTH, seed=25)
-    steps = [*one_by_one(batch), {"op": "reset"}, *one_by_one(batch[::-1]), {"op": "metrics"}]
-    result = engine(model, disk(tmp_path, tier_backend="disk-faults"), steps, fault_env(fault))
+    steps = two_rounds(batch, {"op": "metrics"})
+    raw = engine(model, disk(tmp_path, tier_backend="disk-faults"), steps, fault_env(fault))
+    result = without_settles(raw, batch)
     expected = baseline(model, batch)
     assert [tokens(s)[0] for s in result[:4]] == expected
     warm = result[5:9][::-1]
@@ -197,15 +212,10 @@ def test_a_stalled_disk_costs_a_request_its_wait_then_recompute(model, tmp_path)
     """Reads that take 2 s: a request waits lower_tier_wait_ms (200) for its prefetch, then
     recomputes what is not in host memory; the reads still end, and nothing leaks."""
     batch = prompts(4, LENGTH, seed=26)
-    # each prompt's writes land before the next prompt: a store that finds the host tier's room
-    # pinned by writes still in flight is skipped, and on a loaded CI machine the newest prompt's
-    # was (it then had no host hit to assert)
-    first = [step for prompt in one_by_one(batch) for step in (prompt, {"op": "settle"})]
-    steps = [*first, {"op": "reset"}, *one_by_one(batch[::-1]), {"op": "settle"}]
-    steps += [{"op": "metrics"}, {"op": "kvhal_state"}]
+    steps = two_rounds(batch, {"op": "settle"}, {"op": "metrics"}, {"op": "kvhal_state"})
     kvhal = disk(tmp_path, tier_backend="disk-faults", lower_tier_wait_ms=200, lower_tier_prefetch_blocks=8)
     raw = engine(model, kvhal, steps, fault_env("disk_stall"))
-    result = [*raw[0 : 2 * len(batch) : 2], *raw[2 * len(batch) :]]  # without round 1's settles
+    result = without_settles(raw, batch)
     expected = baseline(model, batch)
     warm = result[5:9][::-1]
     assert [tokens(s)[0] for s in warm] == expected, "outputs changed behind a stalled disk"
@@ -224,11 +234,10 @@ def test_hits_read_from_disk_are_prefetched_and_loaded_in_their_step(model, tmp_
     synchronous host load); the same hits without a prefetch (lower_tier_wait_ms: null)
     load asynchronously, read then copy: same outputs, other counters."""
     batch = prompts(4, LENGTH, seed=27)
-    steps = [*one_by_one(batch), {"op": "reset"}, *one_by_one(batch[::-1]), {"op": "metrics"}]
     counters = {}
     for wait in (1000, None):
         kvhal = disk(tmp_path / str(wait), lower_tier_wait_ms=wait, lower_tier_prefetch_blocks=8)
-        result = engine(model, kvhal, steps)
+        result = without_settles(engine(model, kvhal, two_rounds(batch, {"op": "metrics"})), batch)
         assert [tokens(s)[0] for s in result[5:9][::-1]] == baseline(model, batch)
         counters[wait] = metrics(result[9])
     on, off = counters[1000], counters[None]
