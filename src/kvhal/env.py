@@ -90,6 +90,13 @@ _TABLE = (
         "kvhal (redis)",
     ),
     Setting(
+        "KVHAL_HOOK_PROFILE",
+        "none",
+        "a path prefix: engines whose steps are clocked (`kvhal bench chat`) profile kvhal's vLLM "
+        "hooks with cProfile and write PREFIX.PID.prof at exit",
+        "kvhal (kvhal.testing)",
+    ),
+    Setting(
         "KVHAL_SCENARIO_LOG",
         "none",
         "a file the test harness appends one JSON line to per engine it runs (test, seconds, kind)",

@@ -10,6 +10,7 @@ import json
 
 import pytest
 
+from kvhal.bench.chat.checks import STEP_PARTS
 from kvhal.cli import main
 from tests.e2e.common import MODEL_CACHE
 
@@ -47,6 +48,13 @@ def test_chat_bench_floor_host_disk_and_shared(tmp_path, vllm_installed):
         # measured where there is one
         assert s["later_cores_busy"]["engine"] > 0, (name, s["later_cores_busy"])
         assert ("store server" in s["later_cores_busy"]) == (name == "shared"), name
+        # where the steps computing returning turns went: the forward always, kvhal's hooks
+        # only where kvhal runs, and the parts add up to the step
+        parts = s["later_first_token_step_parts_ms"]
+        assert parts["n"] >= 1 and parts["forward"] > 0, (name, parts)
+        assert (parts["kvhal_worker"] > 0) == (name != "floor"), (name, parts)
+        assert (parts["kvhal_scheduler"] > 0) == (name != "floor"), (name, parts)
+        assert abs(sum(parts[p] for p in STEP_PARTS) - parts["step"]) < 1e-6, (name, parts)
     runs = {run["config"]: run for run in result["runs"]}
     for run in result["runs"]:
         assert run["load_before"] and run["load_after"]

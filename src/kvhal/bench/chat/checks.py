@@ -71,6 +71,47 @@ def decode_steps_ms(run: dict, sequences: int) -> dict[str, float] | None:
     return {"median": 1000 * statistics.median(seconds), "p90": 1000 * _p(seconds, 0.9), "n": len(seconds)}
 
 
+#: The step clock's parts (kvhal.vllm.testing.step_clock), in the order a step runs them.
+#: ``forward`` is ``execute`` without kvhal's worker hooks, ``scheduler`` ``schedule`` and
+#: ``update`` without kvhal's scheduler hooks, ``other`` the step's time outside all of them
+#: (vLLM's output processing). ``model``, the model's own forward, is a part of ``forward``.
+STEP_PARTS = ("scheduler", "kvhal_scheduler", "forward", "kvhal_worker", "sample", "other")
+
+
+def first_token_step_parts_ms(runs: list[dict]) -> dict[str, float] | None:
+    """Rounds >= 2: the mean ms per part (:data:`STEP_PARTS`) of the engine steps that
+    computed a returning turn's first token, from the step trace, and of each of kvhal's
+    hooks (``hook:NAME``); None without the step clock."""
+    totals: dict[str, float] = dict.fromkeys((*STEP_PARTS, "model", "step"), 0.0)  # and "hook:NAME"s
+    count = 0
+    for run in runs:
+        for rnd in run["rounds"][1:]:
+            traces = rnd.get("steps") or []
+            for trace in traces if traces and not isinstance(traces[0], dict) else [traces]:
+                for step in trace or []:
+                    parts = step.get("parts")
+                    if not step["first_tokens"] or parts is None:
+                        continue
+                    worker, sched = parts.get("kvhal_worker", 0.0), parts.get("kvhal_scheduler", 0.0)
+                    split = {
+                        "scheduler": parts.get("schedule", 0.0) + parts.get("update", 0.0) - sched,
+                        "kvhal_scheduler": sched,
+                        "forward": parts.get("execute", 0.0) - worker,
+                        "kvhal_worker": worker,
+                        "sample": parts.get("sample", 0.0),
+                    }
+                    split["other"] = step["seconds"] - sum(split.values())
+                    split["model"] = parts.get("model", 0.0)  # within forward
+                    split |= {name: seconds for name, seconds in parts.items() if name.startswith("hook:")}
+                    split["step"] = step["seconds"]
+                    for name, seconds in split.items():
+                        totals[name] = totals.get(name, 0.0) + seconds
+                    count += 1
+    if not count:
+        return None
+    return {name: 1000 * seconds / count for name, seconds in totals.items()} | {"n": count}
+
+
 def summarize(runs: list[dict], inflight: int | None = None) -> dict[str, dict]:
     """Per configuration: TTFT per round and of rounds >= 2 (over all repeats), tok/s, tiers;
     with ``inflight``, each run's decode-only steps of that many sequences."""
@@ -117,6 +158,7 @@ def summarize(runs: list[dict], inflight: int | None = None) -> dict[str, dict]:
             "later_steps_to_first_token_counts": {str(n): steps.count(n) for n in sorted(set(steps))},
             "later_cores_busy": cores_busy_later(mine),
             "later_decode_steps_ms": [decode_steps_ms(r, inflight) for r in mine] if inflight else None,
+            "later_first_token_step_parts_ms": first_token_step_parts_ms(mine),
         }
     return summary
 

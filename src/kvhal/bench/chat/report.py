@@ -7,7 +7,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from kvhal.bench.chat.checks import LOGPROB_TOLERANCE
+from kvhal.bench.chat.checks import LOGPROB_TOLERANCE, STEP_PARTS
 from kvhal.bench.chat.cpu import GROUPS
 from kvhal.bench.chat.workload import CONFIGS, TOP_LOGPROBS
 
@@ -126,6 +126,24 @@ def print_report(console: Console, result: dict) -> None:
                 + ", ".join(f"{d['median']:.2f} / {d['p90']:.2f} ms" for d in steps)
                 + " (median / p90, per run)"
             )
+    split = {name: s["later_first_token_step_parts_ms"] for name, s in summary.items()}
+    split = {name: parts for name, parts in split.items() if parts}
+    if split:
+        table = Table(
+            title="Where a step that computes returning turns' first tokens goes, rounds >= 2 "
+            "(mean ms; forward: vLLM's model execution without kvhal's worker hooks)"
+        )
+        for column in ("configuration", "steps", *STEP_PARTS, "step", "of forward: model"):
+            table.add_column(column, justify="right")
+        for name, parts in split.items():
+            shown = (*STEP_PARTS, "step", "model")
+            table.add_row(name, str(parts["n"]), *(f"{parts.get(p, 0.0):.2f}" for p in shown))
+        console.print(table)
+        for name, parts in split.items():
+            hooks = sorted((v, k[5:]) for k, v in parts.items() if k.startswith("hook:"))[::-1]
+            if hooks:
+                listed = ", ".join(f"{hook} {ms:.2f}" for ms, hook in hooks)
+                console.print(f"  {name}'s hooks (mean ms a step): {listed}")
     busy = {name: s["later_cores_busy"] for name, s in summary.items() if s.get("later_cores_busy")}
     if busy:
         cpu = Table(

@@ -7,6 +7,7 @@ import os
 import time
 from typing import Any
 
+from kvhal.vllm.testing import step_clock
 from kvhal.vllm.testing.steps import generate, metrics, serve_jobs, threads
 
 
@@ -21,7 +22,8 @@ def chat(llm: Any, step: dict) -> dict:
     the engine step whose output first holds a token (steps are synchronous in a
     single-process engine), beside vLLM's own ``first_token_latency``
     (``disable_log_stats=False``). ``trace`` also records every step's wall time and
-    scheduled tokens (single-process engines only).
+    scheduled tokens, and where the step's time went (:mod:`~kvhal.vllm.testing.step_clock`;
+    single-process engines only).
     """
     from collections import deque
 
@@ -48,9 +50,12 @@ def chat(llm: Any, step: dict) -> dict:
     from vllm.v1.engine.core_client import InprocClient
 
     scheduler = None
+    clock = None
     if isinstance(engine.engine_core, InprocClient):
         trace_schedules(llm)
         scheduler = engine.engine_core.engine_core.scheduler
+        if trace is not None:
+            clock = step_clock.install(llm)
     rounds = []
     steps_taken = 0
     before_all = metrics(llm, {})["metrics"] if step.get("metrics", True) else None
@@ -75,8 +80,11 @@ def chat(llm: Any, step: dict) -> dict:
                 waiting_remote = sum(
                     1 for q in scheduler.requests.values() if q.status.name == "WAITING_FOR_REMOTE_KVS"
                 )
+            if clock is not None:
+                clock.take()  # what add_request cost belongs to no step
             outputs = engine.step()
             now = time.perf_counter()
+            parts = clock.take() if clock is not None else None
             if scheduler is not None:
                 scheduled = getattr(scheduler, "_kvhal_chat_last", None)
             # a step that scheduled nothing (every request parked, loading) returns at once:
@@ -92,6 +100,7 @@ def chat(llm: Any, step: dict) -> dict:
                         "seconds": now - before,
                         "scheduled_tokens": scheduled,
                         "waiting_for_remote_kvs": waiting_remote if scheduler is not None else None,
+                        "parts": parts,
                         "first_tokens": [],
                     }
                 )
