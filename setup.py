@@ -1,6 +1,6 @@
-"""Builds kvhal's optional native parts (the CPU plugin's copy kernel, the manager's key
-index, the Redis reader that receives values into host slots); everything else is in
-pyproject.toml."""
+"""Builds kvhal's optional native parts (the CPU plugin's copy kernel, copy plans, the
+manager's key index, the Redis reader that receives values into host slots); everything
+else is in pyproject.toml."""
 
 from setuptools import Extension, setup
 
@@ -11,6 +11,13 @@ setup(
             ["src/kvhal/cpu/_memcpy.c"],
             extra_compile_args=["-O3"],
             # Without a compiler kvhal still installs; the CPU plugin then copies with ctypes.
+            optional=True,
+        ),
+        Extension(
+            "kvhal._copyplan",
+            ["src/kvhal/_copyplan.c"],
+            extra_compile_args=["-O2"],
+            # Without a compiler copies are checked and planned with numpy (slower with cold caches).
             optional=True,
         ),
         Extension(

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -26,6 +27,11 @@ import torch
 
 from kvhal.cache import KVCache, SegmentFamily
 from kvhal.errors import CopyValidationError
+
+try:
+    from kvhal import _copyplan as native
+except ImportError:  # built without a C compiler: numpy does the same work
+    native = None
 
 BlockMapping = Sequence[tuple[int, int]] | np.ndarray | torch.Tensor
 
@@ -117,6 +123,8 @@ class CopyPlan:
         family-major (all of a family's descriptors together). Computed on first
         use, then kept.
         """
+        if native is not None:
+            return _native_descriptors(self.families, self.runs, self.mapping)
         return _descriptors([self.families], self.runs, self.mapping)[0]
 
     @property
@@ -126,6 +134,46 @@ class CopyPlan:
 
 
 _Triple = tuple[np.ndarray, np.ndarray, np.ndarray]
+
+
+def _family_table(families: tuple[tuple[SegmentFamily, SegmentFamily], ...]) -> np.ndarray:
+    """``(src address, src stride, dst address, dst stride, length, dense)`` per family pair."""
+    return np.array(
+        [
+            (s.address, s.block_stride, d.address, d.block_stride, s.length, s.dense and d.dense)
+            for s, d in families
+        ],
+        dtype=np.int64,
+    ).reshape(-1, 6)
+
+
+#: Family tables by ``id`` of the families tuple they were made from (kept, with the tuple,
+#: so the id is not reused): a cache pair's families are paired once (:func:`_checked_pair`).
+_TABLES: dict[int, tuple[tuple, np.ndarray, int]] = {}
+_TABLES_MAX = 256
+
+
+def _table_of(families: tuple[tuple[SegmentFamily, SegmentFamily], ...]) -> tuple[np.ndarray, int]:
+    """:func:`_family_table` of ``families`` and how many of them are dense, made once."""
+    entry = _TABLES.get(id(families))
+    if entry is not None and entry[0] is families:
+        return entry[1], entry[2]
+    table = _family_table(families)
+    dense = sum(bool(s.dense and d.dense) for s, d in families)
+    if len(_TABLES) >= _TABLES_MAX:
+        _TABLES.clear()
+    _TABLES[id(families)] = (families, table, dense)
+    return table, dense
+
+
+def _native_descriptors(
+    families: tuple[tuple[SegmentFamily, SegmentFamily], ...], runs: np.ndarray, mapping: np.ndarray
+) -> _Triple:
+    table, dense = _table_of(families)
+    room = dense * len(runs) + (len(table) - dense) * len(mapping)
+    out = np.empty((3, room), dtype=np.int64)
+    written = native.descriptors(table, runs, mapping, out[0], out[1], out[2])
+    return out[0, :written], out[1, :written], out[2, :written]
 
 
 def _descriptors(
@@ -176,9 +224,9 @@ def _as_mapping(mapping: BlockMapping) -> np.ndarray:
         raise CopyValidationError(
             "mapping", f"must be (src block, dst block) pairs of shape (n, 2), got shape {array.shape}"
         )
-    if not np.issubdtype(array.dtype, np.integer):
+    if array.dtype.kind not in "iu":  # integers (np.issubdtype costs more, on a hot path)
         raise CopyValidationError("mapping", f"block ids must be integers, got {array.dtype}")
-    return array.astype(np.int64)
+    return array.astype(np.int64, order="C")  # a copy of its own: the plan sorts it
 
 
 def _check_ids(ids: np.ndarray, limit: int, side: str) -> None:
@@ -212,14 +260,14 @@ def plan_copy(src: KVCache, dst: KVCache, mapping: BlockMapping) -> CopyPlan:
     for name, cache in (("src", src), ("dst", dst)):
         if not isinstance(cache, KVCache):
             raise CopyValidationError(name, f"must be a KVCache, got {type(cache).__name__}")
-    why = src.geometry.mismatch(dst.geometry)
-    if why is not None:
-        raise CopyValidationError("dst", f"geometry differs from src ({why})")
-    if src.layout.stride_order != dst.layout.stride_order:
-        raise CopyValidationError("dst", f"layout {dst.layout} differs from src layout {src.layout}")
-    if src is dst or src.overlaps(dst):
-        raise CopyValidationError("dst", "shares memory with src; copy between distinct caches")
+    families = _checked_pair(src, dst)
     pairs = _as_mapping(mapping)
+    if native is not None:
+        runs = np.empty((len(pairs), 3), dtype=np.int64)
+        count = native.plan_runs(pairs, runs, src.num_blocks, dst.num_blocks)
+        if count >= 0:
+            return CopyPlan(src, dst, pairs, runs[:count], families)
+        # refused: the numpy path below says why
     _check_ids(pairs[:, 0], src.num_blocks, "src")
     _check_ids(pairs[:, 1], dst.num_blocks, "dst")
     values, counts = np.unique(pairs[:, 1], return_counts=True)
@@ -235,7 +283,26 @@ def plan_copy(src: KVCache, dst: KVCache, mapping: BlockMapping) -> CopyPlan:
         runs = np.stack([pairs[starts, 0], pairs[starts, 1], counts], axis=1)
     else:
         runs = np.zeros((0, 3), dtype=np.int64)
-    return CopyPlan(src, dst, pairs, runs.astype(np.int64), _pair_families(src, dst))
+    return CopyPlan(src, dst, pairs, runs.astype(np.int64), families)
+
+
+def _checked_pair(src: KVCache, dst: KVCache) -> tuple[tuple[SegmentFamily, SegmentFamily], ...]:
+    """The checks of ``src`` and ``dst`` as a pair (one geometry and layout, no shared memory)
+    and their paired families: done once per pair, kept on ``src`` (both are immutable)."""
+    known = src.__dict__.setdefault("_kvhal_paired", {})
+    entry = known.get(id(dst))
+    if entry is not None and entry[0]() is dst:
+        return entry[1]
+    why = src.geometry.mismatch(dst.geometry)
+    if why is not None:
+        raise CopyValidationError("dst", f"geometry differs from src ({why})")
+    if src.layout.stride_order != dst.layout.stride_order:
+        raise CopyValidationError("dst", f"layout {dst.layout} differs from src layout {src.layout}")
+    if src is dst or src.overlaps(dst):
+        raise CopyValidationError("dst", "shares memory with src; copy between distinct caches")
+    families = _pair_families(src, dst)
+    known[id(dst)] = (weakref.ref(dst), families)
+    return families
 
 
 def plan_by_layer(

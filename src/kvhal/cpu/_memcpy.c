@@ -53,8 +53,12 @@ static int get_int64_buffer(PyObject *obj, Py_buffer *view, const char *name) {
 
 static PyObject *copy_batch(PyObject *self, PyObject *args) {
     PyObject *src_obj, *dst_obj, *size_obj;
-    Py_ssize_t nt_threshold;
-    if (!PyArg_ParseTuple(args, "OOOn", &src_obj, &dst_obj, &size_obj, &nt_threshold)) return NULL;
+    Py_ssize_t nt_threshold, part = 0, parts = 1;
+    if (!PyArg_ParseTuple(args, "OOOn|nn", &src_obj, &dst_obj, &size_obj, &nt_threshold, &part, &parts)) return NULL;
+    if (parts < 1 || part < 0 || part >= parts) {
+        PyErr_SetString(PyExc_ValueError, "part must lie in [0, parts)");
+        return NULL;
+    }
     Py_buffer src, dst, sizes;
     if (get_int64_buffer(src_obj, &src, "src") < 0) return NULL;
     if (get_int64_buffer(dst_obj, &dst, "dst") < 0) { PyBuffer_Release(&src); return NULL; }
@@ -68,21 +72,35 @@ static PyObject *copy_batch(PyObject *self, PyObject *args) {
         return NULL;
     }
     const int64_t *s = (const int64_t *)src.buf, *d = (const int64_t *)dst.buf, *z = (const int64_t *)sizes.buf;
+    unsigned long long total = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         if (z[i] < 0) {  /* refuse the whole batch before any byte moves */
             PyBuffer_Release(&src); PyBuffer_Release(&dst); PyBuffer_Release(&sizes);
             PyErr_SetString(PyExc_ValueError, "negative copy size");
             return NULL;
         }
+        total += (unsigned long long)z[i];
     }
+    /* this call's share of the batch's bytes: [lo, hi) of the descriptors laid end to end
+       (a descriptor across a cut is split), so that threads share one batch with no planning */
+    unsigned long long lo = total / parts * part + total % parts * part / parts;
+    unsigned long long hi = total / parts * (part + 1) + total % parts * (part + 1) / parts;
     Py_BEGIN_ALLOW_THREADS
     int streamed = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
+    unsigned long long at = 0;
+    for (Py_ssize_t i = 0; i < n && at < hi; i++) {
+        unsigned long long start = at, end = at + (unsigned long long)z[i];
+        at = end;
+        if (end <= lo) continue;
+        size_t skip = start < lo ? (size_t)(lo - start) : 0;
+        size_t len = (size_t)((end < hi ? end : hi) - start) - skip;
+        char *dp = (char *)(intptr_t)d[i] + skip;
+        const char *sp = (const char *)(intptr_t)s[i] + skip;
         if (nt_threshold >= 0 && z[i] >= nt_threshold) {
-            copy_streaming((char *)(intptr_t)d[i], (const char *)(intptr_t)s[i], (size_t)z[i]);
+            copy_streaming(dp, sp, len);
             streamed = 1;
         } else {
-            memcpy((void *)(intptr_t)d[i], (const void *)(intptr_t)s[i], (size_t)z[i]);
+            memcpy(dp, sp, len);
         }
     }
 #if KVHAL_HAVE_NT
@@ -97,8 +115,9 @@ static PyObject *copy_batch(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"copy_batch", copy_batch, METH_VARARGS,
-     "copy_batch(src_ptrs, dst_ptrs, sizes, nt_threshold): copy each size bytes from src to dst "
-     "(int64 buffers), non-temporal stores for sizes >= nt_threshold (-1: never); GIL released."},
+     "copy_batch(src_ptrs, dst_ptrs, sizes, nt_threshold, part=0, parts=1): copy each size bytes "
+     "from src to dst (int64 buffers), non-temporal stores for sizes >= nt_threshold (-1: never); "
+     "only share `part` of `parts` equal byte shares of the batch; GIL released."},
     {NULL, NULL, 0, NULL},
 };
 
