@@ -106,8 +106,9 @@ class KVHALConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_layer_load(self, layer_name: str) -> None:
         # large synchronous loads go layer by layer: this layer's copies first; the others
         # were waited for whole in start_load_kv, and asynchronous ones' requests are parked
-        if self.worker_side is not None:
-            self.worker_side.wait_for_layer(layer_name)
+        side = self.worker_side
+        if side is not None and not side.layer_gate.settled():
+            side.wait_for_layer(layer_name)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any

@@ -115,6 +115,11 @@ class LayerGate:
                 self._layer_copies.setdefault(name, []).append(engine_job)
         return copies, refused
 
+    def settled(self) -> bool:
+        """vLLM was seen to wait for every layer and no copy waits for one: a layer's wait
+        has nothing to do (the connector then skips it, six to eighty calls a step)."""
+        return self.layerwise and not self._layer_copies
+
     def wait_for(self, name: str) -> list[int] | None:
         """vLLM's attention of layer ``name`` is about to run: the copies it waits for."""
         self._waited.add(name)
