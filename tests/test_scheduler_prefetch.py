@@ -7,6 +7,7 @@ asynchronously (read, then copy) as before. The scheduler side runs over a real 
 
 from __future__ import annotations
 
+import logging
 import time
 
 import pytest
@@ -108,9 +109,18 @@ def test_a_failed_read_leaves_nothing_to_load(tmp_path):
     assert scheduler.prefetcher.reading == 0 and not scheduler.has_jobs_in_flight()
 
 
+PREFETCH_LOGGER = "vllm.kvhal.vllm.prefetch"  # under vLLM's logger, as vLLM's own
+
+
 @pytest.mark.parametrize("slow", [True, False])
 def test_a_tier_measured_slower_than_recompute_is_not_read(tmp_path, slow):
     scheduler = tiered(tmp_path, policy="auto")
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger(PREFETCH_LOGGER)
+    logger.addHandler(handler)
+    level, logger.level = logger.level, logging.INFO
     only_on_disk(scheduler)
     scheduler.wait_policy.observe_step(1000, 0.1)  # 8 tokens: recomputed in 0.8 ms
     scheduler.wait_policy.observe_step(2000, 0.2)
@@ -121,9 +131,14 @@ def test_a_tier_measured_slower_than_recompute_is_not_read(tmp_path, slow):
         assert scheduler.lookup(b, 0) == (0, False)  # recompute at once: no wait, no read
         assert scheduler.build_meta(output()).prefetches == []
         assert scheduler.stats.data["prefetch_slow_tier_blocks"] == 2
+        # the operator is told once why the tier's hits are recomputed
+        assert [m for m in seen if "reads slower than recomputing" in m and "every 20 s" in m], seen
     else:  # the negative control: a fast tier is read as before
         assert scheduler.lookup(b, 0) == (None, False)
         assert len(scheduler.build_meta(output()).prefetches) == 1
+        assert not [m for m in seen if "slower" in m], seen
+    logger.removeHandler(handler)
+    logger.setLevel(level)
 
 
 def test_a_slow_tier_is_probed_now_and_then_while_its_request_recomputes(tmp_path, monkeypatch):

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import collections
 import math
+import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
-__all__ = ["POLICIES", "PROBE", "PROBE_S", "Rate", "StepTimes", "WaitPolicy"]
+__all__ = ["POLICIES", "PROBE", "PROBE_S", "StepTimes", "WaitPolicy"]
 
 #: ``lower_tier_wait_policy``'s values.
 POLICIES = ("auto", "timeout")
@@ -41,24 +41,15 @@ MIN_WAIT_S = 0.05
 #: (one 192 KiB block from a store that was connecting judged a healthy store slow). Until
 #: larger reads are measured, the quickest small read is a lower bound of any read's time.
 MIN_RATE_BYTES = 1 << 20
-
-
-@dataclass
-class Rate:
-    """An exponential moving average of a rate (units per second)."""
-
-    weight: float = 0.3  # of the newest sample
-    value: float | None = None
-
-    def add(self, units: float, seconds: float) -> None:
-        if units <= 0 or seconds <= 0:
-            return
-        sample = units / seconds
-        self.value = sample if self.value is None else self.value + self.weight * (sample - self.value)
-
-    def seconds(self, units: float) -> float | None:
-        """Predicted seconds for ``units``; ``None`` before the first sample."""
-        return None if self.value is None else units / self.value
+#: A read is predicted by the median of the recent reads within this factor of its size (each
+#: scaled to it), where there are :data:`SIMILAR_MIN` of them. A least-squares line through
+#: reads of nearly one size (a returning user's 8-14 MiB) is steered by its outliers: reads of
+#: 8-15 ms with a few of 30-57 ms (a busy disk) fitted a line predicting 45-117 ms, and the
+#: tier was judged slower than recomputing and skipped for the rest of a run.
+SIMILAR = 2.0
+SIMILAR_MIN = 3
+#: The latency-and-bandwidth line is used only over reads whose sizes span this factor.
+FIT_SPREAD = 4.0
 
 
 class StepTimes:
@@ -76,6 +67,10 @@ class StepTimes:
         if tokens > 0 and seconds > 0:
             self._steps.append((tokens, seconds))
             self._line = None
+
+    def sizes(self) -> list[int]:
+        """The token counts (for reads: bytes) of the steps in the window."""
+        return [tokens for tokens, _ in self._steps]
 
     def seconds(self, tokens: int) -> float | None:
         """Predicted seconds of a step of ``tokens``; ``None`` until steps of two sizes were seen."""
@@ -125,8 +120,8 @@ class WaitPolicy:
         self.wait_s = wait_ms / 1000
         self.policy = policy
         self.clock = clock
-        self.read = Rate()  # bytes per second from the lower tier into host memory
         self.reads = StepTimes()  # a read's seconds as latency + bytes / bandwidth
+        self._recent: collections.deque[tuple[int, float]] = collections.deque(maxlen=64)  # (bytes, s)
         self._small: float | None = None  # the quickest read under MIN_RATE_BYTES
         self.steps = steps if steps is not None else StepTimes()  # what recomputing tokens costs
         self._last = -math.inf  # when the last read ended or the last probe started
@@ -139,22 +134,31 @@ class WaitPolicy:
 
     def observe_read(self, nbytes: int, seconds: float) -> None:
         """A read of ``nbytes`` from below took ``seconds`` from its start to its end."""
-        if nbytes >= MIN_RATE_BYTES:
-            self.read.add(nbytes, seconds)
+        if nbytes >= MIN_RATE_BYTES and seconds > 0:
+            self._recent.append((nbytes, seconds))
         elif seconds > 0:
             self._small = seconds if self._small is None else min(self._small, seconds)
         self.reads.add(nbytes, seconds)
         self._last = self.clock()
 
     def read_seconds(self, nbytes: int) -> float | None:
-        """Predicted seconds of a read of ``nbytes``: the latency-and-bandwidth line once reads of
-        two sizes ended, else the bandwidth of the large reads, else the quickest small read;
-        ``None`` before any read."""
-        fitted = self.reads.seconds(nbytes)
-        if fitted is not None:
-            return fitted
-        by_rate = self.read.seconds(nbytes)
-        return by_rate if by_rate is not None else self._small
+        """Predicted seconds of a read of ``nbytes``: the median of the recent reads of about its
+        size (:data:`SIMILAR`), else the latency-and-bandwidth line where the reads' sizes
+        span enough to fit one (:data:`FIT_SPREAD`), else the median bandwidth of the large
+        reads, else the quickest small read; ``None`` before any read."""
+        recent = list(self._recent)
+        if nbytes >= MIN_RATE_BYTES:
+            similar = [s * nbytes / b for b, s in recent if nbytes / SIMILAR <= b <= nbytes * SIMILAR]
+            if len(similar) >= SIMILAR_MIN:
+                return statistics.median(similar)
+        sizes = self.reads.sizes()
+        if sizes and max(sizes) >= FIT_SPREAD * max(1, min(sizes)):
+            fitted = self.reads.seconds(nbytes)
+            if fitted is not None:
+                return fitted
+        if recent:
+            return nbytes / statistics.median(b / s for b, s in recent)
+        return self._small
 
     def wait_for(self, tokens: int, nbytes: int, steps_to_see: int = 0) -> float | None:
         """Seconds a request may wait for a read of ``nbytes`` holding ``tokens`` of its

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from vllm.logger import init_logger
 
 from kvhal.offload.manager import BlockState
-from kvhal.offload.wait_policy import PROBE, WaitPolicy
+from kvhal.offload.wait_policy import PROBE, PROBE_S, WaitPolicy
 from kvhal.tiers.backend import OK
 from kvhal.tiers.chain import LoadPlan, TierChain
 from kvhal.vllm import local
@@ -132,11 +132,23 @@ class Prefetcher:
         host = self.host_prefix(chain, hashes)
         worker = local.find(self.config.engine_id) if self.config.world_size == 1 else None
         reader = None if worker is None else worker.remote if remote else worker.tier_io
-        wait = policy.wait_for(
-            (len(hashes) - host) * self.config.block_size,
-            len(below) * self.config.slot_bytes,
-            steps_to_see=0 if reader is not None else WORKER_READ_STEPS,
-        )
+        was_slow = policy.slow
+        tokens, nbytes = (len(hashes) - host) * self.config.block_size, len(below) * self.config.slot_bytes
+        wait = policy.wait_for(tokens, nbytes, steps_to_see=0 if reader is not None else WORKER_READ_STEPS)
+        if policy.slow != was_slow:  # an operator sees why hits stopped (or started again)
+            logger.info(
+                "kvhal: the %s tier now reads %s than recomputing (%.1f MiB predicted in %.0f ms, "
+                "%d tokens recomputed in %.0f ms)%s",
+                "remote" if remote else "lower",
+                "slower" if policy.slow else "faster",
+                nbytes / (1 << 20),
+                1000 * (policy.read_seconds(nbytes) or 0.0),
+                tokens,
+                1000 * (policy.steps.seconds(tokens) or 0.0),
+                f": its hits are recomputed, and it is read again every {PROBE_S:.0f} s to see"
+                if policy.slow
+                else "",
+            )
         if wait is None:  # the tier reads slower than the engine computes
             self.stats.add(PREFETCH_COUNTERS["slow"][remote], len(below))
             return RECOMPUTE
