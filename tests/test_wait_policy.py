@@ -33,18 +33,24 @@ def test_before_the_engine_is_measured_the_configured_wait_holds():
     assert wait.wait_for(tokens=1000, nbytes=10 << 20) == 1.0
 
 
-def test_a_tier_not_measured_yet_is_waited_for_about_the_recompute_time():
+def test_a_tier_not_measured_yet_is_read_and_waited_for_less_than_the_recompute_time():
+    """Its read is made (it measures the tier), and waited for as long as a tier just fast
+    enough to be read would take: a slow one costs its first requests less than recomputing
+    twice. The control: once measured fast, a read is waited for past the recompute's time."""
     wait, _ = policy()
     ten_thousand_tokens_a_second(wait)
+    assert wait.wait_for(tokens=1000, nbytes=10 << 20) == pytest.approx(0.1 * WAIT_SHARE)
+    wait.observe_read(10 << 20, 0.01)
     assert wait.wait_for(tokens=1000, nbytes=10 << 20) == pytest.approx(0.1 / WAIT_SHARE)
 
 
 def test_the_wait_is_about_the_recompute_time():
     wait, _ = policy()
     ten_thousand_tokens_a_second(wait)
-    assert wait.wait_for(tokens=2000, nbytes=1) == pytest.approx(0.2 / WAIT_SHARE)
-    assert wait.wait_for(tokens=16, nbytes=1) == MIN_WAIT_S  # a tiny hit still gets a chance
-    assert wait.wait_for(tokens=100_000, nbytes=1) == 1.0  # never past the configured wait
+    wait.observe_read(1 << 30, 0.01)  # a fast tier
+    assert wait.wait_for(tokens=2000, nbytes=1 << 20) == pytest.approx(0.2 / WAIT_SHARE)
+    assert wait.wait_for(tokens=16, nbytes=1 << 20) == MIN_WAIT_S  # a tiny hit still gets a chance
+    assert wait.wait_for(tokens=100_000, nbytes=1 << 20) == 1.0  # never past the configured wait
 
 
 def test_step_times_are_a_fixed_cost_plus_a_cost_per_token():
@@ -113,6 +119,7 @@ def test_a_read_learnt_of_steps_later_is_waited_for_those_steps_too():
     wait, _ = policy()
     wait.observe_step(1, 0.03)  # a decode step: 30 ms
     wait.observe_step(1001, 0.13)  # 0.1 ms a token
+    wait.observe_read(1 << 20, 0.001)  # a fast tier
     recompute, step = 0.0299 + 1000 * 1e-4, 0.03  # the line: 29.9 ms + 0.1 ms a token
     assert wait.wait_for(tokens=1000, nbytes=1, steps_to_see=2) == pytest.approx(
         recompute / WAIT_SHARE + 2 * step

@@ -179,6 +179,10 @@ class WaitPolicy:
                 return None
             self._last = self.clock()  # one probe at a time: the next one PROBE_S later
             return PROBE
-        # a tier not measured yet is waited for as one that reads faster than recomputing
         step = self.steps.seconds(1) or 0.0  # a step that computes next to nothing
-        return min(self.wait_s, max(MIN_WAIT_S, recompute / WAIT_SHARE + steps_to_see * step))
+        # A tier measured faster than recomputing is waited for past the recompute's time (a
+        # prediction is rough). One not measured yet is read too, but waited for only as long
+        # as a tier just fast enough would take: its first reads, three at once when a round of
+        # users returns, each waited 1.25x its recompute on a slow tier before (0.5 s).
+        allowed = recompute / WAIT_SHARE if read is not None else recompute * WAIT_SHARE
+        return min(self.wait_s, max(MIN_WAIT_S, allowed + steps_to_see * step))
