@@ -185,3 +185,26 @@ def test_reads_of_many_sizes_still_fit_latency_and_bandwidth():
     for nbytes in (192 << 10, 384 << 10, 12 * MiB, 24 * MiB):
         wait.observe_read(nbytes, 0.002 + nbytes / (1 << 30))  # 2 ms + 1 GiB/s
     assert wait.read_seconds(48 * MiB) == pytest.approx(0.002 + 48 / 1024, rel=0.01)
+
+
+@pytest.mark.parametrize("turns", ["slow", "fast"])
+def test_a_tier_that_turns_slow_or_recovers_is_seen_within_a_few_reads(turns):
+    """The median is of the newest similar reads: forty reads of one speed do not outvote
+    five of the other."""
+    wait, _ = policy()
+    ten_thousand_tokens_a_second(wait)
+    before, after = (0.01, 0.5) if turns == "slow" else (0.5, 0.01)
+    for _ in range(40):
+        wait.observe_read(10 * MiB, before)
+    for _ in range(5):
+        wait.observe_read(10 * MiB, after)
+    assert wait.read_seconds(10 * MiB) == pytest.approx(after)
+
+
+def test_no_read_is_predicted_quicker_than_the_quickest_small_one():
+    wait, _ = policy()
+    wait.observe_read(768 << 10, 0.004)  # latency: 4 ms whatever the size
+    for _ in range(3):
+        wait.observe_read(2 * MiB, 0.002)  # 1 MB a millisecond
+    assert wait.read_seconds(1 * MiB) == pytest.approx(0.004)
+    assert wait.read_seconds(64 * MiB) == pytest.approx(0.064)  # bandwidth, not latency

@@ -301,6 +301,8 @@ def _checked_pair(src: KVCache, dst: KVCache) -> tuple[tuple[SegmentFamily, Segm
     if src is dst or src.overlaps(dst):
         raise CopyValidationError("dst", "shares memory with src; copy between distinct caches")
     families = _pair_families(src, dst)
+    for key in [key for key, (ref, _) in known.items() if ref() is None]:
+        del known[key]  # pairs with caches since freed
     known[id(dst)] = (weakref.ref(dst), families)
     return families
 

@@ -55,6 +55,7 @@ def test_chat_bench_floor_host_disk_and_shared(tmp_path, vllm_installed):
         assert (parts["kvhal_worker"] > 0) == (name != "floor"), (name, parts)
         assert (parts["kvhal_scheduler"] > 0) == (name != "floor"), (name, parts)
         assert abs(sum(parts[p] for p in STEP_PARTS) - parts["step"]) < 1e-6, (name, parts)
+        assert parts["other"] > 0 and 0 < parts["model"] <= parts["forward"], (name, parts)
     runs = {run["config"]: run for run in result["runs"]}
     for run in result["runs"]:
         assert run["load_before"] and run["load_after"]

@@ -5,10 +5,10 @@ tokens again. :class:`WaitPolicy` learns both speeds as the engine runs (the low
 read bandwidth from the reads it ends, the time an engine step takes for its tokens) and,
 per hit, answers how long the request may wait for its read, or that it should not read
 at all and recompute (policy ``"auto"``); policy ``"timeout"`` always waits the configured
-deadline. A tier not measured yet is waited for as one faster than recomputing (its first
-reads measure it). One measured slower than recomputing is not read, but probed now and
-then (``PROBE_S``): one read made while its request recomputes, waited for by no one, so
-that a tier that recovers is noticed.
+deadline. A tier not measured yet is read (its first reads measure it), and waited for as
+long as a tier just fast enough to be read would take. One measured slower than recomputing
+is not read, but probed now and then (``PROBE_S``): one read made while its request
+recomputes, waited for by no one, so that a tier that recovers is noticed.
 """
 
 from __future__ import annotations
@@ -48,6 +48,9 @@ MIN_RATE_BYTES = 1 << 20
 #: tier was judged slower than recomputing and skipped for the rest of a run.
 SIMILAR = 2.0
 SIMILAR_MIN = 3
+#: ... the newest this many of them: a tier that turns slow, or recovers (its probes come
+#: every PROBE_S), is seen within a few reads.
+SIMILAR_RECENT = 8
 #: The latency-and-bandwidth line is used only over reads whose sizes span this factor.
 FIT_SPREAD = 4.0
 
@@ -142,23 +145,31 @@ class WaitPolicy:
         self._last = self.clock()
 
     def read_seconds(self, nbytes: int) -> float | None:
-        """Predicted seconds of a read of ``nbytes``: the median of the recent reads of about its
-        size (:data:`SIMILAR`), else the latency-and-bandwidth line where the reads' sizes
-        span enough to fit one (:data:`FIT_SPREAD`), else the median bandwidth of the large
-        reads, else the quickest small read; ``None`` before any read."""
+        """Predicted seconds of a read of ``nbytes``: the median of the newest reads of about its
+        size (:data:`SIMILAR`, :data:`SIMILAR_RECENT`), else the latency-and-bandwidth line
+        where the reads' sizes span enough to fit one (:data:`FIT_SPREAD`), else the median
+        bandwidth of the newest large reads, else the line; never under the quickest small
+        read; ``None`` before any read."""
         recent = list(self._recent)
+        predicted = None
         if nbytes >= MIN_RATE_BYTES:
-            similar = [s * nbytes / b for b, s in recent if nbytes / SIMILAR <= b <= nbytes * SIMILAR]
+            similar = [
+                s * nbytes / b for b, s in reversed(recent) if nbytes / SIMILAR <= b <= nbytes * SIMILAR
+            ]
             if len(similar) >= SIMILAR_MIN:
-                return statistics.median(similar)
-        sizes = self.reads.sizes()
-        if sizes and max(sizes) >= FIT_SPREAD * max(1, min(sizes)):
+                predicted = statistics.median(similar[:SIMILAR_RECENT])
+        if predicted is None:
+            sizes = self.reads.sizes()
             fitted = self.reads.seconds(nbytes)
-            if fitted is not None:
-                return fitted
-        if recent:
-            return nbytes / statistics.median(b / s for b, s in recent)
-        return self._small
+            if fitted is not None and max(sizes) >= FIT_SPREAD * max(1, min(sizes)):
+                predicted = fitted
+            elif recent:
+                predicted = nbytes / statistics.median(b / s for b, s in recent[-SIMILAR_RECENT:])
+            else:
+                predicted = fitted
+        if predicted is None:
+            return self._small
+        return max(predicted, self._small or 0.0)  # the quickest small read bounds any read
 
     def wait_for(self, tokens: int, nbytes: int, steps_to_see: int = 0) -> float | None:
         """Seconds a request may wait for a read of ``nbytes`` holding ``tokens`` of its

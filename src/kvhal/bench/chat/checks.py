@@ -71,10 +71,12 @@ def decode_steps_ms(run: dict, sequences: int) -> dict[str, float] | None:
     return {"median": 1000 * statistics.median(seconds), "p90": 1000 * _p(seconds, 0.9), "n": len(seconds)}
 
 
-#: The step clock's parts (kvhal.vllm.testing.step_clock), in the order a step runs them.
-#: ``forward`` is ``execute`` without kvhal's worker hooks, ``scheduler`` ``schedule`` and
-#: ``update`` without kvhal's scheduler hooks, ``other`` the step's time outside all of them
-#: (vLLM's output processing). ``model``, the model's own forward, is a part of ``forward``.
+#: The step clock's parts (kvhal.vllm.testing.step_clock), in the order a step runs them,
+#: each without the others timed inside it: ``forward`` is vLLM's ``execute_model`` without
+#: kvhal's worker hooks (the model's own forward, ``model``, is a part of it, without the
+#: layers' kvhal hooks), ``scheduler`` vLLM's ``schedule`` and ``update_from_output`` without
+#: kvhal's scheduler hooks, ``other`` the step's time outside all of them (vLLM's output
+#: processing).
 STEP_PARTS = ("scheduler", "kvhal_scheduler", "forward", "kvhal_worker", "sample", "other")
 
 
@@ -92,16 +94,17 @@ def first_token_step_parts_ms(runs: list[dict]) -> dict[str, float] | None:
                     parts = step.get("parts")
                     if not step["first_tokens"] or parts is None:
                         continue
-                    worker, sched = parts.get("kvhal_worker", 0.0), parts.get("kvhal_scheduler", 0.0)
+                    # each clocked part's own time: a kvhal hook inside ``schedule`` or ``model``
+                    # counts as kvhal's only
                     split = {
-                        "scheduler": parts.get("schedule", 0.0) + parts.get("update", 0.0) - sched,
-                        "kvhal_scheduler": sched,
-                        "forward": parts.get("execute", 0.0) - worker,
-                        "kvhal_worker": worker,
+                        "scheduler": parts.get("schedule", 0.0) + parts.get("update", 0.0),
+                        "kvhal_scheduler": parts.get("kvhal_scheduler", 0.0),
+                        "forward": parts.get("execute", 0.0) + parts.get("model", 0.0),
+                        "kvhal_worker": parts.get("kvhal_worker", 0.0),
                         "sample": parts.get("sample", 0.0),
                     }
                     split["other"] = step["seconds"] - sum(split.values())
-                    split["model"] = parts.get("model", 0.0)  # within forward
+                    split["model"] = parts.get("model", 0.0)  # a part of forward
                     split |= {name: seconds for name, seconds in parts.items() if name.startswith("hook:")}
                     split["step"] = step["seconds"]
                     for name, seconds in split.items():

@@ -9,6 +9,7 @@ import atexit
 import cProfile
 import functools
 import os
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -43,13 +44,15 @@ WORKER_HOOKS = (
 
 
 class StepClock:
-    """Seconds per part since the last :meth:`take`. Parts nest (``execute`` holds
-    ``kvhal_worker``); the report subtracts."""
+    """Seconds per part since the last :meth:`take`, each part's own: a call timed inside
+    another (kvhal's worker hooks inside ``execute``, a layer's wait inside ``model``) counts
+    for its part only, so the parts of a step add up to at most the step."""
 
     def __init__(self, profiler: cProfile.Profile | None = None) -> None:
         self.parts: dict[str, float] = {}
         #: profiles the hooks timed with ``detail`` (``KVHAL_HOOK_PROFILE``)
         self.profiler = profiler
+        self._inner = threading.local()  # per thread: seconds of timed calls inside the current one
 
     def wrap(self, owner: Any, method: str, part: str, detail: bool = False) -> None:
         """Time ``owner.method`` into ``part`` (and, with ``detail``, into ``hook:METHOD`` too)."""
@@ -59,18 +62,23 @@ class StepClock:
 
         profiler = self.profiler if detail else None
 
+        inner = self._inner
+
         @functools.wraps(original)
         def clocked(*args: Any, **kwargs: Any) -> Any:
+            outer = getattr(inner, "seconds", 0.0)
+            inner.seconds = 0.0
             start = time.perf_counter()
-            if profiler is not None:
-                profiler.enable()
             try:
+                if profiler is not None:
+                    profiler.enable()
                 return original(*args, **kwargs)
             finally:
                 if profiler is not None:
                     profiler.disable()
                 elapsed = time.perf_counter() - start
-                self.parts[part] = self.parts.get(part, 0.0) + elapsed
+                self.parts[part] = self.parts.get(part, 0.0) + elapsed - inner.seconds
+                inner.seconds = outer + elapsed
                 if detail:
                     self.parts[f"hook:{method}"] = self.parts.get(f"hook:{method}", 0.0) + elapsed
 
