@@ -115,20 +115,13 @@ class CopyEngine:
             # each thread finds its byte share itself: no planning on the submitting thread,
             # where a dozen numpy calls cost 0.1 ms with the caches cold after a forward
             parts = self.threads
-            futures = [
-                self._helpers().submit(self.kernel, src, dst, sizes, self.nt_threshold, part, parts)
-                for part in range(1, parts)
-            ]
-            try:
-                self.kernel(src, dst, sizes, self.nt_threshold, 0, parts)
-            finally:
-                for future in futures:
-                    future.result()
-            return
-        mine, *theirs = split_shares(src, dst, sizes, self.threads)
-        futures = [self._helpers().submit(self.kernel, *piece, self.nt_threshold) for piece in theirs]
+            pieces = [(src, dst, sizes, self.nt_threshold, part, parts) for part in range(parts)]
+        else:
+            pieces = [(*piece, self.nt_threshold) for piece in split_shares(src, dst, sizes, self.threads)]
+        mine, *theirs = pieces
+        futures = [self._helpers().submit(self.kernel, *piece) for piece in theirs]
         try:
-            self.kernel(*mine, self.nt_threshold)
+            self.kernel(*mine)
         finally:
             for future in futures:
                 future.result()

@@ -4,6 +4,7 @@ the targets."""
 from __future__ import annotations
 
 import statistics
+from collections.abc import Iterator
 
 from kvhal.bench.chat.cpu import cores_busy_later
 from kvhal.bench.chat.workload import DTYPE
@@ -52,20 +53,24 @@ def ttft_stats(values: list[float]) -> dict[str, float]:
     }
 
 
-def decode_steps_ms(run: dict, sequences: int) -> dict[str, float] | None:
-    """Rounds >= 2 of ``run``: median and p90 wall time (ms) of its decode-only engine steps of
-    ``sequences`` sequences (one token each, no request's first token), from the step trace;
-    None without one. What a step costs while kvhal's threads work beside it."""
-    seconds = []
+def later_steps(run: dict) -> Iterator[dict]:
+    """The traced engine steps of ``run``'s rounds >= 2, every engine's (none without a trace)."""
     for rnd in run["rounds"][1:]:
         traces = rnd.get("steps") or []
         # a shared run's round holds each engine's trace (None for each without --trace)
         for trace in traces if traces and not isinstance(traces[0], dict) else [traces]:
-            seconds += [
-                step["seconds"]
-                for step in trace or []
-                if not step["first_tokens"] and step["scheduled_tokens"] == sequences
-            ]
+            yield from trace or []
+
+
+def decode_steps_ms(run: dict, sequences: int) -> dict[str, float] | None:
+    """Rounds >= 2 of ``run``: median and p90 wall time (ms) of its decode-only engine steps of
+    ``sequences`` sequences (one token each, no request's first token), from the step trace;
+    None without one. What a step costs while kvhal's threads work beside it."""
+    seconds = [
+        step["seconds"]
+        for step in later_steps(run)
+        if not step["first_tokens"] and step["scheduled_tokens"] == sequences
+    ]
     if not seconds:
         return None
     return {"median": 1000 * statistics.median(seconds), "p90": 1000 * _p(seconds, 0.9), "n": len(seconds)}
@@ -87,29 +92,26 @@ def first_token_step_parts_ms(runs: list[dict]) -> dict[str, float] | None:
     totals: dict[str, float] = dict.fromkeys((*STEP_PARTS, "model", "step"), 0.0)  # and "hook:NAME"s
     count = 0
     for run in runs:
-        for rnd in run["rounds"][1:]:
-            traces = rnd.get("steps") or []
-            for trace in traces if traces and not isinstance(traces[0], dict) else [traces]:
-                for step in trace or []:
-                    parts = step.get("parts")
-                    if not step["first_tokens"] or parts is None:
-                        continue
-                    # each clocked part's own time: a kvhal hook inside ``schedule`` or ``model``
-                    # counts as kvhal's only
-                    split = {
-                        "scheduler": parts.get("schedule", 0.0) + parts.get("update", 0.0),
-                        "kvhal_scheduler": parts.get("kvhal_scheduler", 0.0),
-                        "forward": parts.get("execute", 0.0) + parts.get("model", 0.0),
-                        "kvhal_worker": parts.get("kvhal_worker", 0.0),
-                        "sample": parts.get("sample", 0.0),
-                    }
-                    split["other"] = step["seconds"] - sum(split.values())
-                    split["model"] = parts.get("model", 0.0)  # a part of forward
-                    split |= {name: seconds for name, seconds in parts.items() if name.startswith("hook:")}
-                    split["step"] = step["seconds"]
-                    for name, seconds in split.items():
-                        totals[name] = totals.get(name, 0.0) + seconds
-                    count += 1
+        for step in later_steps(run):
+            parts = step.get("parts")
+            if not step["first_tokens"] or parts is None:
+                continue
+            # each clocked part's own time: a kvhal hook inside ``schedule`` or ``model``
+            # counts as kvhal's only
+            split = {
+                "scheduler": parts.get("schedule", 0.0) + parts.get("update", 0.0),
+                "kvhal_scheduler": parts.get("kvhal_scheduler", 0.0),
+                "forward": parts.get("execute", 0.0) + parts.get("model", 0.0),
+                "kvhal_worker": parts.get("kvhal_worker", 0.0),
+                "sample": parts.get("sample", 0.0),
+            }
+            split["other"] = step["seconds"] - sum(split.values())
+            split["model"] = parts.get("model", 0.0)  # a part of forward
+            split |= {name: seconds for name, seconds in parts.items() if name.startswith("hook:")}
+            split["step"] = step["seconds"]
+            for name, seconds in split.items():
+                totals[name] = totals.get(name, 0.0) + seconds
+            count += 1
     if not count:
         return None
     return {name: 1000 * seconds / count for name, seconds in totals.items()} | {"n": count}
