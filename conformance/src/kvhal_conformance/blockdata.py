@@ -84,6 +84,18 @@ def blocks_equal(a: Snapshot, b: Snapshot) -> torch.Tensor:
     return torch.from_numpy(same)
 
 
+def some_layer_equal(a: Snapshot, b: Snapshot) -> torch.Tensor:
+    """Per block (dim 1), whether some layer of some part of ``a`` equals ``b``'s bitwise: a
+    block read while it was being written holds some layers old and some new."""
+    some = None
+    for x, y in zip(a, b, strict=True):
+        eq = np.equal(x.numpy(), y.numpy())
+        per_block = eq.reshape(eq.shape[0], eq.shape[1], -1).all(axis=2).any(axis=0)
+        some = per_block if some is None else some | per_block
+    assert some is not None
+    return torch.from_numpy(some)
+
+
 def block_label(block: int, num_blocks: int) -> str:
     if block == num_blocks - 1:
         return f"block {block} (the last block)"

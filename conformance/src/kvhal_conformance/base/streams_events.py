@@ -22,21 +22,25 @@ import torch
 from kvhal.descriptor import Capability
 from kvhal.device import Device
 from kvhal.errors import TransferError
+from kvhal_conformance import blockdata
 from kvhal_conformance.base.fixtures import ContractFixtures, final
 from kvhal_conformance.clauses import DIRECTIONS, SIZES, covers, expect, violated
 from kvhal_conformance.copycase import judge_query, synchronize_and_check
 from kvhal_conformance.settings import Sizes
 from kvhal_conformance.streamcase import (
+    READ_TRIALS,
     TRIALS,
     Rig,
     RigFixture,
     early_record_clause,
     failing_plan,
     judge_overtaken,
+    judge_read_after_write,
+    reader_of,
 )
 from kvhal_conformance.streamrig import Chain, free_chain, make_chain
 from kvhal_conformance.target import Target
-from kvhal_conformance.timing import Busy, poll, wait
+from kvhal_conformance.timing import Busy, poll, settle, wait
 
 #: How long an event recorded on an idle stream may take to report complete.
 IDLE_LIMIT_S = 5.0
@@ -286,6 +290,28 @@ class StreamsEventsContract(RigFixture, ContractFixtures):
             synchronize_and_check(
                 device, second_done, second, "copy.event", f"{second.what} (second on its stream)"
             )
+
+    @final
+    @covers("stream.order")
+    def test_copy_reads_what_the_copy_before_it_wrote(self, rig: Rig) -> None:
+        """A copy reading every block that a large copy submitted just before it to the same
+        idle stream writes gets what the large copy wrote (in 5 trials; judged on the data once
+        written, so a stream that runs work side by side shows here whatever the timing)."""
+        device = rig.device
+        large, into = rig.case("h2d", "large"), rig.case("d2h", "large")
+        reader = reader_of(device, large, into)
+        for trial in range(READ_TRIALS):
+            if trial:
+                large.rewind()
+            into_before = blockdata.fill(into.plan.dst, rig.seed + 100 + trial)
+            settle(device)
+            stream = rig.new_stream()
+            written = large.submit(stream)
+            read = device.submit(reader, stream, after_compute=False)
+            wait(device, written, f"{large.what} (first on its stream)")
+            wait(device, read, "a copy of every block it wrote (second on the stream)")
+            judge_read_after_write(large, into, into_before)
+            large.arrives()  # late bytes of a stream whose events complete early, before the rewind
 
     @final
     @covers("wait.orders")
