@@ -75,25 +75,28 @@ def take(snapshot: Snapshot, block_ids: Sequence[int] | np.ndarray) -> Snapshot:
 
 def blocks_equal(a: Snapshot, b: Snapshot) -> torch.Tensor:
     """Per block (dim 1), whether every part of ``a`` equals ``b`` bitwise (broadcasting)."""
-    same = None
-    for x, y in zip(a, b, strict=True):
-        eq = np.equal(x.numpy(), y.numpy())  # numpy reduces the small inner dims many times faster
-        per_block = eq.reshape(eq.shape[0], eq.shape[1], -1).all(axis=2).all(axis=0)
-        same = per_block if same is None else same & per_block
-    assert same is not None
-    return torch.from_numpy(same)
+    return _per_block(a, b, some_layer=False)
 
 
 def some_layer_equal(a: Snapshot, b: Snapshot) -> torch.Tensor:
     """Per block (dim 1), whether some layer of some part of ``a`` equals ``b``'s bitwise: a
     block read while it was being written holds some layers old and some new."""
-    some = None
+    return _per_block(a, b, some_layer=True)
+
+
+def _per_block(a: Snapshot, b: Snapshot, some_layer: bool) -> torch.Tensor:
+    found = None
     for x, y in zip(a, b, strict=True):
-        eq = np.equal(x.numpy(), y.numpy())
-        per_block = eq.reshape(eq.shape[0], eq.shape[1], -1).all(axis=2).any(axis=0)
-        some = per_block if some is None else some | per_block
-    assert some is not None
-    return torch.from_numpy(some)
+        eq = np.equal(x.numpy(), y.numpy())  # numpy reduces the small inner dims many times faster
+        per_layer = eq.reshape(eq.shape[0], eq.shape[1], -1).all(axis=2)
+        if some_layer:
+            per_block = per_layer.any(axis=0)
+            found = per_block if found is None else found | per_block
+        else:
+            per_block = per_layer.all(axis=0)
+            found = per_block if found is None else found & per_block
+    assert found is not None
+    return torch.from_numpy(found)
 
 
 def block_label(block: int, num_blocks: int) -> str:
