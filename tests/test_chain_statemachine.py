@@ -316,8 +316,12 @@ class ChainMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def pressure(self, data) -> None:
         """A request of fresh blocks as big as the host tier: evicts all it can."""
-        fresh = [k for k in UNIVERSE if k not in self.host]
-        self.store(data.draw(st.permutations(fresh))[:HOST_SLOTS], fail=False)
+        self.pressure_with(data.draw(st.permutations([k for k in UNIVERSE if k not in self.host])))
+
+    def pressure_with(self, fresh: list[bytes]) -> None:
+        """:meth:`pressure` with ``fresh``, keys not in the host tier, in the order drawn."""
+        assert not set(fresh) & set(self.host)
+        self.store(fresh[:HOST_SLOTS], fail=False)
 
     @precondition(lambda self: self.writes)
     @rule(data=st.data(), fault=st.sampled_from([None, None, None, "payload", "record", "report"]))
@@ -333,8 +337,11 @@ class ChainMachine(RuleBasedStateMachine):
         for key, slot in zip(plan.keys, plan.lower_slots, strict=True):
             if fault in (None, "report"):
                 self.disk[slot] = (key, True)
-            elif fault == "record" and slot in self.disk:  # the old record over new bytes
-                self.disk[slot] = (self.disk[slot][0], False)
+            elif fault == "record" and slot in self.disk:
+                # The old record over the new payload: the key's bytes under the record of the
+                # slot's last key, intact if that is this key (same key, same bytes, same crc).
+                old = self.disk[slot][0]
+                self.disk[slot] = (old, old == key)
         ok = fault is None
         self.chain.complete_write(plan, success=ok)
         for key in plan.keys:
@@ -354,6 +361,10 @@ class ChainMachine(RuleBasedStateMachine):
         keys = data.draw(st.lists(st.sampled_from(held), min_size=1, max_size=6, unique=True))
         if data.draw(st.booleans()):
             keys += [k for k in data.draw(st.permutations(UNIVERSE))[:3] if k not in keys]
+        self.load_keys(keys, finish)
+
+    def load_keys(self, keys: list[bytes], finish: bool) -> None:
+        """A request for ``keys``: the lookup, the load of its hits, finished now if ``finish``."""
         hits, promoted = self.chain.lookup(keys)
         for key in keys[:hits]:
             assert self.host.get(key) == "ready" or self.lower.get(key) == "ready", f"{key!r} is nowhere"
@@ -427,8 +438,11 @@ class ChainMachine(RuleBasedStateMachine):
         """Flip a byte of a stored payload: a read of it must fail, never deliver it."""
         slot = data.draw(st.sampled_from(sorted(s for s, (_, intact) in self.disk.items() if intact)))
         where = data.draw(st.integers(0, self.geometry.block_bytes - 1))
-        flip = data.draw(st.integers(1, 255))
-        assert self.io is not None
+        self.corrupt_slot(slot, where, data.draw(st.integers(1, 255)))
+
+    def corrupt_slot(self, slot: int, where: int, flip: int) -> None:
+        """XOR the payload byte ``where`` of ``slot`` (an intact one) with ``flip``."""
+        assert self.disk[slot][1] and self.io is not None
         file, offset = self.io.geometry.locate(slot)
         path = os.path.join(self.io.namespace, "rank0of1", f"data-{file}.bin")
         fd = os.open(path, os.O_RDWR)
@@ -493,6 +507,42 @@ SETTINGS = settings(
 def test_chain_matches_the_reference_model(variant: Variant) -> None:
     machine = type(f"ChainMachine_{variant.name}", (ChainMachine,), {"variant": variant})
     run_state_machine_as_test(machine, settings=SETTINGS)
+
+
+def test_a_torn_rewrite_under_its_own_old_record_reads_intact() -> None:
+    """Issue 35's shrunk example, step by step (no hypothesis database needed).
+
+    key-0000 goes to disk slot 0, its payload is corrupted there, a read of it fails
+    (so the chain drops it), and it is stored again into slot 0, where the payload is
+    written and the record write fails (keys 1 and 2 alongside, in slots 1 and 2). The
+    old record names key-0000 with the crc of key-0000's bytes, and the payload is
+    key-0000's bytes again: after a restart the slot reads as key-0000, intact, with the
+    key's own bytes. (The model said not intact.)
+    """
+    variant = next(v for v in VARIANTS if v.name == "cross-layer-through")
+    m = type("ChainMachine_issue35", (ChainMachine,), {"variant": variant})()
+    key = UNIVERSE[0]
+    steps = [
+        lambda: m.restart(crash=False),
+        lambda: m.pressure_with(UNIVERSE),  # keys 0-5 to the host tier and, written through, to disk
+        lambda: m.pressure_with(UNIVERSE[6:]),  # refused: every host slot is pinned by its write
+        lambda: m.pressure_with(UNIVERSE[6:]),
+        lambda: m.restart(crash=False),  # the writes finish: keys 0-5 in disk slots 0-5
+        *(lambda slot=slot: m.corrupt_slot(slot, 0, 1) for slot in range(5)),
+        lambda: m.load_keys(UNIVERSE[:3], finish=True),  # keys 0-2 read corrupt: dropped from both tiers
+        lambda: m.pressure_with(UNIVERSE),  # keys 0-2 are written through again, into slots 0-2
+        lambda: m.finish_write_at(0, "record"),  # payloads written, the record write fails
+        lambda: m.restart(crash=False),  # recovery finds slot 0's old record: key-0000
+        lambda: m.load_keys([key], finish=True),  # the read: key-0000's own bytes, intact
+    ]
+    try:
+        m.matches_model()
+        for step in steps:
+            step()
+            m.matches_model()
+        assert m.disk[0] == (key, True) and m.host.get(key) == "ready"
+    finally:
+        m.teardown()
 
 
 @pytest.mark.parametrize("variant", VARIANTS[::3], ids=[v.name for v in VARIANTS[::3]])
