@@ -4,6 +4,7 @@ parser build, importing the chat benchmark's vLLM config)."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import subprocess
 import sys
@@ -48,3 +49,16 @@ def test_the_connector_itself_still_needs_vllm() -> None:
     )
     assert done.returncode != 0
     assert "vllm" in done.stderr
+
+
+def test_version_names_kvhal_every_plugin_distribution_and_the_extensions() -> None:
+    done = run_without_vllm("--version")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == f"kvhal {importlib.metadata.version('kvhal')}"
+    plugins = {ep.dist.name for ep in importlib.metadata.entry_points(group="kvhal.plugins") if ep.dist}
+    if not plugins:
+        pytest.skip("no plugin distribution installed (scripts/setup.sh installs three)")
+    for dist in plugins:
+        assert f"{dist} {importlib.metadata.version(dist)}" in lines, done.stdout
+    assert "C extensions: 4 of 4 built" in lines, done.stdout

@@ -1,4 +1,4 @@
-"""The ``kvhal`` command: ``kvhal devices``, ``bench ...``, ``conformance``, ``new-plugin``."""
+"""The ``kvhal`` command: ``kvhal devices``, ``bench ...``, ``conformance``, ``new-plugin``, ``--version``."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from pathlib import Path
 from rich.markup import escape
 from rich.table import Table
 
+from kvhal import build_info
 from kvhal.bench.common import console as make_console
 from kvhal.registry import PluginRegistry, Selection
 
@@ -148,8 +149,31 @@ def cmd_new_plugin(args: argparse.Namespace) -> int:
     return 0
 
 
+def version_text() -> str:
+    """``kvhal --version``: kvhal's and every plugin distribution's version, and the C
+    extensions built (a missing one runs a slower path: its warning says what it costs)."""
+    lines = [f"{name} {version}" for name, version in build_info.distribution_versions().items()]
+    status = build_info.extension_status()
+    missing = {module: reason for module, reason in status.items() if reason is not None}
+    lines.append(f"C extensions: {len(status) - len(missing)} of {len(status)} built")
+    by_module = {ext.module: ext for ext in build_info.EXTENSIONS}
+    lines += [build_info.missing_extension_warning(by_module[m], reason) for m, reason in missing.items()]
+    return "\n".join(lines)
+
+
+class _Version(argparse.Action):
+    # computed when asked for, not at every parser build (it imports the extensions)
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, help="print the versions of kvhal and its plugins")
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: object) -> None:
+        print(version_text())
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvhal", description=__doc__)
+    parser.add_argument("--version", action=_Version)
     sub = parser.add_subparsers(dest="command", required=True)
 
     devices = sub.add_parser("devices", help="list device plugins, their probes, and the selected one")

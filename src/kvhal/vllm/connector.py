@@ -38,6 +38,7 @@ from vllm.logger import init_logger
 from kvhal.vllm.config import ConnectorConfig
 from kvhal.vllm.metadata import KVHALMetadata, KVHALWorkerMetadata
 from kvhal.vllm.scheduler_side import SchedulerSide
+from kvhal.vllm.start_log import log_start
 from kvhal.vllm.stats import KVHALPromMetrics, KVHALStats
 from kvhal.vllm.versions import HIT_SOURCE, KVConnectorTransferResults, check_supported, describe
 from kvhal.vllm.worker_side import WorkerSide
@@ -67,6 +68,8 @@ class KVHALConnector(KVConnectorBase_V1, SupportsHMA):
         self.config = ConnectorConfig.from_vllm(vllm_config, kv_cache_config)
         check_supported(len(self.config.groups))
         logger.info("kvhal: %s", describe())
+        if role is KVConnectorRole.SCHEDULER:  # once an engine: kvhal's version, device, extensions, tiers
+            log_start(logger, self.config, vllm_config)
         self.scheduler_side = SchedulerSide(self.config) if role is KVConnectorRole.SCHEDULER else None
         self.worker_side = WorkerSide(self.config) if role is KVConnectorRole.WORKER else None
 
