@@ -143,3 +143,17 @@ def test_unsupported_capability_named(cpu, registry):
         narrow.allocate_kv_cache(g, LBHNC)
     with pytest.raises(ValidationError, match=r"does not declare capability layout\.cross_layer"):
         narrow.allocate_kv_cache(KVGeometry(2, 4, 4, 2, 8, torch.float32), BLHNC)
+
+
+@pytest.mark.parametrize(
+    ("size", "why"),
+    [("8XB", "could not interpret byte unit: XB"), (-1, "not positive"), (10**30, "more than 1 EiB")],
+)
+@pytest.mark.parametrize("key", ["cpu_bytes_to_use", "disk_bytes_to_use"])
+def test_a_malformed_size_in_the_connectors_config_names_its_key(key, size, why):
+    from kvhal.vllm.extra_config import check_extra_config
+
+    extra = {"cpu_bytes_to_use": 1 << 30, "disk_path": "/d", "disk_bytes_to_use": 1 << 30, key: size}
+    with pytest.raises(ValidationError, match=f"got {size!r} \\({why}\\)") as info:
+        check_extra_config(extra)
+    assert info.value.argument == f"kv_connector_extra_config.{key}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -256,3 +257,62 @@ def test_bad_remote_keys_are_refused_by_name(extra: dict, argument: str) -> None
     with pytest.raises(ValidationError) as raised:
         disk_config(extra)
     assert raised.value.argument == f"kv_connector_extra_config.{argument}"
+
+
+# -- the tiers as one list ----------------------------------------------------------------------
+
+
+def test_tiers_configure_the_lower_and_remote_tier() -> None:
+    disk = {"backend": "disk", "options": {"path": "/d", "bytes_to_use": "1GiB"}, "write": "back"}
+    config = disk_config({"tiers": [disk, {"url": "redis://h:1/0", "strict": True}]})
+    assert [t.name for t in config.tiers] == ["disk", "redis"]
+    assert config.lower_tier is config.tiers[0] and config.remote_tier is config.tiers[1]
+    assert (config.lower_tier.options["bytes_to_use"], config.lower_tier.write) == (1 << 30, "back")
+    assert config.remote_tier.strict and config.fingerprint["model"] == {"name": "/m", "revision": None}
+    short = disk_config({"disk_path": "/d", "disk_bytes_to_use": 1 << 30, "remote_url": "redis://h:1/0"})
+    assert [t.name for t in short.tiers] == ["disk", "redis"]
+    assert short.lower_tier is short.tiers[0] and short.remote_tier is short.tiers[1]
+    assert disk_config({"cpu_bytes_to_use": "8GiB"}).cpu_bytes_to_use == 8 << 30
+
+
+@pytest.mark.parametrize(
+    "kinds",
+    [["disk", "disk"], ["redis", "disk"], ["redis", "redis"]],
+)
+def test_tiers_the_engine_does_not_serve_yet_are_refused_at_start(kinds: list[str]) -> None:
+    entries = {
+        "disk": lambda i: {
+            "name": f"d{i}",
+            "backend": "disk",
+            "options": {"path": f"/d{i}", "bytes_to_use": 1},
+        },
+        "redis": lambda i: {"name": f"r{i}", "url": "redis://h:1/0"},
+    }
+    with pytest.raises(ValidationError, match="at most one local tier, then one store") as raised:
+        disk_config({"tiers": [entries[kind](i) for i, kind in enumerate(kinds)]})
+    assert raised.value.argument == "kv_connector_extra_config.tiers"
+
+
+def test_lower_and_remote_tier_given_alone_are_the_tiers() -> None:
+    from kvhal.vllm.config import LowerTierConfig, RemoteTierConfig
+
+    base = disk_config({})
+    lower = LowerTierConfig("disk", {"path": "/d", "bytes_to_use": 1}, "through", "clock")
+    remote = RemoteTierConfig("redis://h:1/0")
+    config = dataclasses.replace(base, lower_tier=lower, remote_tier=remote)
+    assert config.tiers == (lower, remote) and (lower.name, remote.name) == ("disk", "redis")
+    listed = dataclasses.replace(base, tiers=(remote,))
+    assert (listed.lower_tier, listed.remote_tier) == (None, remote)
+    with pytest.raises(ValueError, match="give the tiers in tiers only"):
+        dataclasses.replace(listed, tiers=(RemoteTierConfig("redis://other:1/0"),))
+    replaced = dataclasses.replace(listed, tiers=(lower,), remote_tier=None)
+    assert (replaced.lower_tier, replaced.remote_tier) == (lower, None)
+
+
+def test_opening_a_listed_lower_tier_names_its_place(tmp_path) -> None:
+    from kvhal.vllm.lower_tier import open_lower_tier
+
+    disk = {"backend": "disk", "options": {"path": str(tmp_path / "d"), "bytes_to_use": 100}}
+    with pytest.raises(ValidationError) as raised:
+        open_lower_tier(disk_config({"tiers": [disk]}), role="index", rank=0)
+    assert raised.value.argument == "kv_connector_extra_config.tiers[0].options.bytes_to_use"
