@@ -14,7 +14,8 @@ from rich.table import Table
 
 from kvhal import build_info
 from kvhal.bench.common import console as make_console
-from kvhal.registry import PluginRegistry, Selection
+from kvhal.registry import PluginRegistry
+from kvhal.selection import Selection
 
 #: ``kvhal bench NAME`` -> module with ``add_arguments(parser)`` and ``run(args) -> int``.
 BENCHMARKS = {

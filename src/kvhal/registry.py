@@ -4,16 +4,14 @@ Plugins come from the entry-point group ``kvhal.plugins`` (an entry point may
 name a module, an object, or a class, which is instantiated without
 arguments; what it names must implement kvhal hooks, else it is an error naming
 the plugin, e.g. a module whose plugin is a class inside it); the CPU plugin is
-built in. Selection, strictest first:
+built in. :mod:`kvhal.selection` picks one of them, strictest first: the device named by
+argument or ``KVHAL_DEVICE``, else the present plugins serving the engine's torch device
+type, else every present plugin; the highest ``priority`` wins, a tie is an error.
+:mod:`kvhal.discovery` holds what loading reads and the messages for a refused plugin.
 
-1. a device named by argument, else by ``KVHAL_DEVICE``: that plugin or an error;
-2. a torch device type (the engine's): the present plugins serving it;
-3. otherwise every present plugin.
-
-The highest ``priority`` wins; a tie is an error. A plugin that fails to
-load, raises in its probe, or returns a malformed descriptor is an error
-naming it, its distribution and the hook: kvhal never silently falls back to
-another device. ``KVHAL_PLUGINS`` (allowlist) and ``KVHAL_DISABLE_PLUGINS``
+A plugin that fails to load, raises in its probe, or returns a malformed descriptor is an
+error naming it, its distribution and the hook: kvhal never silently falls back to another
+device. ``KVHAL_PLUGINS`` (allowlist) and ``KVHAL_DISABLE_PLUGINS``
 (blocklist), comma-separated, decide which plugins load at all;
 ``KVHAL_DISABLE_PLUGIN_AUTOLOAD=1`` loads only the built-in one.
 """
@@ -22,10 +20,9 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
-import inspect
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import pluggy
@@ -34,8 +31,21 @@ from kvhal import env, hookspecs
 from kvhal.cpu import CPUPlugin
 from kvhal.descriptor import DeviceDescriptor, Refusal
 from kvhal.device import Device
+from kvhal.discovery import (
+    BUILTIN_DISTRIBUTION,
+    ENTRY_POINT_GROUP,
+    ENV_ALLOW,
+    ENV_BLOCK,
+    ENV_DEVICE,
+    ENV_NO_AUTOLOAD,
+    PluginInfo,
+    distribution_of,
+    is_wrapper,
+    mismatched_hook,
+    no_hooks_message,
+    split_names,
+)
 from kvhal.errors import (
-    DeviceSelectionError,
     KVHALError,
     MalformedResultError,
     MissingHookError,
@@ -44,16 +54,11 @@ from kvhal.errors import (
     TierError,
     ValidationError,
 )
+from kvhal.selection import ProbeOutcome, Selection, choose, why_not
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 
-ENTRY_POINT_GROUP = "kvhal.plugins"
-ENV_DEVICE = "KVHAL_DEVICE"
-ENV_ALLOW = "KVHAL_PLUGINS"
-ENV_BLOCK = "KVHAL_DISABLE_PLUGINS"
-ENV_NO_AUTOLOAD = "KVHAL_DISABLE_PLUGIN_AUTOLOAD"
-BUILTIN_DISTRIBUTION = "kvhal (built-in)"
 BUILTIN_POLICIES = "kvhal-policies"
 BUILTIN_TIERS = "kvhal-tiers"
 BUILTIN_STORES = "kvhal-stores"
@@ -66,35 +71,6 @@ BUILTIN_PLUGINS = {
 }
 
 
-@dataclass
-class PluginInfo:
-    """A plugin kvhal found, loaded or not."""
-
-    name: str
-    distribution: str | None
-    plugin: object | None = None
-    error: PluginError | None = None
-    blocked_by: str | None = None
-
-    @property
-    def loaded(self) -> bool:
-        return self.plugin is not None
-
-
-@dataclass
-class ProbeOutcome:
-    """What one device plugin's probe said."""
-
-    info: PluginInfo
-    descriptor: DeviceDescriptor | None = None
-    reason: str | None = None
-    error: PluginError | None = None
-
-    @property
-    def present(self) -> bool:
-        return self.descriptor is not None
-
-
 @dataclass(frozen=True)
 class NamedFactory:
     """One factory a plugin offers by name through a hook (a policy, a tier backend)."""
@@ -105,74 +81,10 @@ class NamedFactory:
     distribution: str | None
 
 
-@dataclass
-class Selection:
-    """The outcome of device selection, with every probe, for ``kvhal devices``."""
-
-    outcomes: list[ProbeOutcome]
-    device: Device | None = None
-    error: KVHALError | None = None
-    why: str = ""
-    others: dict[str, str] = field(default_factory=dict)
-
-
 def _builtin(path: str) -> object:
     """An instance of the class at ``module:class`` (a row of :data:`BUILTIN_PLUGINS`)."""
     module, _, name = path.partition(":")
     return getattr(importlib.import_module(module), name)()
-
-
-def _split_names(value: str | Iterable[str] | None) -> set[str] | None:
-    if value is None:
-        return None
-    if isinstance(value, str):
-        return {v.strip() for v in value.split(",") if v.strip()}
-    return set(value)
-
-
-def _is_wrapper(impl: pluggy.HookImpl) -> bool:
-    return bool(impl.hookwrapper or getattr(impl, "wrapper", False))
-
-
-def _distribution_of(ep: importlib.metadata.EntryPoint) -> str | None:
-    dist = getattr(ep, "dist", None)
-    return f"{dist.name} {dist.version}" if dist is not None else None
-
-
-def _hook_carriers(module: object) -> list[str]:
-    """Attributes of ``module`` defined there that carry kvhal hook implementations."""
-    found = []
-    for attr, value in sorted(vars(module).items()):
-        if attr.startswith("_") or getattr(value, "__module__", None) != getattr(module, "__name__", None):
-            continue
-        owner = value if isinstance(value, type) else type(value)
-        if any(
-            callable(member) and hasattr(member, f"{hookspecs.PROJECT}_impl")
-            for key, member in inspect.getmembers(owner)
-            if key.startswith(f"{hookspecs.PROJECT}_")
-        ):
-            found.append(attr)
-    return found
-
-
-def _no_hooks_message(plugin: object) -> str:
-    """Why a plugin that implements no kvhal hook is refused, and what was probably meant."""
-    if not inspect.ismodule(plugin):
-        return (
-            f"registers no kvhal hooks: {type(plugin).__name__} has no method marked with "
-            "kvhal.hookspecs.hookimpl, so kvhal cannot ask it anything"
-        )
-    carriers = _hook_carriers(plugin)
-    hint = (
-        "; name the plugin object in the entry point instead: "
-        + " or ".join(f"'{plugin.__name__}:{attr}'" for attr in carriers)
-        if carriers
-        else ""
-    )
-    return (
-        f"registers no kvhal hooks: it is the module {plugin.__name__!r}, which defines no function "
-        f"marked with kvhal.hookspecs.hookimpl{hint}"
-    )
 
 
 class PluginRegistry:
@@ -190,8 +102,8 @@ class PluginRegistry:
         block: str | Iterable[str] | None = None,
         autoload: bool | None = None,
     ) -> None:
-        self.allow = _split_names(allow if allow is not None else env.read(ENV_ALLOW))
-        self.block = _split_names(block if block is not None else env.read(ENV_BLOCK)) or set()
+        self.allow = split_names(allow if allow is not None else env.read(ENV_ALLOW))
+        self.block = split_names(block if block is not None else env.read(ENV_BLOCK)) or set()
         if autoload is None:
             autoload = (env.read(ENV_NO_AUTOLOAD) or "") not in ("1", "true", "yes")
         self.pm = pluggy.PluginManager(hookspecs.PROJECT)
@@ -217,7 +129,7 @@ class PluginRegistry:
     def _load_entry_points(self) -> None:
         seen: dict[str, tuple[str | None, str]] = {p.name: (p.distribution, "") for p in self.plugins}
         for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-            dist = _distribution_of(ep)
+            dist = distribution_of(ep)
             if ep.name in seen:
                 holder, value = seen[ep.name]
                 if (holder, value) != (dist, ep.value):  # not one install found twice on sys.path
@@ -266,7 +178,7 @@ class PluginRegistry:
         try:
             self.pm.register(plugin, name=name)
         except pluggy.PluginValidationError as exc:
-            hook, reason = self._mismatched_hook(plugin)
+            hook, reason = mismatched_hook(self.pm, plugin)
             info.error = PluginLoadError(name, distribution, hook, reason or " ".join(str(exc).split()))
             info.error.__cause__ = exc
             self.plugins.append(info)
@@ -284,35 +196,11 @@ class PluginRegistry:
             )
         elif not any(c.name.startswith(f"{hookspecs.PROJECT}_") for c in callers):
             self.pm.unregister(plugin)
-            info.error = PluginLoadError(name, distribution, None, _no_hooks_message(plugin))
+            info.error = PluginLoadError(name, distribution, None, no_hooks_message(plugin))
         else:
             info.plugin = plugin
         self.plugins.append(info)
         return info
-
-    def _mismatched_hook(self, plugin: object) -> tuple[str | None, str | None]:
-        """The hook whose implementation pluggy refused and why, in one line: it takes an
-        argument its spec lacks. ``(None, None)`` when none such is found."""
-        for attr in dir(plugin):
-            prefixed = attr.startswith(f"{hookspecs.PROJECT}_")
-            if not prefixed or self.pm.parse_hookimpl_opts(plugin, attr) is None:
-                continue
-            caller = getattr(self.pm.hook, attr, None)
-            spec = getattr(caller, "spec", None)
-            if spec is None:
-                continue
-            try:
-                parameters = inspect.signature(getattr(plugin, attr)).parameters
-            except (TypeError, ValueError):
-                return attr, "has no signature kvhal can read"
-            extra = [p for p in parameters if p not in spec.argnames]
-            if extra:
-                return attr, (
-                    f"takes argument(s) {', '.join(map(repr, extra))}, which the hookspec "
-                    f"{attr}({', '.join(spec.argnames)}) does not define: an implementation takes the "
-                    "spec's arguments by name (any subset of them)"
-                )
-        return None, None
 
     def call_one(self, hook: str, info: PluginInfo, **kwargs: Any) -> list[Any]:
         """Call ``hook`` on one plugin through pluggy's hook caller, so that wrappers
@@ -321,7 +209,7 @@ class PluginRegistry:
         others = [
             impl.plugin
             for impl in caller.get_hookimpls()
-            if impl.plugin is not info.plugin and not _is_wrapper(impl)
+            if impl.plugin is not info.plugin and not is_wrapper(impl)
         ]
         result = self.pm.subset_hook_caller(hook, remove_plugins=others)(**kwargs)
         if caller.spec is not None and caller.spec.opts.get("firstresult"):
@@ -350,7 +238,7 @@ class PluginRegistry:
         """
         found: dict[str, NamedFactory] = {}
         for impl in getattr(self.pm.hook, hook).get_hookimpls():
-            if _is_wrapper(impl):
+            if is_wrapper(impl):
                 continue
             info = self._info_of(impl.plugin, impl.plugin_name)
             try:
@@ -434,7 +322,7 @@ class PluginRegistry:
             caller.name
             for caller in self.pm.get_hookcallers(info.plugin) or []
             for impl in caller.get_hookimpls()
-            if impl.plugin is info.plugin and not _is_wrapper(impl)
+            if impl.plugin is info.plugin and not is_wrapper(impl)
         }
 
     def device_plugins(self) -> list[PluginInfo]:
@@ -471,7 +359,7 @@ class PluginRegistry:
     # -- selection ----------------------------------------------------------
 
     def select(self, name: str | None = None, *, device_type: str | None = None) -> Device:
-        """Pick the device plugin (see the module docstring) and bind a :class:`Device`."""
+        """Pick the device plugin (see :mod:`kvhal.selection`) and bind a :class:`Device`."""
         selection = self.explain(name, device_type=device_type)
         if selection.error is not None:
             raise selection.error
@@ -485,78 +373,15 @@ class PluginRegistry:
         named_by = "argument" if name else ENV_DEVICE
         name = name or env.read(ENV_DEVICE)
         try:
-            chosen, selection.why = self._choose(outcomes, name, device_type, named_by)
+            chosen, selection.why = choose(outcomes, self.plugins, name, device_type, named_by)
             selection.device = self._bind(chosen)
         except KVHALError as exc:
             selection.error = exc
         for outcome in outcomes:
             if selection.device is not None and outcome.info.name == selection.device.plugin_name:
                 continue
-            selection.others[outcome.info.name] = self._why_not(outcome, selection, device_type)
+            selection.others[outcome.info.name] = why_not(outcome, selection, device_type)
         return selection
-
-    def _why_not(self, outcome: ProbeOutcome, selection: Selection, device_type: str | None) -> str:
-        if not outcome.present:
-            return outcome.reason or "not present"
-        d = outcome.descriptor
-        assert d is not None
-        if device_type and d.torch_device_type != device_type:
-            return f"serves torch device type {d.torch_device_type!r}, not {device_type!r}"
-        if selection.device is not None:
-            return (
-                f"present, but priority {d.priority} < {selection.device.descriptor.priority} "
-                f"of {selection.device.plugin_name!r}"
-                if d.priority < selection.device.descriptor.priority
-                else "present, but another device was named"
-            )
-        return "present"
-
-    def _choose(
-        self,
-        outcomes: list[ProbeOutcome],
-        name: str | None,
-        device_type: str | None,
-        named_by: str,
-    ) -> tuple[ProbeOutcome, str]:
-        broken = [o for o in outcomes if o.error is not None]
-        if name is not None:
-            matches = [o for o in outcomes if o.info.name == name]
-            if not matches:
-                known = ", ".join(sorted(p.name for p in self.plugins)) or "none"
-                blocked = [p for p in self.plugins if p.name == name and p.blocked_by]
-                hint = f" ({blocked[0].blocked_by})" if blocked else ""
-                raise DeviceSelectionError(
-                    f"device plugin {name!r} was asked for but is not available{hint}; plugins found: {known}"
-                )
-            outcome = matches[0]
-            if outcome.error is not None:
-                raise outcome.error
-            if not outcome.present:
-                raise DeviceSelectionError(
-                    f"device plugin {name!r} was asked for but declined: {outcome.reason}"
-                )
-            return outcome, f"named by {named_by}"
-        if broken:
-            raise broken[0].error  # type: ignore[misc]
-        present = [o for o in outcomes if o.present]
-        if device_type is not None:
-            present = [o for o in present if o.descriptor.torch_device_type == device_type]  # type: ignore[union-attr]
-        if not present:
-            listing = "; ".join(f"{o.info.name}: {o.reason or 'present'}" for o in outcomes) or "no plugins"
-            wanted = f" for torch device type {device_type!r}" if device_type else ""
-            raise DeviceSelectionError(f"no kvhal device plugin can serve{wanted}. Plugins found: {listing}")
-        top = max(o.descriptor.priority for o in present)  # type: ignore[union-attr]
-        best = [o for o in present if o.descriptor.priority == top]  # type: ignore[union-attr]
-        if len(best) > 1:
-            names = ", ".join(o.info.name for o in best)
-            raise DeviceSelectionError(
-                f"several device plugins are present with priority {top}: {names}; "
-                f"choose one with {ENV_DEVICE}=NAME or block the others with {ENV_BLOCK}"
-            )
-        why = f"highest priority ({top}) among present plugins"
-        if device_type is not None:
-            why += f" serving torch device type {device_type!r}"
-        return best[0], why
 
     def _bind(self, outcome: ProbeOutcome) -> Device:
         info, descriptor = outcome.info, outcome.descriptor
@@ -581,5 +406,5 @@ def select_device(
     allow: str | Iterable[str] | None = None,
     block: str | Iterable[str] | None = None,
 ) -> Device:
-    """Discover plugins and return the selected :class:`Device` (see the module docstring)."""
+    """Discover plugins and return the selected :class:`Device` (see :mod:`kvhal.selection`)."""
     return PluginRegistry(allow=allow, block=block).select(name, device_type=device_type)

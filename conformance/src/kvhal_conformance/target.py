@@ -12,8 +12,9 @@ import pytest
 import kvhal
 from kvhal.descriptor import Capability, DeviceDescriptor
 from kvhal.device import Device
+from kvhal.discovery import BUILTIN_DISTRIBUTION, PluginInfo
 from kvhal.errors import KVHALError
-from kvhal.registry import BUILTIN_DISTRIBUTION, PluginInfo, PluginRegistry
+from kvhal.registry import PluginRegistry
 from kvhal_conformance.footprint import Footprint, Snapshot
 
 #: The test hook a plugin reports its device memory through.

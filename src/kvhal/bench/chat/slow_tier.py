@@ -17,8 +17,8 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 
+from kvhal.discovery import ENTRY_POINT_GROUP
 from kvhal.hookspecs import hookimpl
-from kvhal.registry import ENTRY_POINT_GROUP
 from kvhal.tiers.backend import TierBackend, TierSpec
 
 SLOW_TIER = "bench-slow-disk"
