@@ -22,7 +22,8 @@ from kvhal.testing.mooncake_servers import MooncakeCluster, free_port
 from kvhal.tiers.media import open_store
 from kvhal.tiers.remote.store import ABSENT, FAILED, StoreUnavailable
 from kvhal.tiers.stores import mooncake_staging
-from kvhal.tiers.stores.mooncake import MooncakeStore, parse_url
+from kvhal.tiers.stores.mooncake import MooncakeStore
+from kvhal.tiers.stores.mooncake_url import parse_url
 
 pytest.importorskip("mooncake.store", reason="Mooncake's client is not installed")
 if not MooncakeCluster.available():
@@ -359,10 +360,10 @@ def test_no_metadata_server_is_unavailable(cluster):
 
 
 def test_local_host_defaults_to_the_address_routing_to_the_master(cluster):
-    from kvhal.tiers.stores.mooncake import _route_address
+    from kvhal.tiers.stores.mooncake_url import route_address
 
-    assert _route_address("127.0.0.1", cluster.rpc_port) == "127.0.0.1"
-    assert _route_address("localhost", cluster.rpc_port) in ("127.0.0.1", "::1")
+    assert route_address("127.0.0.1", cluster.rpc_port) == "127.0.0.1"
+    assert route_address("localhost", cluster.rpc_port) in ("127.0.0.1", "::1")
 
 
 def test_without_mooncakes_client_the_url_is_refused(monkeypatch):

@@ -19,7 +19,8 @@ from kvhal.errors import ValidationError
 from kvhal.testing.redis_servers import RedisServer, redis_server_binary
 from kvhal.tiers.remote.store import ABSENT, FAILED, StoreUnavailable
 from kvhal.tiers.stores import redis_direct
-from kvhal.tiers.stores.redis import RedisStore, _parse_url
+from kvhal.tiers.stores.redis import RedisStore
+from kvhal.tiers.stores.redis_url import parse_url
 
 pytestmark = [
     pytest.mark.skipif(redis_server_binary() is None, reason="redis-server is not installed"),
@@ -202,9 +203,9 @@ def test_an_unknown_reader_is_refused_by_name_before_connecting(monkeypatch: pyt
 
 
 def test_tls_and_clusters_are_not_read_directly() -> None:
-    assert "cluster" in redis_direct.unsupported(_parse_url("redis+cluster://127.0.0.1:7000"))
-    assert "TLS" in redis_direct.unsupported(_parse_url("rediss://127.0.0.1:6380/0"))
-    assert redis_direct.unsupported(_parse_url("redis://127.0.0.1:6379/0")) is None
+    assert "cluster" in redis_direct.unsupported(parse_url("redis+cluster://127.0.0.1:7000"))
+    assert "TLS" in redis_direct.unsupported(parse_url("rediss://127.0.0.1:6380/0"))
+    assert redis_direct.unsupported(parse_url("redis://127.0.0.1:6379/0")) is None
 
 
 # --- a hostile server: what the reader does with a reply no Redis sends ------------------------
@@ -245,7 +246,7 @@ def hostile(answer: Callable[[socket.socket], None]) -> Iterator[str]:
 )
 def test_a_reply_no_redis_sends_drops_the_connection(reply: bytes, says: str) -> None:
     for url in hostile(lambda conn: conn.sendall(reply)):
-        reader = redis_direct.DirectReader(_parse_url(url), "hostile")
+        reader = redis_direct.DirectReader(parse_url(url), "hostile")
         buffers = [[memoryview(bytearray(16))]]
         start = time.monotonic()
         tracemalloc.start()
@@ -272,7 +273,7 @@ def test_a_server_trickling_bytes_is_cut_off_at_the_deadline() -> None:
             conn.sendall(b"x")
 
     for url in hostile(answer):
-        reader = redis_direct.DirectReader(_parse_url(url), "hostile")
+        reader = redis_direct.DirectReader(parse_url(url), "hostile")
         start = time.monotonic()
         with pytest.raises(StoreUnavailable, match="timed out"):
             reader.getrange_into(["a"], [[memoryview(bytearray(16))]])
@@ -282,7 +283,7 @@ def test_a_server_trickling_bytes_is_cut_off_at_the_deadline() -> None:
 
 def test_a_server_that_cannot_serve_now_is_unavailable_not_a_refused_name() -> None:
     for url in hostile(lambda conn: conn.sendall(b"-LOADING Redis is loading the dataset in memory\r\n")):
-        reader = redis_direct.DirectReader(_parse_url(url), "hostile")
+        reader = redis_direct.DirectReader(parse_url(url), "hostile")
         with pytest.raises(StoreUnavailable, match="cannot serve now"):
             reader.getrange_into(["a"], [[memoryview(bytearray(16))]])
         reader.close()
@@ -294,7 +295,7 @@ def test_a_server_that_hangs_up_mid_value() -> None:
         conn.shutdown(socket.SHUT_WR)
 
     for url in hostile(answer):
-        reader = redis_direct.DirectReader(_parse_url(url), "hostile")
+        reader = redis_direct.DirectReader(parse_url(url), "hostile")
         with pytest.raises(StoreUnavailable, match="closed the connection"):
             reader.getrange_into(["a"], [[memoryview(bytearray(200))]])
         reader.close()

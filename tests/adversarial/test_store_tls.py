@@ -23,7 +23,8 @@ from kvhal.testing.redis_servers import RedisServer, TlsCerts, make_tls_certs
 from kvhal.tiers.backend import OK
 from kvhal.tiers.remote.store import StoreUnavailable
 from kvhal.tiers.stores import redis_glide
-from kvhal.tiers.stores.redis import RedisStore, _parse_url
+from kvhal.tiers.stores.redis import RedisStore
+from kvhal.tiers.stores.redis_url import parse_url
 from tests.test_remote_tier import fresh_keys, open_tier, slot_bytes
 
 #: flaw -> what each client's refusal says (redis-py's, glide's)
@@ -90,8 +91,8 @@ def test_a_bad_certificate_is_refused_by_both_clients_and_the_tier_starts_down(c
         url = f"{server.url}&timeout=2"
         with pytest.raises(StoreUnavailable, match=f"certificate verify failed: {said_by_redis_py}"):
             RedisStore.from_url(url)
-        if redis_glide.unsupported(_parse_url(url)) is None:
-            glide = redis_glide.GlideStoreClient(_parse_url(url), "the test's store")
+        if redis_glide.unsupported(parse_url(url)) is None:
+            glide = redis_glide.GlideStoreClient(parse_url(url), "the test's store")
             with pytest.raises(StoreUnavailable, match=f"invalid peer certificate: .*{said_by_glide}"):
                 glide.connect()
             glide.close()

@@ -46,10 +46,10 @@ class MooncakeLimit:
     def __init__(self, url: str) -> None:
         from mooncake.store import MooncakeDistributedStore, ReplicateConfig
 
-        from kvhal.tiers.stores.mooncake import _route_address, parse_url
+        from kvhal.tiers.stores.mooncake_url import parse_url, route_address
 
         options = parse_url(url)
-        local = options.local_host or _route_address(options.host, options.port)
+        local = options.local_host or route_address(options.host, options.port)
         self.client = MooncakeDistributedStore()
         rc = self.client.setup(
             local, options.metadata, 0, options.buffer, options.protocol, options.device, options.master

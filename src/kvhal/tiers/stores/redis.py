@@ -10,21 +10,7 @@ where it is installed, for one server and for a cluster (:mod:`kvhal.tiers.store
 its I/O does not wait on the engine's GIL); lookups go through redis-py.
 ``KVHAL_REDIS_READER`` (``direct``, ``glide``, ``redis-py``) picks another for comparison.
 
-URL forms (``remote_url``)::
-
-    redis://[USER[:PASSWORD]@]HOST[:PORT][/DB]     one server (port 6379, DB 0 by default)
-    rediss://...                                    the same over TLS
-    redis+cluster://[USER[:PASSWORD]@]HOST[:PORT]   a Redis Cluster, through one seed node (no DB)
-    rediss+cluster://...                            a cluster over TLS
-
-Query options read here: ``ttl=SECONDS`` (values expire after that long; default never) and
-``timeout=SECONDS`` (connect and read timeout, default 2.0). Passed on to redis-py:
-``ssl_ca_certs``, ``ssl_ca_path``, ``ssl_certfile``, ``ssl_keyfile``, ``ssl_cert_reqs``
-(``none``/``optional``/``required``), ``ssl_check_hostname``, ``max_connections``,
-``health_check_interval``, ``socket_keepalive``; the ``ssl_*`` ones need ``rediss``.
-
-Credentials: the user and password in the URL (percent-encoded), else ``KVHAL_REDIS_USERNAME``
-and ``KVHAL_REDIS_PASSWORD``. The password never appears in a message or a repr.
+The URL (``remote_url``), its options and the credentials: :mod:`kvhal.tiers.stores.redis_url`.
 
 Eviction is the Redis server's job: give it ``maxmemory`` and an ``allkeys-lru`` (or
 ``allkeys-lfu``) policy, or use ``ttl``. A full server with neither refuses writes (``put``
@@ -34,12 +20,9 @@ answers False for them) and still serves reads.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import parse_qsl, unquote, urlsplit
 
 import redis
 import redis.exceptions as rex
@@ -51,16 +34,12 @@ from kvhal import env
 from kvhal.errors import ValidationError
 from kvhal.tiers.remote.store import ABSENT, FAILED, RemoteStore, StoreUnavailable
 from kvhal.tiers.stores import redis_direct, redis_glide
+from kvhal.tiers.stores.redis_url import ARGUMENT, RedisTarget, parse_url, unchecked_tls
 
 __all__ = ["RedisStore"]
 
 log = logging.getLogger(__name__)
 
-ARGUMENT = "remote_url"
-SCHEMES = {"redis": (False, False), "rediss": (True, False), "redis+cluster": (False, True)}
-SCHEMES["rediss+cluster"] = (True, True)
-DEFAULT_PORT = 6379
-DEFAULT_TIMEOUT = 2.0
 #: who may read values (``KVHAL_REDIS_READER``), best first: one that cannot read the URL
 #: (the direct reader: TLS, a cluster; glide: a redis-py TLS option) falls back to the next
 READERS = ("direct", "glide", "redis-py")
@@ -69,43 +48,6 @@ READERS = ("direct", "glide", "redis-py")
 PIPELINE_COMMANDS = 128
 PIPELINE_BYTES = 64 << 20
 
-
-def _to_bool(text: str) -> bool:
-    lowered = text.lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(text)
-
-
-def _cert_reqs(text: str) -> str:
-    if text.lower() not in ("none", "optional", "required"):
-        raise ValueError(text)
-    return text.lower()
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise ValueError(text)
-    return value
-
-
-#: query options handed to redis-py, with their parsers
-_PASSED_ON: dict[str, Callable[[str], object]] = {
-    "ssl_ca_certs": str,
-    "ssl_ca_path": str,
-    "ssl_certfile": str,
-    "ssl_keyfile": str,
-    "ssl_cert_reqs": _cert_reqs,
-    "ssl_check_hostname": _to_bool,
-    "max_connections": _positive_int,
-    "health_check_interval": _positive_int,
-    "socket_keepalive": _to_bool,
-}
-
-_FILES = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
 
 #: errors that mean the store (or a node of it) did not answer, as opposed to one command failing.
 #: ClusterError is raised when a cluster command ran out of redirections/retries;
@@ -119,135 +61,6 @@ _UNAVAILABLE: tuple[type[BaseException], ...] = (
     rex.RedisClusterException,
     OSError,
 )
-
-
-@dataclass(frozen=True)
-class _Target:
-    """A parsed ``remote_url`` (the password is kept out of the repr)."""
-
-    tls: bool
-    cluster: bool
-    host: str
-    port: int
-    db: int
-    username: str | None
-    password: str | None = field(repr=False)
-    password_source: str  # "from the URL", "from KVHAL_REDIS_PASSWORD" or "none"
-    ttl: int | None
-    timeout: float
-    options: dict[str, object]
-
-    @property
-    def where(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{host}:{self.port}"
-
-    @property
-    def scheme(self) -> str:
-        return ("rediss" if self.tls else "redis") + ("+cluster" if self.cluster else "")
-
-
-def _parse_url(url: str) -> _Target:
-    """Parse and check ``url``; nothing is connected. Messages never quote the password."""
-    if not isinstance(url, str) or "://" not in url:
-        raise ValidationError(
-            ARGUMENT, f"must be a URL such as redis://HOST:PORT/0, got a {type(url).__name__}"
-        )
-    parts = urlsplit(url)
-    scheme = parts.scheme.lower()
-    if scheme not in SCHEMES:
-        raise ValidationError(
-            ARGUMENT, f"unknown Redis scheme {scheme!r}; use one of {', '.join(s + '://' for s in SCHEMES)}"
-        )
-    tls, cluster = SCHEMES[scheme]
-    hostport = parts.netloc.rpartition("@")[2]  # what follows the credentials, safe to quote
-    if not parts.hostname:
-        raise ValidationError(ARGUMENT, f"names no host ({scheme}://HOST:PORT)")
-    try:
-        port = parts.port
-    except ValueError:
-        raise ValidationError(ARGUMENT, f"bad port in {hostport!r}: must be an integer in 1..65535") from None
-    if port is None:
-        if hostport.endswith(":"):
-            raise ValidationError(ARGUMENT, f"empty port in {hostport!r}")
-        port = DEFAULT_PORT
-    if port == 0:
-        raise ValidationError(ARGUMENT, f"bad port in {hostport!r}: must be an integer in 1..65535")
-    path = parts.path.strip("/")
-    if cluster and path:
-        raise ValidationError(ARGUMENT, f"a Redis cluster has only database 0; drop /{path} from the URL")
-    db = 0
-    if path:
-        if not path.isdigit():
-            raise ValidationError(ARGUMENT, f"the database must be a number (/0, /1, ...), got /{path}")
-        db = int(path)
-    if parts.fragment:
-        raise ValidationError(ARGUMENT, "must not have a #fragment")
-
-    ttl: int | None = None
-    timeout = DEFAULT_TIMEOUT
-    options: dict[str, object] = {}
-    seen: set[str] = set()
-    for name, value in parse_qsl(parts.query, keep_blank_values=True):
-        if name in seen:
-            raise ValidationError(ARGUMENT, f"option {name} is given twice")
-        seen.add(name)
-        if name == "ttl":
-            try:
-                ttl = _positive_int(value)
-            except ValueError:
-                raise ValidationError(
-                    ARGUMENT, f"ttl must be a positive number of seconds, got {value!r}"
-                ) from None
-        elif name == "timeout":
-            try:
-                timeout = float(value)
-            except ValueError:
-                timeout = -1.0
-            if not 0 < timeout < float("inf"):
-                raise ValidationError(
-                    ARGUMENT, f"timeout must be a positive number of seconds, got {value!r}"
-                )
-        elif name in _PASSED_ON:
-            if name.startswith("ssl_") and not tls:
-                raise ValidationError(
-                    ARGUMENT, f"option {name} needs TLS: use {scheme.replace('redis', 'rediss')}://"
-                )
-            try:
-                options[name] = _PASSED_ON[name](value)
-            except ValueError:
-                raise ValidationError(ARGUMENT, f"bad value {value!r} for option {name}") from None
-            # a missing file would otherwise surface as a connection failure
-            if name in _FILES and not os.path.isfile(value):
-                raise ValidationError(ARGUMENT, f"option {name}: no file {value!r}")
-            if name == "ssl_ca_path" and not os.path.isdir(value):
-                raise ValidationError(ARGUMENT, f"option ssl_ca_path: no directory {value!r}")
-        else:
-            known = ", ".join(["ttl", "timeout", *_PASSED_ON])
-            raise ValidationError(ARGUMENT, f"unknown option {name!r}; known: {known}")
-
-    # credentials: the URL's, else the settings'; an empty user or password counts as none given
-    username = unquote(parts.username) if parts.username else None
-    if parts.password:
-        password, source = unquote(parts.password), "from the URL"
-    elif (password := env.read("KVHAL_REDIS_PASSWORD")) is not None:
-        source = "from KVHAL_REDIS_PASSWORD"
-    else:
-        source = "none"
-    if username is None:
-        username = env.read("KVHAL_REDIS_USERNAME")
-    return _Target(tls, cluster, parts.hostname, port, db, username, password, source, ttl, timeout, options)
-
-
-def _unchecked_tls(target: _Target) -> str | None:
-    """The options of a ``rediss`` URL that turn the server certificate's check off, or None."""
-    said = [
-        f"{name}={target.options[name]!r}".replace("'", "")
-        # ("optional" still checks the server's certificate: a client always asks for one)
-        for name, off in (("ssl_cert_reqs", ("none",)), ("ssl_check_hostname", (False,)))
-        if target.options.get(name, "required") in off
-    ]
-    return " and ".join(said) if target.tls and said else None
 
 
 def _auth_failure(exc: BaseException) -> bool:
@@ -277,7 +90,7 @@ class RedisStore(RemoteStore):
 
     concurrency = 4
 
-    def __init__(self, target: _Target, reader: str | None = None) -> None:
+    def __init__(self, target: RedisTarget, reader: str | None = None) -> None:
         """Connect to ``target`` and PING it (use :meth:`from_url`).
 
         :raises StoreUnavailable: it does not answer.
@@ -290,7 +103,7 @@ class RedisStore(RemoteStore):
         self._stale = False
         self._client: Any = None
         self._client = self._connect()
-        if unchecked := _unchecked_tls(target):
+        if unchecked := unchecked_tls(target):
             log.warning(
                 "kvhal: %s: %s in remote_url: the server's certificate is not checked, so anyone "
                 "on the network path can answer as the store (a value still proves its block; "
@@ -316,7 +129,7 @@ class RedisStore(RemoteStore):
 
     @classmethod
     def from_url(cls, url: str, reader: str | None = None) -> RedisStore:
-        """Connect to the server or cluster ``url`` names (see the module's documentation).
+        """Connect to the server or cluster ``url`` names (see :mod:`kvhal.tiers.stores.redis_url`).
 
         :param reader: who reads values (one of :data:`READERS`; default ``KVHAL_REDIS_READER``,
             else ``direct``).
@@ -325,7 +138,7 @@ class RedisStore(RemoteStore):
             or the server refused the credentials; the argument is ``remote_url``.
         :raises StoreUnavailable: the server does not answer.
         """
-        return cls(_parse_url(url), reader)
+        return cls(parse_url(url), reader)
 
     def __repr__(self) -> str:
         t = self._target
