@@ -7,14 +7,27 @@ from __future__ import annotations
 import os
 
 import pytest
-from hypothesis import settings
+from hypothesis import Phase, settings
+from hypothesis.internal.conjecture import engine as hypothesis_engine
 
 from kvhal.registry import PluginRegistry
 
+# A failing property must be reported, blob included, well inside pytest-timeout's 300 s
+# (pyproject.toml), or CI's log shows a timeout and not the example (issue 35):
+# - no explain phase: with it, hypothesis runs every example after the first failure
+#   under a line tracer (the shrinking too), which made one shrink outlast the timeout;
+# - shrinking stops after SHRINK_SECONDS (hypothesis's own limit, 300 s, is the timeout's;
+#   it documents the constant as the one to patch), reporting the smallest failure so far;
+# - print_blob: the report ends with the @reproduce_failure line that replays it.
+SHRINK_SECONDS = 60
+hypothesis_engine.MAX_SHRINKING_SECONDS = SHRINK_SECONDS
+PHASES = (Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink)
+
 # Loaded here, before any test module is imported: tests.helpers.examples() reads it when
-# the modules' @settings decorators run.
-settings.register_profile("full", max_examples=100)
-settings.register_profile("quick", max_examples=10)
+# the modules' @settings decorators run, and every settings object made after this point
+# (each test's @settings, the state machines' SETTINGS) inherits print_blob and the phases.
+settings.register_profile("full", max_examples=100, print_blob=True, phases=PHASES)
+settings.register_profile("quick", max_examples=10, print_blob=True, phases=PHASES)
 settings.load_profile(os.environ.get("KVHAL_HYPOTHESIS", "full"))
 
 
