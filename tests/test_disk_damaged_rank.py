@@ -62,7 +62,7 @@ def test_a_damaged_meta_json_starts_an_empty_tier(tmp_path, caplog, damage):
     worker.close()
     if damage != "intact":
         DAMAGE[damage](path / RANK0 / "meta.json")
-    with caplog.at_level(logging.WARNING, logger="kvhal.tiers.disk.tier"):
+    with caplog.at_level(logging.WARNING, logger="kvhal.tiers.disk"):
         worker = opened(make_spec(path))  # a worker opens first, as in vLLM's engine core
         scheduler = opened(make_spec(path, role="index"))
     warnings = [r for r in caplog.records if "starts empty" in r.getMessage()]

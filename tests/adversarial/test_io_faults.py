@@ -16,15 +16,18 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import importlib
 import os
+import pkgutil
 import threading
 from types import SimpleNamespace
 
 import pytest
 
 from kvhal.errors import KVHALError
+from kvhal.tiers import disk
 from kvhal.tiers.backend import OK
-from kvhal.tiers.disk import DiskTier, directory, io, namespaces, tier
+from kvhal.tiers.disk import DiskTier, io, tier
 from tests.test_disk_tier import keys_for, load, make_spec, store
 
 #: The calls of ``os`` that touch the file system (the rest pass through).
@@ -51,6 +54,12 @@ IO_CALLS = [
     "makedirs",
 ]
 SLOTS = [0, 1, 2, 5, 6]
+#: Every module of the disk tier that calls ``os``: a call moved to a new module stays swept.
+OS_MODULES = [
+    module
+    for info in pkgutil.iter_modules(disk.__path__)
+    if hasattr(module := importlib.import_module(f"{disk.__name__}.{info.name}"), "os")
+]
 
 
 class FaultyOS(SimpleNamespace):
@@ -84,7 +93,7 @@ class FaultyOS(SimpleNamespace):
 @pytest.fixture
 def faulty(monkeypatch):
     fake = FaultyOS()
-    for module in (tier, directory, namespaces, io):
+    for module in OS_MODULES:
         monkeypatch.setattr(module, "os", fake)
     return fake
 

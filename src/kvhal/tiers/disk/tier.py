@@ -34,43 +34,17 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import crc32c
-import numpy as np
 
 from kvhal.errors import ClosedError, TierError, ValidationError, check_int
 from kvhal.threads import named_pool
 from kvhal.tiers.backend import IO_ERROR, OK, TierBackend, TierSpec
-from kvhal.tiers.disk.directory import (
-    FILE_FLAGS,
-    DamagedMeta,
-    DiskOptions,
-    clear_rank,
-    damaged_files,
-    free_bytes,
-    no_space,
-    open_dir,
-    open_file,
-    open_root,
-    preallocate,
-    read_meta,
-    read_records,
-    take_lock,
-    write_meta,
-)
-from kvhal.tiers.disk.format import (
-    ALIGN,
-    MAX_KEY_BYTES,
-    RECORD_BYTES,
-    TREE,
-    Geometry,
-    check_record,
-    meta_mismatches,
-    meta_text,
-    pack_record,
-    record_keys,
-    valid_records,
-)
-from kvhal.tiers.disk.io import aligned_buffer, byte_views, is_aligned, plan_tasks, preadv_all, pwritev_all
+from kvhal.tiers.disk.batches import Work, check_batch, submit_batch
+from kvhal.tiers.disk.directory import FILE_FLAGS, DiskOptions, open_dir, open_file, open_root, take_lock
+from kvhal.tiers.disk.format import ALIGN, RECORD_BYTES, TREE, Geometry, check_record, pack_record
+from kvhal.tiers.disk.io import aligned_buffer, is_aligned, plan_tasks, preadv_all, pwritev_all
 from kvhal.tiers.disk.namespaces import budget_lock, namespace_name, size_namespace
+from kvhal.tiers.disk.ranks import ensure_ranks, rank_dir, rank_files
+from kvhal.tiers.disk.recovery import recover_slots
 
 __all__ = ["DiskTier"]
 
@@ -79,8 +53,6 @@ log = logging.getLogger(__name__)
 #: Largest single request: big enough for the disk's full bandwidth, small
 #: enough that a batch becomes several requests in flight.
 CHUNK_BYTES = 4 << 20
-#: Records ``recover`` checks per step (and per ``progress`` call).
-RECOVER_CHUNK = 1 << 20
 
 
 class DiskTier(TierBackend):
@@ -136,7 +108,16 @@ class DiskTier(TierBackend):
                 self.num_slots = self.geometry.num_slots
                 if self.num_slots < 1:
                     raise TierError("disk", self.namespace, f"was made with {size} bytes, less than a slot")
-                self._ensure_ranks(ranks)
+                ensure_ranks(
+                    spec,
+                    self.geometry,
+                    self._ns_fd,
+                    self.namespace,
+                    ranks,
+                    self._rank_fds,
+                    self.options.bytes_to_use,
+                    self.path,
+                )
 
             with budget_lock(self._tree_fd, tree):
                 size_namespace(
@@ -175,36 +156,13 @@ class DiskTier(TierBackend):
             return [], []
 
     def _recover(self, progress: Callable[[int, int], None] | None) -> tuple[list[int], list[bytes]]:
-        total = self.num_slots
-        digests = [self.spec.digest(r) for r in range(self.spec.world_size)]
-        fds = [
-            open_file(self._rank_fds[r], "index.bin", os.O_RDONLY, self._rank_dir(r))
-            for r in range(self.spec.world_size)
-        ]
-        slots: list[int] = []
-        keys: list[bytes] = []
-        try:
-            for start in range(0, total, RECOVER_CHUNK):
-                n = min(RECOVER_CHUNK, total - start)
-                first = read_records(fds[0], start, n)
-                mask = valid_records(first, digests[0])
-                for fd, digest in zip(fds[1:], digests[1:], strict=True):
-                    raw = read_records(fd, start, n)
-                    mask = valid_records(raw, digest, within=mask)
-                    rows = np.flatnonzero(mask)
-                    same = (raw[rows, 6:8] == first[rows, 6:8]).all(1) & (
-                        raw[rows, 20 : 20 + MAX_KEY_BYTES] == first[rows, 20 : 20 + MAX_KEY_BYTES]
-                    ).all(1)
-                    mask[rows[~same]] = False
-                rows = np.flatnonzero(mask)
-                slots.extend((rows + start).tolist())
-                keys.extend(record_keys(first, rows))
-                if progress is not None:
-                    progress(start + n, total)
-        finally:
-            for fd in fds:
-                os.close(fd)
-        return slots, keys
+        ranks = range(self.spec.world_size)
+        return recover_slots(
+            [(self._rank_fds[r], self._rank_dir(r)) for r in ranks],
+            [self.spec.digest(r) for r in ranks],
+            self.num_slots,
+            progress,
+        )
 
     def write(
         self, slots: Sequence[int], keys: Sequence[bytes], buffers: Sequence[memoryview]
@@ -292,89 +250,13 @@ class DiskTier(TierBackend):
         self, call: str, slots: Sequence[int], keys: Sequence[bytes], buffers: Sequence[memoryview]
     ) -> tuple[list[int], list[bytes], list[memoryview]]:
         self._check_open(call, "io")
-        n = len(slots)
-        if len(keys) != n or len(buffers) != n:
-            raise ValidationError(
-                "keys", f"{n} slots, {len(keys)} keys and {len(buffers)} buffers: one each per slot"
-            )
-        slots = [check_int("slots", s, minimum=0, below=self.num_slots) for s in slots]
-        if len(set(slots)) != n:
-            seen: set[int] = set()
-            for slot in slots:
-                if slot in seen:
-                    raise ValidationError("slots", f"slot {slot} appears twice in one {call}")
-                seen.add(slot)
-        keys = [bytes(k) for k in keys]
-        for key in keys:
-            if len(key) > MAX_KEY_BYTES:
-                raise ValidationError(
-                    "keys",
-                    f"key {key[:8].hex()}... has {len(key)} bytes; "
-                    f"the disk tier takes at most {MAX_KEY_BYTES}",
-                )
-        views = byte_views(buffers, self.geometry.slot_bytes, writable=call == "read")
-        return slots, keys, views
+        return check_batch(call, slots, keys, buffers, self.num_slots, self.geometry.slot_bytes)
 
     def _submit(
-        self,
-        work: Callable[..., None],
-        slots: list[int],
-        keys: list[bytes],
-        views: list[memoryview],
-        failed: Any,
-        what: str,
+        self, work: Work, slots: list[int], keys: list[bytes], views: list[memoryview], failed: Any, what: str
     ) -> Future[Any]:
-        results = [failed] * len(slots)  # a slot's outcome stays a failure unless its work succeeds
-        outer: Future[Any] = Future()
-        outer.set_running_or_notify_cancel()
-        if not slots:
-            outer.set_result(results)
-            return outer
-        tasks = plan_tasks(slots, self.geometry, self.options.io_threads, CHUNK_BYTES)
-        errors: list[BaseException] = []
-        remaining = [len(tasks)]
-        lock = threading.Lock()
-
-        def finished(future: Future[None]) -> None:
-            exc = future.exception()
-            if exc is not None:  # a bug, not the medium: keep its slots failed and say so
-                log.error("disk tier at %s: a %s task failed", self.path, what, exc_info=exc)
-            with lock:
-                remaining[0] -= 1
-                last = remaining[0] == 0
-            if last:
-                if errors:
-                    bad = sum(r is failed for r in results)
-                    more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
-                    log.warning(
-                        "disk tier at %s: %d of %d slots failed to %s: %s%s",
-                        self.path,
-                        bad,
-                        len(results),
-                        what,
-                        errors[0],
-                        more,
-                    )
-                outer.set_result(results)
-
-        pool = self._pools[what]
-        for task in tasks:
-            try:
-                future = pool.submit(work, task, slots, keys, views, results, errors)
-            except RuntimeError:
-                # The interpreter is exiting (concurrent.futures takes no new work once its
-                # atexit hook ran, before vLLM shuts the connector down): do it here, so an
-                # engine's last stores still reach the disk.
-                future = Future()
-                future.set_running_or_notify_cancel()
-                try:
-                    work(task, slots, keys, views, results, errors)
-                except BaseException as exc:
-                    future.set_exception(exc)
-                else:
-                    future.set_result(None)
-            future.add_done_callback(finished)
-        return outer
+        tasks = plan_tasks(slots, self.geometry, self.options.io_threads, CHUNK_BYTES) if slots else []
+        return submit_batch(self._pools[what], work, tasks, slots, keys, views, failed, what, self.path)
 
     def _write_task(
         self,
@@ -471,79 +353,7 @@ class DiskTier(TierBackend):
     # ------------------------------------------------------------------ opening the medium
 
     def _rank_dir(self, rank: int) -> str:
-        return os.path.join(self.namespace, f"rank{rank}of{self.spec.world_size}")
-
-    def _write_meta(self, dir_fd: int, rank: int) -> None:
-        spec = self.spec
-        write_meta(
-            dir_fd, meta_text(self.geometry, rank, spec.world_size, spec.fingerprint, spec.digest(rank))
-        )
-
-    def _files(self) -> list[tuple[str, int]]:
-        return [(f"data-{i}.bin", self.geometry.file_bytes(i)) for i in range(self.geometry.num_files)] + [
-            ("index.bin", self.geometry.index_bytes)
-        ]
-
-    def _ensure_ranks(self, ranks: Sequence[int]) -> None:
-        """Open each rank's directory; check a ready one's geometry, create and preallocate the others."""
-        new: list[int] = []
-        for rank in ranks:
-            where = self._rank_dir(rank)
-            fd = self._rank_fds[rank] = open_dir(self._ns_fd, os.path.basename(where), self.namespace)
-            try:
-                meta = read_meta(fd, where)
-                lacking = [n for n in self.geometry.fields() if meta is not None and n not in meta]
-                if lacking:
-                    raise DamagedMeta(f"meta.json lacks {', '.join(lacking)}")
-                broken = None
-                if meta is not None and not meta_mismatches(meta, self.geometry):
-                    broken = damaged_files(fd, self._files())
-                if broken is not None:
-                    raise DamagedMeta(broken)
-            except DamagedMeta as exc:
-                # a cache, not a record: what it held cannot be trusted, and an empty tier serves
-                log.warning(
-                    "kvhal: disk tier %s: %s; the rank's blocks are dropped and it starts empty",
-                    where,
-                    exc,
-                )
-                clear_rank(fd, where)
-                meta = None
-            if meta is None:
-                new.append(rank)
-                continue
-            wrong = meta_mismatches(meta, self.geometry)
-            if wrong:
-                raise TierError(
-                    "disk",
-                    where,
-                    f"holds slots of another geometry ({'; '.join(wrong)}; "
-                    f"bytes_to_use={self.options.bytes_to_use} and the slot size decide it); "
-                    f"nothing was changed: use another path or remove {where}",
-                )
-            if self.spec.role == "index" and meta.get("digest") != self.spec.digest(rank).hex():
-                self._write_meta(fd, rank)  # another KV from now on: say so for people reading the directory
-        if not new:
-            return
-        missing = 0  # bytes still to allocate, counted before anything is created
-        for rank in new:
-            for name, size in self._files():
-                try:
-                    st = os.stat(name, dir_fd=self._rank_fds[rank], follow_symlinks=False)
-                    missing += max(0, size - st.st_blocks * 512)
-                except FileNotFoundError:
-                    missing += size
-        free = free_bytes(self.path)
-        if missing > free:
-            raise no_space(self.options.bytes_to_use, self.path, missing, free)
-        for rank in new:
-            for name, size in self._files():
-                fd = open_file(self._rank_fds[rank], name, os.O_RDWR | os.O_CREAT, self._rank_dir(rank))
-                try:
-                    preallocate(fd, size, self.options.bytes_to_use, self.path)
-                finally:
-                    os.close(fd)
-            self._write_meta(self._rank_fds[rank], rank)
+        return rank_dir(self.namespace, rank, self.spec.world_size)
 
     def _open_io(self) -> None:
         rank = self.spec.rank
@@ -558,7 +368,7 @@ class DiskTier(TierBackend):
                 )
             self.direct = reason is None
         flags = os.O_RDWR | (os.O_DIRECT if self.direct else 0)
-        for name, size in self._files():
+        for name, size in rank_files(self.geometry):
             fd = open_file(dir_fd, name, flags if name != "index.bin" else os.O_RDWR, where)
             if name == "index.bin":
                 self._index_fd = fd
