@@ -39,20 +39,23 @@ def tiers_text(config: ConnectorConfig) -> str:
         f"{size(config.slot_bytes)} each, {config.eviction_policy})"
     )
     parts = [host]
-    lower = config.lower_tier
-    if lower is not None:
-        where = lower.options.get("path")
-        budget = lower.options.get("bytes_to_use")
+    # ``tiers`` (every tier below, in order) where the config has it; else the two it had
+    below = getattr(config, "tiers", None) or (config.lower_tier, config.remote_tier)
+    for tier in below:
+        if tier is None:
+            continue
+        if hasattr(tier, "url"):  # a store the fleet shares
+            parts.append(
+                f"remote {redact(tier.url)} (lookup {tier.lookup_timeout_ms} ms, "
+                f"load {tier.load_timeout_ms} ms, auth {tier.auth})"
+            )
+            continue
+        where = tier.options.get("path")
+        budget = tier.options.get("bytes_to_use")
         sized = size(budget) if isinstance(budget, int) else "size of the backend's choosing"
         parts.append(
-            f"{lower.backend} {sized}{f' at {where}' if where else ''} "
-            f"(write-{lower.write}, {lower.eviction_policy})"
-        )
-    remote = config.remote_tier
-    if remote is not None:
-        parts.append(
-            f"remote {redact(remote.url)} (lookup {remote.lookup_timeout_ms} ms, "
-            f"load {remote.load_timeout_ms} ms, auth {remote.auth})"
+            f"{tier.backend} {sized}{f' at {where}' if where else ''} "
+            f"(write-{tier.write}, {tier.eviction_policy})"
         )
     return " > ".join(parts)
 
