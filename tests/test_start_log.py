@@ -50,7 +50,7 @@ def test_the_line_names_version_device_extensions_and_every_tier_with_its_size()
     assert "C extensions 4 of 4 built;" in line and "missing" not in line
     host = "host 8.0 GiB per engine (2 workers, 32768 slots of 128.0 KiB each, lru)"
     disk = "disk 200.0 GiB at /var/lib/kvhal (write-through, clock)"
-    store = "remote redis://user:***@store:6379/0 (lookup 200 ms, load 5000 ms, auth hmac)"
+    store = "redis redis://user:***@store:6379/0 (lookup 200 ms, load 5000 ms, auth hmac)"
     assert line.endswith(f"tiers: {host} > {disk} > {store}")
     assert "hunter2" not in line and "\n" not in line
 
@@ -90,3 +90,14 @@ def test_log_start_warns_of_a_missing_extension_with_its_cost_and_the_fix() -> N
         "WARNING kvhal: the C extension kvhal.offload._keyindex (the manager's key index)"
     )
     assert "with a dict" in lines[1] and f"Fix: {build_info.FIX}." in lines[1]
+
+
+def test_the_tiers_are_listed_in_their_order_by_name() -> None:
+    lower = LowerTierConfig("disk", {"path": "/d", "bytes_to_use": 1 << 30}, "back", "lru", name="ssd")
+    remote = RemoteTierConfig("mooncake://m:50051?metadata=http://m:8080/metadata", lookup_timeout_ms=50)
+    line = start_line(config(tiers=(remote, lower)), "'cpu' (x)", VERSIONS, ALL_BUILT)
+    below = line.split(" > ", 1)[1]
+    assert below == (
+        "mooncake mooncake://m:50051?metadata=http://m:8080/metadata (lookup 50 ms, load 5000 ms, auth hmac)"
+        " > ssd 1.0 GiB at /d (write-back, lru)"
+    )

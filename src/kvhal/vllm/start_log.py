@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from kvhal import build_info
 from kvhal.registry import PluginRegistry
 from kvhal.tiers.remote.urls import redact
+from kvhal.vllm.extra_config import RemoteTierConfig
 
 if TYPE_CHECKING:
     from kvhal.vllm.config import ConnectorConfig
@@ -32,21 +33,18 @@ def size(nbytes: int) -> str:
 
 
 def tiers_text(config: ConnectorConfig) -> str:
-    """The tiers from top to bottom, each with its size (a store's is the store's own)."""
+    """The tiers from top to bottom, each by its name (as the ``tier`` label of the metrics)
+    with its size (a store's is the store's own)."""
     host = (
         f"host {size(config.cpu_bytes_to_use)} per engine ({config.world_size} worker"
         f"{'s' if config.world_size != 1 else ''}, {config.num_slots} slots of "
         f"{size(config.slot_bytes)} each, {config.eviction_policy})"
     )
     parts = [host]
-    # ``tiers`` (every tier below, in order) where the config has it; else the two it had
-    below = getattr(config, "tiers", None) or (config.lower_tier, config.remote_tier)
-    for tier in below:
-        if tier is None:
-            continue
-        if hasattr(tier, "url"):  # a store the fleet shares
+    for tier in config.tiers:  # every tier below the host tier, in order
+        if isinstance(tier, RemoteTierConfig):  # a store the fleet shares
             parts.append(
-                f"remote {redact(tier.url)} (lookup {tier.lookup_timeout_ms} ms, "
+                f"{tier.name} {redact(tier.url)} (lookup {tier.lookup_timeout_ms} ms, "
                 f"load {tier.load_timeout_ms} ms, auth {tier.auth})"
             )
             continue
@@ -54,7 +52,7 @@ def tiers_text(config: ConnectorConfig) -> str:
         budget = tier.options.get("bytes_to_use")
         sized = size(budget) if isinstance(budget, int) else "size of the backend's choosing"
         parts.append(
-            f"{tier.backend} {sized}{f' at {where}' if where else ''} "
+            f"{tier.name} {sized}{f' at {where}' if where else ''} "
             f"(write-{tier.write}, {tier.eviction_policy})"
         )
     return " > ".join(parts)
