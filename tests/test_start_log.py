@@ -4,6 +4,8 @@ extensions, and every tier with its size; and a warning per C extension not buil
 from __future__ import annotations
 
 import logging
+import re
+from pathlib import Path
 
 from kvhal import build_info
 from kvhal.vllm.config import ConnectorConfig, GroupInfo, LowerTierConfig, RemoteTierConfig
@@ -101,3 +103,16 @@ def test_the_tiers_are_listed_in_their_order_by_name() -> None:
         "mooncake mooncake://m:50051?metadata=http://m:8080/metadata (lookup 50 ms, load 5000 ms, auth hmac)"
         " > ssd 1.0 GiB at /d (write-back, lru)"
     )
+
+
+def test_every_logger_of_the_vllm_adapter_is_under_vllms() -> None:
+    # vLLM gives handlers and a level to the "vllm" logger only: a logger outside it dropped
+    # INFO, and the connector's start line never reached the engine's log
+    root = Path(__file__).resolve().parents[1] / "src" / "kvhal" / "vllm"
+    calls = {
+        f"{path.relative_to(root)}: {call}"
+        for path in root.rglob("*.py")
+        for call in re.findall(r"(?:init_logger|getLogger)\(([^)]*)\)", path.read_text())
+    }
+    assert any(call.startswith("connector.py: ") for call in calls)
+    assert {call for call in calls if not call.endswith(': "vllm." + __name__')} == set()

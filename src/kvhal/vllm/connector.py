@@ -54,7 +54,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
-logger = init_logger(__name__)
+logger = init_logger("vllm." + __name__)  # under "vllm": its handlers and level (INFO was dropped)
 
 
 class KVHALConnector(KVConnectorBase_V1, SupportsHMA):
