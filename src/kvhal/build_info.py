@@ -49,8 +49,9 @@ EXTENSIONS = (
     Extension(
         "kvhal.cpu._memcpy",
         "the CPU plugin's batch copy kernel",
-        "the CPU plugin copies each descriptor with ctypes.memmove, one Python call per descriptor "
-        "and no non-temporal stores (not measured)",
+        "the CPU plugin copies with ctypes.memmove, one Python call per descriptor and no "
+        "non-temporal stores: 3-5x the time (64 MiB on one thread in 11-13 ms against 2.1-2.7 ms, "
+        "16 KiB descriptors; scripts/probes/memcpy_fallback.py)",
     ),
     Extension(
         "kvhal._copyplan",
