@@ -1,4 +1,5 @@
-"""The ``kvhal`` command: ``kvhal devices``, ``bench ...``, ``conformance``, ``new-plugin``, ``--version``."""
+"""The ``kvhal`` command: ``kvhal devices``, ``bench ...``, ``conformance``, ``new-plugin``,
+``config check``, ``--version``."""
 
 from __future__ import annotations
 
@@ -150,6 +151,57 @@ def cmd_new_plugin(args: argparse.Namespace) -> int:
     return 0
 
 
+def read_config_argument(text: str | None, file: Path | None) -> tuple[str, str]:
+    """The kv-transfer-config's text and where it came from: inline JSON, ``@FILE`` or ``--file FILE``.
+
+    :raises ValidationError: no configuration, or two, or a file that cannot be read.
+    """
+    from kvhal.errors import ValidationError
+
+    if (text is None) == (file is None):
+        raise ValidationError("kv-transfer-config", "give it once: inline JSON, @FILE, or --file FILE")
+    if text is not None and not text.startswith("@"):
+        return text, "kv-transfer-config"
+    path = file if file is not None else Path(text[1:])  # type: ignore[index]
+    try:
+        return path.read_text(), str(path)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValidationError(str(path), f"cannot be read: {getattr(exc, 'strerror', None) or exc}") from None
+
+
+def config_summary(settings: object) -> str:
+    """What a configuration that passed sets up, in one line per part."""
+    from kvhal.vllm.extra_config import ExtraSettings, RemoteTierConfig
+
+    assert isinstance(settings, ExtraSettings)
+    lines = [f"host tier: {settings.cpu_bytes_to_use} bytes of pinned host memory per engine"]
+    for tier in settings.tiers:
+        if isinstance(tier, RemoteTierConfig):
+            lines.append(
+                f"store {tier.name!r}: {tier.url} (its scheme is offered; the store is not contacted)"
+            )
+        else:
+            options = ", ".join(f"{k}={v}" for k, v in tier.options.items())
+            lines.append(f"local tier {tier.name!r}: backend {tier.backend} ({options})")
+    return "\n".join(lines)
+
+
+def cmd_config_check(args: argparse.Namespace) -> int:
+    """``kvhal config check``: the connector's checks on a kv-transfer-config, no engine, no model."""
+    from kvhal.errors import ValidationError
+    from kvhal.vllm.config_check import check_kv_transfer, parse_transfer_config
+
+    try:
+        text, source = read_config_argument(args.config, args.file)
+        settings = check_kv_transfer(parse_transfer_config(text, source))
+    except ValidationError as exc:
+        print(f"kvhal config check: {exc}", file=sys.stderr)
+        return 1
+    print(f"ok: {source} is a configuration KVHALConnector starts with")
+    print(config_summary(settings))
+    return 0
+
+
 def version_text() -> str:
     """``kvhal --version``: kvhal's and every plugin distribution's version, and the C
     extensions built (a missing one runs a slower path: its warning says what it costs)."""
@@ -170,6 +222,19 @@ class _Version(argparse.Action):
     def __call__(self, parser: argparse.ArgumentParser, *args: object) -> None:
         print(version_text())
         parser.exit()
+
+
+def add_config_parser(sub: argparse._SubParsersAction) -> None:
+    """``kvhal config check``."""
+    config = sub.add_parser("config", help="check a kv-transfer-config without vLLM's engine or a model")
+    config_sub = config.add_subparsers(dest="config_command", required=True)
+    check = config_sub.add_parser(
+        "check",
+        help="run the connector's checks on a kv-transfer-config JSON: non-zero naming the key at fault",
+    )
+    check.add_argument("config", nargs="?", help="the JSON of --kv-transfer-config, or @FILE")
+    check.add_argument("--file", type=Path, help="a file holding the JSON")
+    check.set_defaults(func=cmd_config_check)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -217,6 +282,8 @@ def build_parser() -> argparse.ArgumentParser:
     new_plugin.add_argument("--dir", type=Path, default=Path("."), help="write kvhal-NAME/ here (default: .)")
     new_plugin.set_defaults(func=cmd_new_plugin)
 
+    add_config_parser(sub)
+
     conformance = sub.add_parser("conformance", help="run the conformance suite against a device plugin")
     conformance.add_argument(
         "conformance_args", nargs=argparse.REMAINDER, help="see kvhal conformance --help"
@@ -228,6 +295,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["conformance"]:  # its own parser takes every remaining option
         return cmd_conformance(argparse.Namespace(conformance_args=argv[1:]))
+    if argv[:1] == ["config"]:  # in seconds: without building (importing) every benchmark's parser
+        parser = argparse.ArgumentParser(prog="kvhal")
+        add_config_parser(parser.add_subparsers(dest="command", required=True))
+        args = parser.parse_args(argv)
+        return int(args.func(args) or 0)
     args = build_parser().parse_args(argv)
     return int(args.func(args) or 0)
 

@@ -22,7 +22,12 @@ def __getattr__(name: str) -> Any:
     # The connector (and vLLM with it) is imported when vLLM asks for it: the rest of the
     # package (config names, the model identity) and the CLI work where vLLM is not installed.
     if name == "KVHALConnector":
+        from kvhal.vllm.config_check import refuse_from_caller
         from kvhal.vllm.connector import KVHALConnector
+
+        # vLLM's factory looks the class up while it builds the configuration, before any
+        # engine starts: a configuration kvhal would refuse fails there, in seconds
+        refuse_from_caller()
 
         return KVHALConnector
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

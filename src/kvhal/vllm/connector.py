@@ -36,6 +36,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm.logger import init_logger
 
 from kvhal.vllm.config import ConnectorConfig
+from kvhal.vllm.config_check import refuse_early
 from kvhal.vllm.metadata import KVHALMetadata, KVHALWorkerMetadata
 from kvhal.vllm.scheduler_side import SchedulerSide
 from kvhal.vllm.start_log import log_start
@@ -65,6 +66,7 @@ class KVHALConnector(KVConnectorBase_V1, SupportsHMA):
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config, role, kv_cache_config)
+        refuse_early(vllm_config.kv_transfer_config)  # kvhal config check's checks (once a process)
         self.config = ConnectorConfig.from_vllm(vllm_config, kv_cache_config)
         check_supported(len(self.config.groups))
         logger.info("kvhal: %s", describe())
@@ -80,6 +82,9 @@ class KVHALConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        # vLLM 0.32 asks before it sizes and allocates the KV cache (after the model loads; the
+        # class lookup in VllmConfig refused a bad configuration earlier: kvhal.vllm.__getattr__)
+        refuse_early(vllm_config.kv_transfer_config)
         # kvhal copies any layout the engine picks (copies follow real strides).
         return None
 
