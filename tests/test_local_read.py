@@ -84,9 +84,9 @@ def test_a_disk_hit_is_read_in_the_lookup_and_loaded_in_its_step(tmp_path):
     b = request("b")
     scheduler.track(b)
     assert scheduler.lookup(b, 0) == (8, False)  # read while vLLM asked: a host hit at once
-    assert scheduler.stats.data["tier_loaded_blocks"] == 2 and not scheduler.prefetcher.local_reads
+    assert scheduler.stats.data["tier_loaded_blocks{tier=disk}"] == 2 and not scheduler.prefetcher.local_reads
     loaded_in_its_step(scheduler, worker, caches, b, source=caches)
-    assert scheduler.stats.data["tier_hit_tokens"] == 8
+    assert scheduler.stats.data["tier_hit_tokens{tier=disk}"] == 8
     worker.shutdown()
     scheduler.close()
 
@@ -101,7 +101,10 @@ def test_a_corrupt_block_on_disk_is_recomputed_not_served(tmp_path):
     b = request("b")
     scheduler.track(b)
     assert scheduler.lookup(b, 0) == (0, False)
-    assert scheduler.stats.data["tier_corrupt_blocks"] == 1 and scheduler.stats.data["tier_failed_loads"] == 1
+    assert (
+        scheduler.stats.data["tier_corrupt_blocks{tier=disk}"] == 1
+        and scheduler.stats.data["tier_failed_loads{tier=disk}"] == 1
+    )
     worker.shutdown()
     scheduler.close()
 

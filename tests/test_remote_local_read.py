@@ -56,7 +56,7 @@ def stored(url: str) -> dict:
     meta = scheduler.build_meta(output())  # the step after: the writes' results come back
     run(scheduler, worker, meta)
     deadline = time.monotonic() + 5
-    while scheduler.stats.data.get("remote_written_blocks", 0) < 3:
+    while scheduler.stats.data.get("tier_written_blocks{tier=redis}", 0) < 3:
         assert time.monotonic() < deadline, "the store write never ended"
         run(scheduler, worker, scheduler.build_meta(output()))
         time.sleep(0.01)
@@ -85,9 +85,11 @@ def test_a_store_hit_is_read_by_the_lookup_and_loaded_in_its_step(server):
     scheduler.track(b)
     answer, _ = lookup(scheduler, b)
     assert answer == (8, False), "a host hit, loaded in the step that schedules it"
-    assert scheduler.stats.data["remote_loaded_blocks"] == 2 and not scheduler.prefetcher.local_reads
+    assert (
+        scheduler.stats.data["tier_loaded_blocks{tier=redis}"] == 2 and not scheduler.prefetcher.local_reads
+    )
     loaded_in_its_step(scheduler, worker, caches, b, source=caches_a)
-    assert scheduler.stats.data["remote_hit_tokens"] == 8
+    assert scheduler.stats.data["tier_hit_tokens{tier=redis}"] == 8
     worker.shutdown()
     scheduler.close()
 
@@ -104,7 +106,7 @@ def test_a_corrupt_value_in_the_store_is_recomputed_not_served(server):
     scheduler.track(b)
     answer, _ = lookup(scheduler, b)
     assert answer == (0, False), "a corrupt block was offered"
-    assert scheduler.stats.data["remote_corrupt_blocks"] >= 1
-    assert scheduler.stats.data["remote_failed_loads"] == 1
+    assert scheduler.stats.data["tier_corrupt_blocks{tier=redis}"] >= 1
+    assert scheduler.stats.data["tier_failed_loads{tier=redis}"] == 1
     worker.shutdown()
     scheduler.close()

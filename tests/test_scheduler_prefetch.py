@@ -82,9 +82,9 @@ def test_a_disk_hit_is_read_into_host_memory_while_the_request_waits_then_loads_
     scheduler.after_alloc(b, KVCacheBlocks(([KVCacheBlock(7), KVCacheBlock(8)],)), 8)
     [load] = scheduler.build_meta(output()).loads
     assert load.sync and load.reads is None
-    assert scheduler.stats.data["prefetched_blocks"] == 2
-    assert scheduler.stats.data["tier_hit_tokens"] == 8  # the disk's share of the hit
-    assert scheduler.stats.data["tier_loaded_blocks"] == 2
+    assert scheduler.stats.data["tier_prefetched_blocks{tier=disk}"] == 2
+    assert scheduler.stats.data["tier_hit_tokens{tier=disk}"] == 8  # the disk's share of the hit
+    assert scheduler.stats.data["tier_loaded_blocks{tier=disk}"] == 2
 
 
 def test_past_the_wait_the_host_part_is_the_hit_and_the_read_still_lands(tmp_path):
@@ -92,7 +92,7 @@ def test_past_the_wait_the_host_part_is_the_hit_and_the_read_still_lands(tmp_pat
     only_on_disk(scheduler)
     b, prefetch = waiting(scheduler)
     assert scheduler.lookup(b, 0) == (0, False)  # nothing in host yet: recompute
-    assert scheduler.stats.data["prefetch_timeouts"] == 1
+    assert scheduler.stats.data["tier_prefetch_timeouts{tier=disk}"] == 1
     reported(scheduler, [prefetch.job_id])  # the read ends later, for the next request
     c = request("c")
     scheduler.track(c)
@@ -105,7 +105,7 @@ def test_a_failed_read_leaves_nothing_to_load(tmp_path):
     b, prefetch = waiting(scheduler)
     reported(scheduler, [prefetch.job_id], ok=False)
     assert scheduler.lookup(b, 0) == (0, False)  # forgotten in both tiers (it may be corrupt)
-    assert scheduler.stats.data["tier_failed_loads"] == 1
+    assert scheduler.stats.data["tier_failed_loads{tier=disk}"] == 1
     assert scheduler.prefetcher.reading == 0 and not scheduler.has_jobs_in_flight()
 
 
@@ -130,7 +130,7 @@ def test_a_tier_measured_slower_than_recompute_is_not_read(tmp_path, slow):
     if slow:
         assert scheduler.lookup(b, 0) == (0, False)  # recompute at once: no wait, no read
         assert scheduler.build_meta(output()).prefetches == []
-        assert scheduler.stats.data["prefetch_slow_tier_blocks"] == 2
+        assert scheduler.stats.data["tier_slow_blocks{tier=disk}"] == 2
         # the operator is told once why the tier's hits are recomputed
         assert [m for m in seen if "reads slower than recomputing" in m and "every 20 s" in m], seen
     else:  # the negative control: a fast tier is read as before
@@ -157,7 +157,7 @@ def test_a_slow_tier_is_probed_now_and_then_while_its_request_recomputes(tmp_pat
     assert scheduler.lookup(b, 0) == (0, False)  # recompute now
     assert scheduler.lookup(b, 0) == (0, False)  # asked again: still no wait, no second read
     [probe] = scheduler.build_meta(output()).prefetches
-    assert scheduler.stats.data["prefetch_probes"] == 1
+    assert scheduler.stats.data["tier_probes{tier=disk}"] == 1
     scheduler.track(c)
     assert scheduler.lookup(c, 0) == (0, False)  # slow, and the probe has not landed
     assert scheduler.build_meta(output()).prefetches == []
@@ -177,7 +177,7 @@ def test_without_a_prefetch_the_hit_loads_asynchronously(tmp_path, how):
     scheduler.after_alloc(b, KVCacheBlocks(([KVCacheBlock(7), KVCacheBlock(8)],)), 8)
     [load] = scheduler.build_meta(output()).loads
     assert not load.sync and len(load.reads.keys) == 2
-    assert ("prefetch_skipped_blocks" in scheduler.stats.data) is (how == "over budget")
+    assert ("tier_prefetch_skipped_blocks{tier=disk}" in scheduler.stats.data) is (how == "over budget")
 
 
 def test_an_aborted_request_leaves_its_read_to_finish(tmp_path):
@@ -201,4 +201,5 @@ def test_a_tier_measured_slower_than_recompute_is_not_written_either(tmp_path, s
     scheduler.wait_policy.slow = slow
     meta = prefill(scheduler, request("a"), [1, 2, 3])
     assert [job.write is None for job in meta.stores] == [slow]
-    assert scheduler.stats.data.get("tier_slow_skipped_writes", 0) == (3 if slow else 0)  # its 3 blocks
+    skipped = scheduler.stats.data.get("tier_slow_skipped_writes{tier=disk}", 0)
+    assert skipped == (3 if slow else 0)  # its 3 blocks

@@ -100,12 +100,12 @@ def test_a_store_hit_is_prefetched_at_lookup_then_loaded_as_a_host_hit(server):
     assert scheduler.lookup(req, 0) == (None, False), "waits while the read is in flight"
     reported(scheduler, [prefetch.job_id])  # the workers read the blocks into host memory
     assert scheduler.lookup(req, 0) == (2 * BS, False), "then a host hit, loaded in its step"
-    assert scheduler.stats.data["remote_lookups"] == 1, "the store was asked once"
-    assert scheduler.stats.data["remote_loaded_blocks"] == 2
+    assert scheduler.stats.data["tier_lookups{tier=redis}"] == 1, "the store was asked once"
+    assert scheduler.stats.data["tier_loaded_blocks{tier=redis}"] == 2
     scheduler.after_alloc(req, KVCacheBlocks(([KVCacheBlock(i) for i in (5, 6, 7)],)), 2 * BS)
     [load] = scheduler.build_meta(output()).loads
     assert load.sync and load.remote_reads is None and load.reads is None
-    assert scheduler.stats.data["remote_hit_tokens"] == 2 * BS
+    assert scheduler.stats.data["tier_hit_tokens{tier=redis}"] == 2 * BS
     scheduler.close()
 
 
@@ -116,7 +116,7 @@ def test_a_failed_prefetch_from_the_store_is_recomputed_and_not_read_again(serve
     assert answered(scheduler, req) == (None, False)
     [prefetch] = scheduler.build_meta(output()).prefetches
     reported(scheduler, [prefetch.job_id], ok=False)  # e.g. a checksum mismatch on a worker
-    assert scheduler.stats.data["remote_failed_loads"] == 1
+    assert scheduler.stats.data["tier_failed_loads{tier=redis}"] == 1
     assert scheduler.manager.lookup([offload_key(req.block_hashes[0], 0)]) == 0, "a failed read left a block"
     assert scheduler.lookup(req, 0) == (0, False), "recomputed: the store is not read for it again"
     assert scheduler.build_meta(output()).prefetches == []
@@ -131,7 +131,7 @@ def test_past_its_deadline_a_store_prefetch_is_recomputed_and_its_slots_freed_wh
     [prefetch] = scheduler.build_meta(output()).prefetches
     time.sleep(0.1)
     assert scheduler.lookup(req, 0) == (0, False), "past the wait: recompute"
-    assert scheduler.stats.data["remote_prefetch_timeouts"] == 1
+    assert scheduler.stats.data["tier_prefetch_timeouts{tier=redis}"] == 1
     free = scheduler.manager.num_free
     reported(scheduler, [prefetch.job_id], ok=False)  # the stalled read ends, failed
     assert scheduler.manager.num_free == free + 2, "the read's host slots were not freed"
@@ -144,14 +144,14 @@ def test_over_the_prefetch_budget_a_store_hit_is_read_by_its_load(server):
     put_blocks(scheduler, server.url, list(a.block_hashes[:2]) + list(b.block_hashes[:2]))
     assert answered(scheduler, a) == (None, False)  # its prefetch takes the whole budget
     tokens, _ = hit(scheduler, b)
-    assert tokens == 2 * BS and scheduler.stats.data["remote_prefetch_skipped_blocks"] == 2
+    assert tokens == 2 * BS and scheduler.stats.data["tier_prefetch_skipped_blocks{tier=redis}"] == 2
     scheduler.after_alloc(b, KVCacheBlocks(([KVCacheBlock(i) for i in (5, 6, 7)],)), 2 * BS)
     meta = scheduler.build_meta(output())
     [load] = meta.loads
     assert not load.sync and load.remote_reads is not None and load.reads is None
     assert load.remote_reads.keys == [offload_key(h, 0) for h in b.block_hashes[:2]]
     reported(scheduler, [load.job_id], ok=False)  # the read failed on the worker: recompute
-    assert scheduler.stats.data["remote_failed_loads"] == 1
+    assert scheduler.stats.data["tier_failed_loads{tier=redis}"] == 1
     assert scheduler.manager.lookup([offload_key(b.block_hashes[0], 0)]) == 0, "a failed read left a block"
     scheduler.close()
 
@@ -168,7 +168,7 @@ def test_a_store_that_does_not_answer_in_time_is_a_miss(server):
         client.execute_command("CLIENT", "UNPAUSE")
     assert tokens == 0 and asked > 1, "the engine was not asked to come back while the store hung"
     assert 0.1 <= waited < 1.0, f"the lookup waited {waited:.2f} s for a 100 ms timeout"
-    assert scheduler.stats.data["remote_lookup_timeouts"] == 1
+    assert scheduler.stats.data["tier_lookup_timeouts{tier=redis}"] == 1
     scheduler.close()
 
 
@@ -181,18 +181,18 @@ def test_writes_beyond_the_in_flight_cap_or_to_a_down_store_are_dropped(server):
     assert len(store_a.remote_write.keys) == 3
     [store_b] = prefill(scheduler, b, [4, 5, 6]).stores
     assert store_b.remote_write is None, "3 + 3 blocks in flight exceed the cap of 4"
-    assert scheduler.stats.data["remote_dropped_blocks"] == 3
+    assert scheduler.stats.data["tier_dropped_blocks{tier=redis}"] == 3
     # the store's copy and then its write end: room again
     reported(scheduler, [store_a.job_id])
     reported(scheduler, [store_a.remote_write.job_id])
-    assert scheduler.stats.data["remote_written_blocks"] == 3
+    assert scheduler.stats.data["tier_written_blocks{tier=redis}"] == 3
     server.stop()
     c = request("c", [t + 200 for t in PROMPT])
     assert hit(scheduler, c)[0] == 0
-    assert scheduler.stats.data["remote_lookup_errors"] == 1 and not scheduler.remote.up
+    assert scheduler.stats.data["tier_lookup_errors{tier=redis}"] == 1 and not scheduler.remote.up
     [store_c] = prefill(scheduler, c, [7, 8, 9]).stores
     assert store_c.remote_write is None, "a write was planned to a store that is down"
-    assert scheduler.stats.data["remote_dropped_blocks"] == 6
+    assert scheduler.stats.data["tier_dropped_blocks{tier=redis}"] == 6
     scheduler.close()
 
 

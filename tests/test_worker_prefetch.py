@@ -66,7 +66,7 @@ def test_a_prefetch_reads_the_disk_into_host_slots_and_a_sync_load_copies_them(t
     finished, failed, _ = settle(worker)
     assert not finished and not failed  # vLLM waits for no prefetch
     assert worker.worker_meta().succeeded == {0: 1, 1: 1, 2: 1}
-    assert worker.stats.data["tier_read_bytes"] == 2 * worker.config.slot_bytes
+    assert worker.stats.data["tier_read_bytes{tier=disk}"] == 2 * worker.config.slot_bytes
     before = [block(caches, i) for i in (7, 9)]
     sync = load(3, "s", [7, 9], [4, 6])
     sync.sync = True
@@ -106,7 +106,7 @@ def test_an_asynchronous_load_from_a_stalled_disk_gives_up_at_its_deadline(tmp_p
         finished, failed = finished | more, failed | more_failed
     assert finished == {"s"} and failed == ({"s"} if stalled else set())
     if stalled:
-        assert worker.stats.data["tier_load_timeouts"] == 1
+        assert worker.stats.data["tier_load_timeouts{tier=disk}"] == 1
         assert worker.jobs_in_flight == 1, "the read in flight still holds its slots"
         release.set()
     settle(worker)

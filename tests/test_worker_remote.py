@@ -56,7 +56,7 @@ def stored_through(url: str) -> tuple[WorkerSide, dict]:
 def test_what_one_worker_stores_another_loads_byte_for_byte(server):
     a, caches_a = stored_through(server.url)
     assert a.worker_meta().succeeded == {0: 1, 1: 1}
-    assert a.stats.data["remote_written_bytes"] == 2 * a.config.slot_bytes
+    assert a.stats.data["tier_written_bytes{tier=redis}"] == 2 * a.config.slot_bytes
     b, caches_b = worker(server.url, seed=2)
     before = [block(caches_b, i) for i in (7, 9)]
     fetch = load(2, "s", [7, 9], [4, 6])
@@ -68,7 +68,7 @@ def test_what_one_worker_stores_another_loads_byte_for_byte(server):
         same(block(caches_b, 9), block(caches_a, 5))
     )
     assert not any(same(before[0], block(caches_a, 3))), "negative control: the blocks differed before"
-    assert b.stats.data["remote_read_bytes"] == 2 * b.config.slot_bytes
+    assert b.stats.data["tier_read_bytes{tier=redis}"] == 2 * b.config.slot_bytes
     a.shutdown()
     b.shutdown()
 
@@ -89,7 +89,7 @@ def test_a_read_that_hangs_fails_the_load_at_its_deadline_and_ends_later(server)
         time.sleep(0.01)
     assert finished == failed == {"s"}
     assert b.worker_meta() is None, "the job ended while its read could still write its host slots"
-    assert b.jobs_in_flight == 1 and b.stats.data["remote_load_timeouts"] == 1
+    assert b.jobs_in_flight == 1 and b.stats.data["tier_load_timeouts{tier=redis}"] == 1
     settle(b)  # the store answers once the pause ends; only then the job ends, failed
     assert b.worker_meta().failed == {2: 1}
     unchanged = [all(same(block(caches_b, i), old)) for i, old in zip((7, 9), before, strict=True)]

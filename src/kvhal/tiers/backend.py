@@ -23,6 +23,7 @@ of each block; ``rank`` tells the shares apart).
 from __future__ import annotations
 
 import abc
+import enum
 import hashlib
 import json
 from collections.abc import Callable, Mapping, Sequence
@@ -30,13 +31,36 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-#: ``read`` outcome of a slot whose bytes were delivered and verified.
-OK = None
+
+class ReadOutcome(str, enum.Enum):
+    """What a read of one block delivered. A ``str`` enum: its value names the counter of a
+    failure (``tier_corrupt_blocks``, ...), and compares equal to that string."""
+
+    OK = "ok"  # the bytes were delivered and verified
+    MISSING = "missing"  # the slot holds no block, or another key
+    CORRUPT = "corrupt"  # the checksum does not match: a torn write or a flipped bit
+    FOREIGN = "foreign"  # another KV: the fingerprint differs (model, layout, rank, ...)
+    UNAUTHENTICATED = "unauthenticated"  # a shared store's value without a valid MAC
+    IO_ERROR = "io_error"  # the medium failed (EIO, ENOSPC, a store unreachable)
+
+    @classmethod
+    def of(cls, outcome: object) -> ReadOutcome:
+        """A backend's outcome as an enum: ``None`` (the contract's first form of OK) or a
+        known name; anything else is an I/O error (a plugin's unknown word is no success)."""
+        if outcome is None:
+            return cls.OK
+        try:
+            return cls(outcome)
+        except ValueError:
+            return cls.IO_ERROR
+
+
+OK = ReadOutcome.OK
+MISSING = ReadOutcome.MISSING
+CORRUPT = ReadOutcome.CORRUPT
+FOREIGN = ReadOutcome.FOREIGN
+IO_ERROR = ReadOutcome.IO_ERROR
 #: Why a read delivered nothing (the chain recomputes; each is counted).
-MISSING = "missing"  # the slot holds no block, or another key
-CORRUPT = "corrupt"  # the checksum does not match: a torn write or a flipped bit
-FOREIGN = "foreign"  # another KV: the fingerprint differs (model, layout, rank, ...)
-IO_ERROR = "io_error"  # the medium failed (EIO, ENOSPC, a store unreachable)
 READ_FAILURES = (MISSING, CORRUPT, FOREIGN, IO_ERROR)
 
 
@@ -119,10 +143,11 @@ class TierBackend(abc.ABC):
     @abc.abstractmethod
     def read(
         self, slots: Sequence[int], keys: Sequence[bytes], buffers: Sequence[memoryview]
-    ) -> Future[list[str | None]]:
+    ) -> Future[list[ReadOutcome]]:
         """Fill ``buffers[i]`` with the block ``keys[i]`` stored in ``slots[i]``.
 
-        Its result is one outcome per slot: :data:`OK` (``None``) once the bytes
+        Its result is one outcome per slot (a :class:`ReadOutcome`; ``None`` and the
+        outcomes' names are taken too, as kvhal 0.1's backends return them): :data:`OK` once the bytes
         are in the buffer and proven to be ``keys[i]``'s, written under this
         spec's fingerprint and rank, with a matching checksum; else one of
         :data:`READ_FAILURES`, and the buffer's content is undefined.

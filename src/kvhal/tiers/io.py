@@ -16,7 +16,7 @@ from concurrent.futures import Future
 import numpy as np
 
 from kvhal.offload.host_tier import HostTier
-from kvhal.tiers.backend import OK, TierBackend
+from kvhal.tiers.backend import OK, ReadOutcome, TierBackend
 
 
 def _staging(rows: int, row_bytes: int) -> np.ndarray:
@@ -55,29 +55,32 @@ class TierIO:
 
     def read(
         self, keys: Sequence[bytes], lower_slots: Sequence[int], host_slots: Sequence[int]
-    ) -> Future[list[str | None]]:
+    ) -> Future[list[ReadOutcome]]:
         """Copy the backend's ``lower_slots`` (holding ``keys``) into host slots ``host_slots``.
 
-        The future's result is the backend's outcome per block (``None``: read and
-        verified); the host slots of failed blocks hold undefined bytes.
+        The future's result is the backend's outcome per block, as a :class:`ReadOutcome`
+        (:data:`OK`: read and verified); the host slots of failed blocks hold undefined bytes.
         """
-        if self.host.slots_are_contiguous:
+        contiguous = self.host.slots_are_contiguous
+        rows = None if contiguous else _staging(len(host_slots), self.host.slot_bytes)
+        if rows is None:
             buffers = [self.host.slot_memory(slot) for slot in host_slots]
-            return self.backend.read(lower_slots, keys, buffers)
-        rows = _staging(len(host_slots), self.host.slot_bytes)
-        inner = self.backend.read(lower_slots, keys, [memoryview(row) for row in rows])
-        outer: Future[list[str | None]] = Future()
+        else:
+            buffers = [memoryview(row) for row in rows]
+        inner = self.backend.read(lower_slots, keys, buffers)
+        outer: Future[list[ReadOutcome]] = Future()
 
-        def scatter(done: Future[list[str | None]]) -> None:
+        def end(done: Future[list[ReadOutcome]]) -> None:
             try:
-                outcomes = done.result()
-                good = [i for i, outcome in enumerate(outcomes) if outcome is OK]
-                if good:
-                    self.host.scatter_slots([host_slots[i] for i in good], rows[good])
+                outcomes = [ReadOutcome.of(outcome) for outcome in done.result()]
+                if rows is not None:  # scattered from the staging rows
+                    good = [i for i, outcome in enumerate(outcomes) if outcome is OK]
+                    if good:
+                        self.host.scatter_slots([host_slots[i] for i in good], rows[good])
             except BaseException as exc:  # handed to the waiting side, not lost
                 outer.set_exception(exc)
             else:
                 outer.set_result(outcomes)
 
-        inner.add_done_callback(scatter)
+        inner.add_done_callback(end)
         return outer

@@ -16,6 +16,12 @@ from kvhal.vllm.versions import seed_advice
 logger = init_logger("vllm." + __name__)  # under "vllm": its handlers and level
 
 
+def lower_tier_name(config: ConnectorConfig) -> str:
+    """The name ``config``'s lower tier counts under (``tier`` label): its backend's."""
+    assert config.lower_tier is not None
+    return config.lower_tier.backend
+
+
 def open_lower_tier(config: ConnectorConfig, role: Literal["index", "io"], rank: int) -> TierBackend:
     """Open ``config``'s lower tier for ``role`` (``"index"``: the scheduler; ``"io"``: worker ``rank``).
 

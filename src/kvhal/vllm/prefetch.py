@@ -13,6 +13,7 @@ recomputing is faster; every read that ends tells it how fast the tier reads.
 
 from __future__ import annotations
 
+import enum
 import time
 from collections.abc import Callable
 from concurrent import futures
@@ -23,14 +24,14 @@ from vllm.logger import init_logger
 
 from kvhal.offload.manager import BlockState
 from kvhal.offload.wait_policy import PROBE, PROBE_S, WaitPolicy
-from kvhal.tiers.backend import OK
+from kvhal.tiers.backend import OK, ReadOutcome
 from kvhal.tiers.chain import LoadPlan, TierChain
 from kvhal.vllm import local
 from kvhal.vllm.config import ConnectorConfig
 from kvhal.vllm.keys import offload_key
 from kvhal.vllm.metadata import TierReads, TransferJob
 from kvhal.vllm.request_state import Prefetch, RequestState
-from kvhal.vllm.stats import REMOTE_READ_COUNTERS, TIER_READ_COUNTERS, KVHALStats
+from kvhal.vllm.stats import READ_FAILURE_COUNTERS, KVHALStats
 
 logger = init_logger("vllm." + __name__)  # under "vllm": its handlers and level
 
@@ -42,21 +43,22 @@ LOCAL_READ_WAIT_S = 0.02
 #: Steps after its read ends that the scheduler side learns of a workers' prefetch: it
 #: starts at the next step, and ends in that step's output or the one after.
 WORKER_READ_STEPS = 2
-#: :meth:`Prefetcher.start`'s answer for a read made and ended in the lookup.
-READ_NOW = object()
-#: :meth:`Prefetcher.start`'s answer when reading would be slower than recomputing.
-RECOMPUTE = object()
-#: What a prefetch counts, per tier it reads: (the lower tier's counter, the remote tier's).
-PREFETCH_COUNTERS = {
-    "prefetched": ("prefetched_blocks", "remote_prefetched_blocks"),
-    "timeouts": ("prefetch_timeouts", "remote_prefetch_timeouts"),
-    "skipped": ("prefetch_skipped_blocks", "remote_prefetch_skipped_blocks"),
-    "probes": ("prefetch_probes", "remote_probes"),
-    "slow": ("prefetch_slow_tier_blocks", "remote_slow_blocks"),
-    "loaded": ("tier_loaded_blocks", "remote_loaded_blocks"),
-    "failed": ("tier_failed_loads", "remote_failed_loads"),
-    "read_bytes": ("tier_read_bytes", "remote_read_bytes"),
-}
+
+
+class Started(enum.Enum):
+    """What :meth:`Prefetcher.start` did for a lookup."""
+
+    #: no prefetch (off, over its budget, tried already, no host room): the hit loads
+    #: asynchronously, reading then copying
+    NO = "no"
+    #: the read goes on: the request waits for it (the lookup answers ``None``)
+    WAITING = "waiting"
+    #: the read was made and ended in the lookup: its blocks are host blocks now
+    READ_NOW = "read_now"
+    #: reading would be slower than recomputing (or reads only to measure the tier)
+    RECOMPUTE = "recompute"
+
+
 #: Makes the workers' prefetch job of a request: (request id, keys it reads, plan, start).
 NewJob = Callable[[str, list[bytes], LoadPlan, float], TransferJob]
 
@@ -66,7 +68,7 @@ class LocalRead:
     """A read the scheduler side made through the in-process worker's tier (``local``)."""
 
     plan: LoadPlan
-    future: Future[list[str | None]]
+    future: Future[list[ReadOutcome]]
     state: RequestState
     started: float
     ended: float | None = None  # set by the future's callback, on the reading thread
@@ -75,7 +77,7 @@ class LocalRead:
     def __post_init__(self) -> None:
         self.future.add_done_callback(self._end)
 
-    def _end(self, _: Future[list[str | None]]) -> None:
+    def _end(self, _: Future[list[ReadOutcome]]) -> None:
         self.ended = time.monotonic()
 
 
@@ -85,6 +87,7 @@ class Prefetcher:
     :param wait_policy: the lower tier's wait policy (``None``: no prefetch from it).
     :param remote_wait: the remote tier's (``None``: none from it).
     :param new_job: makes the workers' job that reads a prefetch, registered scheduler-side.
+    :param tier_names: the lower tier's name and the remote tier's, for their counters.
     """
 
     def __init__(
@@ -94,10 +97,13 @@ class Prefetcher:
         wait_policy: WaitPolicy | None,
         remote_wait: WaitPolicy | None,
         new_job: NewJob,
+        tier_names: tuple[str, str] = ("lower", "remote"),
     ) -> None:
         self.config, self.stats = config, stats
         self.wait_policy, self.remote_wait = wait_policy, remote_wait
         self._new_job = new_job
+        #: the counters' tier names: (the lower tier's, the remote tier's)
+        self.tier_names = tier_names
         self.reading = 0  # blocks being read by prefetches
         self.local_reads: list[LocalRead] = []
         self.jobs: list[TransferJob] = []  # the workers' prefetches for the next step's metadata
@@ -109,26 +115,26 @@ class Prefetcher:
 
     def start(
         self, chain: TierChain, state: RequestState, hashes: list[bytes], remote: bool = False
-    ) -> bool | object:
+    ) -> Started:
         """Read the blocks of ``hashes`` that only a tier below holds (the lower tier, or the
         remote tier's blocks in ``state.fetch`` if ``remote``) into host slots now, for the
-        request to wait for (``None`` answers) and then load as a host hit. False (the hit
-        loads asynchronously, reading then copying) when the prefetch is off, over its
-        budget, was tried for this request already, or the host tier has no room.
-        :data:`READ_NOW` when the read was made and ended in this call (the in-process
-        worker's tier, :mod:`kvhal.vllm.local`). :data:`RECOMPUTE` when the wait policy says
+        request to wait for (``None`` answers; :attr:`Started.WAITING`) and then load as a host
+        hit. :attr:`Started.NO` (the hit loads asynchronously, reading then copying) when the
+        prefetch is off, over its budget, was tried for this request already, or the host tier has no room.
+        :attr:`Started.READ_NOW` when the read was made and ended in this call (the in-process
+        worker's tier, :mod:`kvhal.vllm.local`). :attr:`Started.RECOMPUTE` when the wait policy says
         the tier is slower than recomputing, or reads it only to measure it (a probe, which
         no request waits for)."""
         policy = self.remote_wait if remote else self.wait_policy
         if policy is None or (state.remote_prefetched if remote else state.prefetched):
-            return False
+            return Started.NO
         # The hit's host blocks are pinned with it (as a load's are), or the promotion's new
         # slots could evict them, the oldest, and the hit would be lost again.
         keys = [offload_key(h, g.group_id) for h in hashes for g in self.config.groups]
         below = [key for key in keys if chain.host.state(key) is not BlockState.READY]
         lower = chain.lower
         if remote and lower is not None and any(lower.state(k) is BlockState.READY for k in below):
-            return False  # the lower tier holds some too: one load reads both, as before
+            return Started.NO  # the lower tier holds some too: one load reads both, as before
         host = self.host_prefix(chain, hashes)
         worker = local.find(self.config.engine_id) if self.config.world_size == 1 else None
         reader = None if worker is None else worker.remote if remote else worker.tier_io
@@ -150,22 +156,22 @@ class Prefetcher:
                 else "",
             )
         if wait is None:  # the tier reads slower than the engine computes
-            self.stats.add(PREFETCH_COUNTERS["slow"][remote], len(below))
-            return RECOMPUTE
+            self.stats.add_tier("tier_slow_blocks", self.tier_names[remote], len(below))
+            return Started.RECOMPUTE
         probe = wait == PROBE
         plan = None
         if self.reading + len(below) <= self.budget():
             plan = chain.prepare_load(keys, fetch=state.fetch if remote else ())
         if plan is None:  # over the budget, or no room in the host tier
-            self.stats.add(PREFETCH_COUNTERS["skipped"][remote], len(below))
-            return RECOMPUTE if probe else False  # a tier of unknown speed is not waited for
+            self.stats.add_tier("tier_prefetch_skipped_blocks", self.tier_names[remote], len(below))
+            return Started.RECOMPUTE if probe else Started.NO  # a tier of unknown speed is not waited for
         read = plan.fetched if remote else plan.promoted
         self.reading += len(read)
         if remote:
             state.remote_prefetched, state.from_store = True, set(read)
         else:
             state.prefetched, state.from_below = True, set(read)
-        self.stats.add(PREFETCH_COUNTERS["prefetched"][remote], len(read))
+        self.stats.add_tier("tier_prefetched_blocks", self.tier_names[remote], len(read))
         now = time.monotonic()
         deadline = now + wait
         if reader is not None:  # the worker is in this process: read now, wait a little
@@ -177,12 +183,12 @@ class Prefetcher:
             futures.wait([future], timeout=0.0 if probe else min(wait, LOCAL_READ_WAIT_S))
             self.poll_local_reads(chain)
             if future.done():
-                return READ_NOW
+                return Started.READ_NOW
             if probe:  # it goes on, measured, waited for by no one
-                self.stats.add(PREFETCH_COUNTERS["probes"][remote], 1)
-                return RECOMPUTE
+                self.stats.add_tier("tier_probes", self.tier_names[remote], 1)
+                return Started.RECOMPUTE
             state.prefetch = Prefetch(-1, deadline, started=now, remote=remote)
-            return True
+            return Started.WAITING
         job = self._new_job(state.request.request_id, read, plan, now)
         if remote:
             job.remote_reads = TierReads(plan.fetched, [], plan.fetched_host_slots)
@@ -190,10 +196,10 @@ class Prefetcher:
             job.reads = TierReads(plan.promoted, plan.lower_slots, plan.promoted_host_slots)
         self.jobs.append(job)
         if probe:
-            self.stats.add(PREFETCH_COUNTERS["probes"][remote], 1)
-            return RECOMPUTE
+            self.stats.add_tier("tier_probes", self.tier_names[remote], 1)
+            return Started.RECOMPUTE
         state.prefetch = Prefetch(job.job_id, deadline, started=now, remote=remote)
-        return True
+        return Started.WAITING
 
     def budget(self) -> int:
         """Blocks prefetches may read at once, from every tier below together."""
@@ -219,13 +225,14 @@ class Prefetcher:
                 outcomes = read.future.result()
             except Exception:
                 logger.exception("kvhal: a read of the %s tier raised", "remote" if read.remote else "lower")
-                outcomes = ["io_error"] * len(keys)
-            counters = REMOTE_READ_COUNTERS if read.remote else TIER_READ_COUNTERS
+                outcomes = [ReadOutcome.IO_ERROR] * len(keys)
             failed = [outcome for outcome in outcomes if outcome is not OK]
             for outcome in failed:
-                self.stats.add(counters.get(outcome, counters["io_error"]), 1)
+                self.stats.add_tier(READ_FAILURE_COUNTERS[outcome], self.tier_names[read.remote], 1)
             good = len(outcomes) - len(failed)
-            self.stats.add(PREFETCH_COUNTERS["read_bytes"][read.remote], good * self.config.slot_bytes)
+            self.stats.add_tier(
+                "tier_read_bytes", self.tier_names[read.remote], good * self.config.slot_bytes
+            )
             seconds = None if read.ended is None else read.ended - read.started
             self.end_read(chain, read.state, -1, read.plan, not failed, seconds)
 
@@ -247,9 +254,9 @@ class Prefetcher:
         self.reading -= len(keys)
         chain.complete_load(plan, success=ok)
         if not ok:
-            self.stats.add(PREFETCH_COUNTERS["failed"][remote], 1)
+            self.stats.add_tier("tier_failed_loads", self.tier_names[remote], 1)
         else:
-            self.stats.add(PREFETCH_COUNTERS["loaded"][remote], len(keys))
+            self.stats.add_tier("tier_loaded_blocks", self.tier_names[remote], len(keys))
             policy = self.remote_wait if remote else self.wait_policy
             if policy is not None and seconds is not None:
                 policy.observe_read(len(keys) * self.config.slot_bytes, seconds)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from typing import Literal
+from urllib.parse import urlsplit
 
 from vllm.logger import init_logger
 
@@ -21,6 +22,12 @@ AUTH_KEY = "kv_connector_extra_config.remote_auth"
 FILE_KEY = "kv_connector_extra_config.remote_secret_file"
 #: The most bytes a secret file may hold.
 SECRET_FILE_MAX_BYTES = 4096
+
+
+def remote_tier_name(config: ConnectorConfig) -> str:
+    """The name ``config``'s shared store counts under (``tier`` label): its URL's scheme."""
+    assert config.remote_tier is not None
+    return urlsplit(config.remote_tier.url).scheme or "remote"
 
 
 def read_secret(remote: RemoteTierConfig) -> bytes | None:
@@ -94,7 +101,7 @@ def open_remote_tier(
         if up:
             logger.info("kvhal: remote tier %s (%s) is reachable: %s", url, role, why)
         else:
-            stats.add("remote_unreachable", 1)
+            stats.add_tier("tier_unreachable", remote_tier_name(config), 1)
             logger.warning(
                 "kvhal: remote tier %s (%s) is unreachable (%s); its hits are recomputed and its "
                 "writes dropped until it answers again",

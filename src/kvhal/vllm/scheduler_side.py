@@ -68,7 +68,7 @@ from kvhal.vllm.fences import StoreFences
 from kvhal.vllm.job_table import JobTable
 from kvhal.vllm.keys import offload_key
 from kvhal.vllm.kv_events import kv_events
-from kvhal.vllm.lower_tier import open_lower_tier
+from kvhal.vllm.lower_tier import lower_tier_name, open_lower_tier
 from kvhal.vllm.metadata import (
     JobKind,
     KVHALMetadata,
@@ -77,8 +77,8 @@ from kvhal.vllm.metadata import (
     TierWrite,
     TransferJob,
 )
-from kvhal.vllm.prefetch import PREFETCH_COUNTERS, READ_NOW, RECOMPUTE, Prefetcher
-from kvhal.vllm.remote import open_remote_tier
+from kvhal.vllm.prefetch import Prefetcher, Started
+from kvhal.vllm.remote import open_remote_tier, remote_tier_name
 from kvhal.vllm.request_state import RequestState
 from kvhal.vllm.stats import KVHALStats
 from kvhal.vllm.store_lookup import lookup_store
@@ -115,6 +115,9 @@ class SchedulerSide:
     def __post_init__(self) -> None:
         self.lower_backend: TierBackend | None = None
         self.remote: RemoteTier | None = None
+        # the tiers' names, their counters' ``tier`` label
+        self.lower_name = lower_tier_name(self.config) if self.config.lower_tier else "lower"
+        self.remote_name = remote_tier_name(self.config) if self.config.remote_tier else "remote"
         if self.config.remote_tier is not None:
             self.remote = open_remote_tier(self.config, role="index", rank=0, stats=self.stats)
         self._remote_writing = 0  # blocks being written to the remote tier
@@ -137,7 +140,12 @@ class SchedulerSide:
             WaitPolicy(remote.load_timeout_ms, remote.wait_policy, steps=self._step_times) if remote else None
         )
         self.prefetcher = Prefetcher(
-            self.config, self.stats, self.wait_policy, self.remote_wait, self.jobs.new_prefetch
+            self.config,
+            self.stats,
+            self.wait_policy,
+            self.remote_wait,
+            self.jobs.new_prefetch,
+            (self.lower_name, self.remote_name),
         )
         self._last_step: tuple[float, int] | None = None  # the last step's start, its tokens
         self.fences = StoreFences(self.config.block_size, self.stats)  # the stores a step may overwrite
@@ -168,7 +176,7 @@ class SchedulerSide:
             index = TierIndex(self.lower_backend.num_slots, lower.eviction_policy)
             slots, keys = self.lower_backend.recover(progress=_log_recovery)
             if keys:  # a key found twice after a crash is indexed once
-                self.stats.add("tier_recovered_blocks", index.recover(slots, keys))
+                self.stats.add_tier("tier_recovered_blocks", self.lower_name, index.recover(slots, keys))
         else:  # a reset: forget what the lower tier holds too
             index = TierIndex(self.lower_backend.num_slots, lower.eviction_policy)
         return manager, TierChain(manager, index, lower.write)  # type: ignore[arg-type]
@@ -188,7 +196,7 @@ class SchedulerSide:
             if not state.prefetch.done and time.monotonic() < state.prefetch.deadline:
                 return None, False  # the request holds no device blocks meanwhile
             if not state.prefetch.done:  # past the wait: what is in host memory now is the hit
-                self.stats.add(PREFETCH_COUNTERS["timeouts"][state.prefetch.remote], 1)
+                self.stats.add_tier("tier_prefetch_timeouts", self._tier_name(state.prefetch.remote), 1)
             state.prefetch = None
         bs = self.config.block_size
         start = num_computed_tokens // bs
@@ -207,29 +215,31 @@ class SchedulerSide:
             below |= promoted > 0
         if below:
             if state.recompute_below:
-                started = RECOMPUTE
+                started = Started.RECOMPUTE
             else:
                 started = self.prefetcher.start(self.chain, state, hashes[:hit])
-            if started is READ_NOW:  # read in this lookup: the blocks are host blocks now
+            if started is Started.READ_NOW:  # read in this lookup: the blocks are host blocks now
                 return self.lookup(request, num_computed_tokens)
-            if started is RECOMPUTE:  # the host tier's part of the hit, loaded as a host hit
+            if started is Started.RECOMPUTE:  # the host tier's part of the hit, loaded as a host hit
                 state.recompute_below = True
                 hit, below = self.prefetcher.host_prefix(self.chain, hashes[:hit]), False
-            elif started:
+            elif started is Started.WAITING:
                 return None, False
         if self.remote is not None and hit < len(hashes):
-            more = lookup_store(self.remote, self.config, self.stats, self.chain, state, start, hashes, hit)
+            more = lookup_store(
+                self.remote, self.config, self.stats, self.chain, state, start, hashes, hit, self.remote_name
+            )
             if more is None:
                 return None, False
             if more and not below and state.remote_prefetched:
                 more = 0  # its prefetch brought what it could into host memory: recompute the rest
             elif more and not below:
                 started = self.prefetcher.start(self.chain, state, hashes[: hit + more], remote=True)
-                if started is READ_NOW:
+                if started is Started.READ_NOW:
                     return self.lookup(request, num_computed_tokens)
-                if started is RECOMPUTE:
+                if started is Started.RECOMPUTE:
                     more = 0
-                elif started:
+                elif started is Started.WAITING:
                     return None, False
             hit += more
             below |= more > 0
@@ -275,18 +285,22 @@ class SchedulerSide:
             slots = iter(plan.host_slots)
             groups = {gid: (ids, [next(slots) for _ in ids]) for gid, ids in group_ids.items()}
             self.manager.touch(keys)
-            prefetches = (("tier_hit_tokens", state.from_below), ("remote_hit_tokens", state.from_store))
-            for counter, read in prefetches:
+            prefetches = ((self.lower_name, state.from_below), (self.remote_name, state.from_store))
+            for name, read in prefetches:
                 prefetched = {block_of[k] for k in keys if k in read}
                 if prefetched:  # a hit from a tier below, read into host memory at its lookup
-                    self.stats.add(counter, len(prefetched) * bs)
+                    self.stats.add_tier("tier_hit_tokens", name, len(prefetched) * bs)
             state.from_below, state.from_store = set(), set()
             if plan.promoted:
                 reads = TierReads(plan.promoted, plan.lower_slots, plan.promoted_host_slots)
-                self.stats.add("tier_hit_tokens", len({block_of[k] for k in plan.promoted}) * bs)
+                self.stats.add_tier(
+                    "tier_hit_tokens", self.lower_name, len({block_of[k] for k in plan.promoted}) * bs
+                )
             if plan.fetched:
                 remote_reads = TierReads(plan.fetched, [], plan.fetched_host_slots)
-                self.stats.add("remote_hit_tokens", len({block_of[k] for k in plan.fetched}) * bs)
+                self.stats.add_tier(
+                    "tier_hit_tokens", self.remote_name, len({block_of[k] for k in plan.fetched}) * bs
+                )
         job = self.jobs.new(JobKind.LOAD, request.request_id, keys, groups, plan=plan)
         job.sync = state.hit_sync
         if job.sync:
@@ -332,7 +346,7 @@ class SchedulerSide:
             slow = self.wait_policy is not None and self.wait_policy.slow
             planned = self.chain.prepare_store(list(where), below=not slow)
             if slow and planned is not None:
-                self.stats.add("tier_slow_skipped_writes", len(planned[0].keys))
+                self.stats.add_tier("tier_slow_skipped_writes", self.lower_name, len(planned[0].keys))
             if planned is None:
                 self.stats.add("store_skipped_blocks", len(where))
                 continue
@@ -404,11 +418,14 @@ class SchedulerSide:
             self._step_times.add(computed, now - started)
         self._last_step = (now, tokens) if tokens > 0 else None
 
+    def _tier_name(self, remote: bool) -> str:
+        return self.remote_name if remote else self.lower_name
+
     def _admit_remote_write(self, blocks: int) -> bool:
         """Whether ``blocks`` more may be written to the remote tier now (else dropped, counted)."""
         assert self.remote is not None and self.config.remote_tier is not None
         if not self.remote.up or self._remote_writing + blocks > self.config.remote_tier.max_inflight_blocks:
-            self.stats.add("remote_dropped_blocks", blocks)
+            self.stats.add_tier("tier_dropped_blocks", self.remote_name, blocks)
             return False
         self._remote_writing += blocks
         return True
@@ -416,8 +433,8 @@ class SchedulerSide:
     def _plan_writes(self) -> list[TierWrite]:
         """Write-back snapshots of the blocks this step's stores and promotions evicted."""
         writes = [self.jobs.new_write(plan) for plan in self.chain.take_writes()]
-        self.stats.add("tier_write_skipped_blocks", self.chain.skipped_writes)
-        self.stats.add("tier_evicted_blocks", self.chain.lower_evictions)
+        self.stats.add_tier("tier_write_skipped_blocks", self.lower_name, self.chain.skipped_writes)
+        self.stats.add_tier("tier_evicted_blocks", self.lower_name, self.chain.lower_evictions)
         self.chain.skipped_writes = self.chain.lower_evictions = 0
         return writes
 
@@ -446,13 +463,13 @@ class SchedulerSide:
         if job.kind is JobKind.WRITE:
             assert isinstance(job.plan, WritePlan)
             self.chain.complete_write(job.plan, success=job.ok)
-            tier = "remote" if job.plan.remote else "tier"
+            tier = self._tier_name(job.plan.remote)
             if job.plan.remote:
                 self._remote_writing -= len(job.keys)
             if job.ok:
-                self.stats.add(f"{tier}_written_blocks", len(job.keys))
+                self.stats.add_tier("tier_written_blocks", tier, len(job.keys))
             else:
-                self.stats.add(f"{tier}_failed_writes", 1)
+                self.stats.add_tier("tier_failed_writes", tier, 1)
             quarantine = self._quarantined.pop(job_id, None)
             if quarantine is not None:
                 quarantine.writes.discard(job_id)
@@ -489,14 +506,14 @@ class SchedulerSide:
                 self.chain.complete_load(job.plan, success=job.ok)
                 if job.plan.promoted:
                     if job.ok:
-                        self.stats.add("tier_loaded_blocks", len(job.plan.promoted))
+                        self.stats.add_tier("tier_loaded_blocks", self.lower_name, len(job.plan.promoted))
                     else:
-                        self.stats.add("tier_failed_loads", 1)
+                        self.stats.add_tier("tier_failed_loads", self.lower_name, 1)
                 if job.plan.fetched:
                     if job.ok:
-                        self.stats.add("remote_loaded_blocks", len(job.plan.fetched))
+                        self.stats.add_tier("tier_loaded_blocks", self.remote_name, len(job.plan.fetched))
                     else:
-                        self.stats.add("remote_failed_loads", 1)
+                        self.stats.add_tier("tier_failed_loads", self.remote_name, 1)
             if not job.ok:
                 self.stats.add("failed_loads", 1)
                 # its request may be this step's only one, and skipped: no request outputs

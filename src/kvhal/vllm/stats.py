@@ -16,7 +16,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 #: Counter name -> help text. Scheduler side: lookups and hits; worker side: bytes moved.
 COUNTERS = {
     "lookup_tokens": "Prompt tokens kvhal was asked about (beyond the local prefix cache).",
-    "hit_tokens": "Prompt tokens kvhal offered to load from its host tier.",
+    "hit_tokens": "Prompt tokens kvhal offered to load (from its host tier or a tier below it).",
     "sync_hit_tokens": "Prompt tokens loaded in the step that scheduled them (host hits, no parked step).",
     "layerwise_loads": "Synchronous loads copied layer by layer (each layer's attention waited for its own).",
     "loaded_blocks": "Blocks copied from kvhal's host tier into the KV cache.",
@@ -30,85 +30,85 @@ COUNTERS = {
     "worker_busy_us": "Microseconds engine steps spent in kvhal's worker side (fences, submits, waits).",
     "fenced_stores": "Store jobs a step's compute waited for: their blocks were preempted or reallocated.",
     "held_requests": "Finished requests whose blocks vLLM kept until their stores to the host tier ended.",
-    # the tier below host memory (disk, or a plugin's backend)
-    "tier_recovered_blocks": "Blocks a starting engine found in the lower tier (a warm restart).",
-    "tier_hit_tokens": "Prompt tokens kvhal offered to load that were read from the lower tier first.",
-    "prefetched_blocks": "Blocks read from the lower tier into host memory at lookup, for a waiting request.",
-    "prefetch_timeouts": "Requests that stopped waiting for a prefetch (past its deadline).",
-    "prefetch_skipped_blocks": "Blocks not prefetched (budget or host room): loaded asynchronously instead.",
-    "prefetch_probes": "Reads from the lower tier made to measure it while their request recomputed.",
-    "prefetch_slow_tier_blocks": "Blocks recomputed, not read: the lower tier is slower than the engine.",
-    "tier_loaded_blocks": "Blocks read from the lower tier into the host tier for a load.",
-    "tier_slow_skipped_writes": "Blocks not written to the lower tier while it read slower than recomputing.",
-    "tier_load_timeouts": "Loads that gave up waiting for the lower tier (lower_tier_wait_ms, else 1 s).",
-    "tier_failed_loads": "Load jobs whose reads from the lower tier failed (their tokens were recomputed).",
-    "tier_written_blocks": "Blocks written from the host tier to the lower tier.",
-    "tier_failed_writes": "Write jobs to the lower tier that failed (their blocks are not loadable there).",
-    "tier_write_skipped_blocks": "Blocks not written to the lower tier because it had no evictable room.",
-    "tier_evicted_blocks": "Blocks evicted from the lower tier.",
-    "tier_read_bytes": "Bytes read from the lower tier.",
-    "tier_written_bytes": "Bytes written to the lower tier.",
-    "tier_corrupt_blocks": "Blocks the lower tier refused: checksum mismatch (a torn write, flipped bits).",
-    "tier_foreign_blocks": "Blocks the lower tier refused: stored for other KV (fingerprint mismatch).",
-    "tier_missing_blocks": "Blocks the lower tier did not hold where its index said (another key, or none).",
-    "tier_io_errors": "Blocks the lower tier could not read because its medium failed.",
-    # the remote tier shared by a fleet (remote_url)
-    "remote_lookups": "Requests whose blocks beyond the local tiers were looked up in the remote tier.",
-    "remote_lookup_timeouts": "Remote lookups that did not answer in remote_lookup_timeout_ms (a miss).",
-    "remote_lookup_errors": "Remote lookups that failed because the store was unreachable (a miss).",
-    "remote_hit_tokens": "Prompt tokens kvhal offered to load that were read from the remote tier first.",
-    "remote_prefetched_blocks": "Blocks read from the remote tier into host memory at lookup, for a request.",
-    "remote_prefetch_timeouts": "Requests that stopped waiting for a prefetch from the store (its deadline).",
-    "remote_prefetch_skipped_blocks": "Blocks not prefetched from the store (budget, room): loaded later.",
-    "remote_probes": "Reads from the remote tier made to measure it while their request recomputed.",
-    "remote_slow_blocks": "Blocks recomputed, not read: the remote tier is slower than the engine.",
-    "remote_loaded_blocks": "Blocks read from the remote tier into the host tier for a load.",
-    "remote_failed_loads": "Load jobs whose reads from the remote tier failed or timed out (recomputed).",
-    "remote_load_timeouts": "Load jobs that gave up waiting for the remote tier (remote_load_timeout_ms).",
-    "remote_written_blocks": "Blocks written from the host tier to the remote tier.",
-    "remote_failed_writes": "Write jobs to the remote tier that failed (store full, unreachable).",
-    "remote_dropped_blocks": "Blocks not written to the remote tier: too many in flight, or the store down.",
-    "remote_read_bytes": "Bytes read from the remote tier (headers excluded).",
-    "remote_written_bytes": "Bytes written to the remote tier (headers excluded).",
-    "remote_corrupt_blocks": "Blocks the remote tier refused: checksum mismatch or a malformed value.",
-    "remote_foreign_blocks": "Blocks the remote tier refused: stored for other KV or under another name.",
-    "remote_missing_blocks": "Blocks the remote tier no longer held when read (evicted since the lookup).",
-    "remote_unauthenticated_blocks": "Blocks the remote tier refused: no valid HMAC of KVHAL_REMOTE_SECRET.",
-    "remote_io_errors": "Blocks the remote tier could not read because the store was unreachable.",
-    "remote_unreachable": "Times the remote tier's store became unreachable.",
 }
-
-#: A read outcome of a tier backend -> the counter that counts it.
-TIER_READ_COUNTERS = {
+#: Per-tier counter families -> help text: one Prometheus counter each, labelled with the
+#: tier's name (``vllm:kvhal_tier_hit_tokens{tier="disk"}``), for every tier below the host
+#: tier (a local one, as the disk tier, or a store the fleet shares).
+TIER_COUNTERS = {
+    "tier_hit_tokens": "Prompt tokens kvhal offered to load that were read from this tier first.",
+    "tier_recovered_blocks": "Blocks a starting engine found in this tier (a warm restart).",
+    "tier_lookups": "Requests whose blocks beyond the tiers above were looked up in this store.",
+    "tier_lookup_timeouts": "Lookups in this store that did not answer in time (a miss).",
+    "tier_lookup_errors": "Lookups in this store that failed: it was unreachable (a miss).",
+    "tier_prefetched_blocks": "Blocks read from this tier into host memory at lookup, for a waiting request.",
+    "tier_prefetch_timeouts": "Requests that stopped waiting for a prefetch from this tier (its deadline).",
+    "tier_prefetch_skipped_blocks": "Blocks not prefetched (budget or host room): loaded asynchronously.",
+    "tier_probes": "Reads from this tier made to measure it while their request recomputed.",
+    "tier_slow_blocks": "Blocks recomputed, not read: this tier reads slower than the engine computes.",
+    "tier_loaded_blocks": "Blocks read from this tier into the host tier for a load.",
+    "tier_load_timeouts": "Loads that gave up waiting for this tier (its wait, then recomputed).",
+    "tier_failed_loads": "Load jobs whose reads from this tier failed (their tokens were recomputed).",
+    "tier_read_bytes": "Bytes read from this tier (a store's value headers excluded).",
+    "tier_written_blocks": "Blocks written from the host tier to this tier.",
+    "tier_written_bytes": "Bytes written to this tier (a store's value headers excluded).",
+    "tier_failed_writes": "Write jobs to this tier that failed (their blocks are not loadable there).",
+    "tier_write_skipped_blocks": "Blocks not written to this tier because it had no evictable room.",
+    "tier_slow_skipped_writes": "Blocks not written to this tier while it read slower than recomputing.",
+    "tier_dropped_blocks": "Blocks not written to this store: too many in flight, or the store down.",
+    "tier_evicted_blocks": "Blocks evicted from this tier.",
+    "tier_corrupt_blocks": "Blocks this tier refused: checksum mismatch, a torn write, a malformed value.",
+    "tier_foreign_blocks": "Blocks this tier refused: stored for other KV (fingerprint or name mismatch).",
+    "tier_missing_blocks": "Blocks this tier did not hold where expected (evicted, another key, none).",
+    "tier_unauthenticated_blocks": "Blocks this store refused: no valid HMAC of KVHAL_REMOTE_SECRET.",
+    "tier_io_errors": "Blocks this tier could not read: its medium failed or the store was unreachable.",
+    "tier_unreachable": "Times this store became unreachable.",
+}
+#: A failed read's outcome (:class:`~kvhal.tiers.backend.ReadOutcome`) -> its family.
+READ_FAILURE_COUNTERS = {
     "corrupt": "tier_corrupt_blocks",
     "foreign": "tier_foreign_blocks",
     "missing": "tier_missing_blocks",
+    "unauthenticated": "tier_unauthenticated_blocks",
     "io_error": "tier_io_errors",
 }
-#: A read outcome of the remote tier -> the counter that counts it.
-REMOTE_READ_COUNTERS = {
-    "corrupt": "remote_corrupt_blocks",
-    "foreign": "remote_foreign_blocks",
-    "missing": "remote_missing_blocks",
-    "unauthenticated": "remote_unauthenticated_blocks",
-    "io_error": "remote_io_errors",
-}
+
+
+def tier_key(family: str, tier: str) -> str:
+    """The name a tier's counter has in :class:`KVHALStats` and in vLLM's metrics as rendered
+    by label (``tier_hit_tokens{tier=disk}``)."""
+    return f"{family}{{tier={tier}}}"
+
+
+def split_key(key: str) -> tuple[str, str | None]:
+    """``(family, tier)`` of a :func:`tier_key` (``(name, None)`` for an engine-wide counter)."""
+    family, brace, rest = key.partition("{tier=")
+    return (family, rest[:-1]) if brace and rest.endswith("}") else (key, None)
 
 
 @dataclass
 class KVHALStats(KVConnectorStats):
-    """Flat counters, summed across workers and steps."""
+    """Counters summed across workers and steps: engine-wide ones by name, per-tier ones by
+    :func:`tier_key` (vLLM hands ``data`` from the workers to the scheduler as it is)."""
 
     def __post_init__(self) -> None:
-        unknown = set(self.data) - set(COUNTERS)
+        unknown = [key for key in self.data if not _known(key)]
         if unknown:
             raise ValueError(f"unknown kvhal counters {sorted(unknown)}")
 
     def add(self, name: str, value: int) -> None:
-        if name not in COUNTERS:
+        """Add ``value`` to the engine-wide counter ``name`` (or to a :func:`tier_key`)."""
+        if not _known(name):
             raise KeyError(name)
         if value:
             self.data[name] = self.data.get(name, 0) + value
+
+    def add_tier(self, family: str, tier: str, value: int) -> None:
+        """Add ``value`` to tier ``tier``'s counter of ``family``."""
+        if family not in TIER_COUNTERS:
+            raise KeyError(family)
+        if value:
+            key = tier_key(family, tier)
+            self.data[key] = self.data.get(key, 0) + value
 
     def reset(self) -> None:
         self.data = {}
@@ -133,8 +133,14 @@ class KVHALStats(KVConnectorStats):
         return taken
 
 
+def _known(key: str) -> bool:
+    family, tier = split_key(key)
+    return family in TIER_COUNTERS if tier is not None else key in COUNTERS
+
+
 class KVHALPromMetrics(KVConnectorPromMetrics):
-    """One Prometheus counter per :data:`COUNTERS` entry, named ``vllm:kvhal_<name>``."""
+    """One Prometheus counter per :data:`COUNTERS` entry, named ``vllm:kvhal_<name>``, and one
+    per :data:`TIER_COUNTERS` family with a ``tier`` label besides vLLM's."""
 
     def __init__(
         self,
@@ -151,9 +157,29 @@ class KVHALPromMetrics(KVConnectorPromMetrics):
             )
             for engine, values in per_engine_labelvalues.items():
                 self._counters[(name, engine)] = counter.labels(*values)
+        self._labelvalues = per_engine_labelvalues
+        self._families = {
+            family: self._counter_cls(
+                name=f"vllm:kvhal_{family}", documentation=help_text, labelnames=[*labelnames, "tier"]
+            )
+            for family, help_text in TIER_COUNTERS.items()
+        }
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for name, value in transfer_stats_data.items():
+            if not value:
+                continue
             counter = self._counters.get((name, engine_idx))
-            if counter is not None and value:
+            if counter is None:
+                counter = self._tier_counter(name, engine_idx)
+            if counter is not None:
                 counter.inc(value)
+
+    def _tier_counter(self, key: str, engine_idx: int) -> Any:
+        """A tier's child of its family's counter, made the first time the tier counts."""
+        family, tier = split_key(key)
+        values = self._labelvalues.get(engine_idx)
+        if tier is None or family not in self._families or values is None:
+            return None
+        counter = self._counters[(key, engine_idx)] = self._families[family].labels(*values, tier)
+        return counter

@@ -34,9 +34,11 @@ def lookup_store(
     start: int,
     hashes: list[bytes],
     hit: int,
+    name: str,
 ) -> int | None:
     """How many blocks after the local hit the remote tier holds (for every group),
-    within the host tier's room; ``None`` while the store has not answered."""
+    within the host tier's room; ``None`` while the store has not answered. ``name``: the
+    store's, for its counters."""
     assert config.remote_tier is not None
     groups = [g.group_id for g in config.groups]
     first, wanted = start + hit, hashes[hit:]
@@ -53,7 +55,7 @@ def lookup_store(
         keys = [offload_key(h, g) for h in wanted for g in groups]
         timeout = config.remote_tier.lookup_timeout_ms / 1000
         probe = state.probe = Probe(first, wanted, remote.exist(keys), time.monotonic() + timeout)
-        stats.add("remote_lookups", 1)
+        stats.add_tier("tier_lookups", name, 1)
         offset = 0
         futures.wait([probe.future], timeout=REMOTE_LOOKUP_WAIT_S)
     if probe.blocks is None:
@@ -61,10 +63,10 @@ def lookup_store(
             if time.monotonic() < probe.deadline:
                 return None
             probe.blocks = 0
-            stats.add("remote_lookup_timeouts", 1)
+            stats.add_tier("tier_lookup_timeouts", name, 1)
         elif probe.future.exception() is not None:
             probe.blocks = 0
-            stats.add("remote_lookup_errors", 1)
+            stats.add_tier("tier_lookup_errors", name, 1)
         else:
             found = probe.future.result()
             n = len(groups)

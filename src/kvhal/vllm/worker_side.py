@@ -54,14 +54,14 @@ from kvhal.layouts import layout_by_name
 from kvhal.offload.host_tier import HostTier
 from kvhal.offload.transfer import TransferEngine, TransferResult
 from kvhal.registry import select_device
-from kvhal.tiers.backend import OK, TierBackend
+from kvhal.tiers.backend import OK, ReadOutcome, TierBackend
 from kvhal.tiers.io import TierIO
 from kvhal.tiers.remote.tier import RemoteTier
 from kvhal.vllm import local
 from kvhal.vllm.cache_shapes import group_views
 from kvhal.vllm.config import ConnectorConfig
 from kvhal.vllm.layer_gate import LayerGate
-from kvhal.vllm.lower_tier import open_lower_tier
+from kvhal.vllm.lower_tier import lower_tier_name, open_lower_tier
 from kvhal.vllm.metadata import (
     JobKind,
     KVHALMetadata,
@@ -70,8 +70,8 @@ from kvhal.vllm.metadata import (
     TierWrite,
     TransferJob,
 )
-from kvhal.vllm.remote import open_remote_tier
-from kvhal.vllm.stats import REMOTE_READ_COUNTERS, TIER_READ_COUNTERS, KVHALStats
+from kvhal.vllm.remote import open_remote_tier, remote_tier_name
+from kvhal.vllm.stats import READ_FAILURE_COUNTERS, KVHALStats
 from kvhal.vllm.versions import STATS_NEED_REQUEST_OUTPUTS
 from kvhal.vllm.worker_reports import WorkerReports
 
@@ -115,7 +115,7 @@ class _Reading:
     """A load's reads from the tiers below into host slots, before its copy to the device."""
 
     job: TransferJob
-    reads: list[tuple[TierReads, bool, Future[list[str | None]]]]  # (reads, remote?, future)
+    reads: list[tuple[TierReads, bool, Future[list[ReadOutcome]]]]  # (reads, remote?, future)
     deadline: float | None = None  # when the load is given up (its request recomputed)
     gave_up: bool = False  # reported failed to vLLM; the job ends once the reads end
 
@@ -444,8 +444,9 @@ class WorkerSide:
                 written = _result(future, len(write.keys), False)
                 ok = all(written)
                 self.reports.ended(job_id, ok)
-                counter = "remote_written_bytes" if write.remote else "tier_written_bytes"
-                self.stats.add(counter, sum(written) * self.config.slot_bytes)
+                self.stats.add_tier(
+                    "tier_written_bytes", self._tier_name(write.remote), sum(written) * self.config.slot_bytes
+                )
         now = time.monotonic()
         for job_id, reading in list(self._reads.items()):
             job = reading.job
@@ -453,12 +454,10 @@ class WorkerSide:
                 if reading.deadline is not None and now > reading.deadline and not reading.gave_up:
                     reading.gave_up = True
                     stalled = sorted(
-                        {"remote" if remote else "lower" for _, remote, f in reading.reads if not f.done()}
+                        {self._tier_name(remote) for _, remote, f in reading.reads if not f.done()}
                     )
                     for tier in stalled:
-                        self.stats.add(
-                            "remote_load_timeouts" if tier == "remote" else "tier_load_timeouts", 1
-                        )
+                        self.stats.add_tier("tier_load_timeouts", tier, 1)
                     logger.warning(
                         "kvhal: load job %d: the %s tier did not answer by its deadline; recomputing",
                         job_id,
@@ -470,16 +469,14 @@ class WorkerSide:
             failures: list[str] = []
             for reads, remote, future in reading.reads:
                 stuck += not _ends_by(future, deadline)
-                outcomes = _result(future, len(reads.keys), "io_error")
-                counters = REMOTE_READ_COUNTERS if remote else TIER_READ_COUNTERS
+                outcomes = _result(future, len(reads.keys), ReadOutcome.IO_ERROR)
+                tier = self._tier_name(remote)
                 for outcome in outcomes:
                     if outcome is not OK:
-                        self.stats.add(counters.get(outcome, counters["io_error"]), 1)
-                        failures.append(f"{'remote' if remote else 'lower'} {outcome}")
+                        self.stats.add_tier(READ_FAILURE_COUNTERS[outcome], tier, 1)
+                        failures.append(f"{tier} {outcome.value}")
                 good = outcomes.count(OK)
-                self.stats.add(
-                    "remote_read_bytes" if remote else "tier_read_bytes", good * self.config.slot_bytes
-                )
+                self.stats.add_tier("tier_read_bytes", tier, good * self.config.slot_bytes)
             if not failures and not wait and not reading.gave_up:
                 self._submit(job)  # now a load of host slots, as any hit
                 continue
@@ -497,6 +494,12 @@ class WorkerSide:
             self._running[job_id] = _Running(job, set(), ok=False)
             self._finish(job_id)
         return stuck
+
+    def _tier_name(self, remote: bool) -> str:
+        """The name a tier below counts under: the remote tier's, or the lower tier's."""
+        if remote:
+            return remote_tier_name(self.config)
+        return lower_tier_name(self.config)
 
     def take_stats(self, send: bool) -> KVHALStats | None:
         """This step's counters for vLLM, or None to keep them for a later step: when the

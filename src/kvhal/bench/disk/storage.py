@@ -19,7 +19,7 @@ from rich.progress import Progress
 
 from kvhal.bench.common import KEY_BYTES, size_name
 from kvhal.registry import PluginRegistry
-from kvhal.tiers.backend import TierSpec
+from kvhal.tiers.backend import OK, ReadOutcome, TierSpec
 from kvhal.tiers.disk import DiskTier
 from kvhal.tiers.disk.format import ALIGN, RECORD_BYTES, pack_record
 from kvhal.tiers.disk.io import aligned_buffer, preadv_all, pwritev_all
@@ -139,7 +139,8 @@ class TierRig:
 
         def finish() -> int:
             outcomes = pending.popleft().result()
-            return sum(1 for o in outcomes if (o is not True if write else o is not None))
+            # a read's outcome as the backend gives it: OK, or None (the contract's first form)
+            return sum(1 for o in outcomes if (o is not True if write else ReadOutcome.of(o) is not OK))
 
         start = time.perf_counter()
         for k, first in enumerate(range(0, len(slots), batch)):

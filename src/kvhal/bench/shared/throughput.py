@@ -19,7 +19,7 @@ from kvhal.bench.common import KEY_BYTES, size_name
 from kvhal.bench.shared.report import TARGET_SHARE
 from kvhal.bench.shared.stores import FRAMED, LIMITS, MooncakeLimit, RedisLimit, store_server
 from kvhal.offload.host_tier import HostTier
-from kvhal.tiers.backend import TierSpec
+from kvhal.tiers.backend import OK, ReadOutcome, TierSpec
 from kvhal.tiers.remote.tier import RemoteTier
 
 #: Host buffers of one side of one row (write ring + read ring) stay under this.
@@ -142,8 +142,8 @@ class KvhalSide(Side):
         def submit_get(first: int, n: int, pos: int) -> Future:
             return tier.read(keys[first : first + n], range(ring + pos, ring + pos + n))
 
-        def count_get(outcomes: list[str | None], first: int, n: int, pos: int) -> int:
-            bad = sum(1 for outcome in outcomes if outcome is not None)
+        def count_get(outcomes: list[ReadOutcome], first: int, n: int, pos: int) -> int:
+            bad = sum(1 for outcome in outcomes if outcome is not OK)
             return bad or stamps_differ(self.get_rows(pos, n), np.arange(base + first, base + first + n))
 
         return m.run(submit_get, count_get)

@@ -31,7 +31,7 @@ import struct
 import blake3
 import crc32c
 
-from kvhal.tiers.backend import CORRUPT, FOREIGN, OK
+from kvhal.tiers.backend import CORRUPT, FOREIGN, OK, ReadOutcome
 
 MAGIC = b"KVHALR1\0"
 #: 2: the MAC covers the payload's BLAKE3 digest (1: the payload). Names carry it
@@ -42,7 +42,7 @@ _FIELDS = struct.Struct("<8sIIQI4x8s8s16x")
 MAC_BYTES = 32
 HEADER_BYTES = _FIELDS.size + MAC_BYTES  # 96
 #: ``read`` outcome of a value whose MAC is missing or wrong (a reader with a secret).
-UNAUTHENTICATED = "unauthenticated"
+UNAUTHENTICATED = ReadOutcome.UNAUTHENTICATED
 
 
 def name_prefix(prefix: str, namespace: bytes) -> str:
@@ -76,9 +76,9 @@ def write_header(
 
 def check(
     header: memoryview, payload: memoryview, namespace: bytes, name: str, secret: bytes | None
-) -> str | None:
-    """Whether ``header`` + ``payload`` is the block ``name`` of ``namespace``: :data:`OK`
-    (``None``), ``FOREIGN``, ``CORRUPT`` or :data:`UNAUTHENTICATED`."""
+) -> ReadOutcome:
+    """Whether ``header`` + ``payload`` is the block ``name`` of ``namespace``: :data:`OK`,
+    ``FOREIGN``, ``CORRUPT`` or :data:`UNAUTHENTICATED`."""
     try:
         magic, version, flags, length, crc, their_space, their_hash = _FIELDS.unpack_from(header)
     except struct.error:

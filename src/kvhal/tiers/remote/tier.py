@@ -36,7 +36,7 @@ from kvhal.errors import TierError
 from kvhal.offload.host_tier import HostTier
 from kvhal.registry import PluginRegistry
 from kvhal.threads import kernel_name, named_pool
-from kvhal.tiers.backend import CORRUPT, IO_ERROR, MISSING, OK, TierSpec
+from kvhal.tiers.backend import CORRUPT, IO_ERROR, MISSING, OK, ReadOutcome, TierSpec
 from kvhal.tiers.media import open_store
 from kvhal.tiers.remote import format as remote_format
 from kvhal.tiers.remote.store import ABSENT, RemoteStore, StoreUnavailable
@@ -222,8 +222,8 @@ class RemoteTier:
 
         return self._threads.submit(work)
 
-    def read(self, keys: Sequence[bytes], host_slots: Sequence[int]) -> Future[list[str | None]]:
-        """Read ``keys`` into host slots ``host_slots``: one outcome per key, ``None`` once
+    def read(self, keys: Sequence[bytes], host_slots: Sequence[int]) -> Future[list[ReadOutcome]]:
+        """Read ``keys`` into host slots ``host_slots``: one outcome per key, :data:`OK` once
         its bytes are in its slot and verified (else ``missing``, ``corrupt``, ``foreign``,
         ``unauthenticated`` or ``io_error``, and the slot's bytes are undefined).
 
@@ -232,7 +232,7 @@ class RemoteTier:
         keys, host_slots = list(keys), list(host_slots)
         names = self.names(keys)
 
-        def work() -> list[str | None]:
+        def work() -> list[ReadOutcome]:
             payloads, rows = self._payloads(host_slots)
             headers = [memoryview(self._headers[slot]) for slot in host_slots]
             buffers = list(zip(headers, payloads, strict=True))
@@ -240,7 +240,7 @@ class RemoteTier:
                 sizes = self._run(lambda store: store.get(names, buffers))
             except StoreUnavailable:
                 return [IO_ERROR] * len(keys)
-            outcomes: list[str | None] = []
+            outcomes: list[ReadOutcome] = []
             for size, header, payload, name in zip(sizes, headers, payloads, names, strict=True):
                 if size == ABSENT:
                     outcomes.append(MISSING)
