@@ -282,7 +282,7 @@ def test_two_models_run_on_one_path_at_once_and_one_model_once(tmp_path):
     a = DiskTier(make_spec(path, role="index"))
     b = DiskTier(make_spec(path, role="index", num_slots=128, fingerprint=other))
     with pytest.raises(TierError, match="in use by another engine of this model"):
-        DiskTier(make_spec(path, role="index"))
+        DiskTier(make_spec(path, role="index", options={"lock_wait_s": 0}))
     a.close()
     b.close()
     DiskTier(make_spec(path, role="index")).close()  # the refusal released nothing it held
@@ -416,7 +416,7 @@ def test_recover_keeps_slots_every_rank_holds_with_the_same_key(tmp_path):
 def test_second_engine_refused_until_the_first_closes(tmp_path):
     first = DiskTier(make_spec(tmp_path / "d", role="index"))
     with pytest.raises(TierError, match=rf"in use by another engine of this model \(pid {os.getpid()}\)"):
-        DiskTier(make_spec(tmp_path / "d", role="index"))
+        DiskTier(make_spec(tmp_path / "d", role="index", options={"lock_wait_s": 0}))
     worker = DiskTier(make_spec(tmp_path / "d"))  # workers of the owning engine do not lock
     worker.close()
     first.close()
@@ -451,15 +451,19 @@ def test_symlink_inside_the_tree_is_dropped_never_followed(tmp_path):
     assert elsewhere.read_bytes() == b"theirs"
 
 
-def test_world_writable_path_refused(tmp_path):
+def test_world_writable_path_holds_a_private_directory(tmp_path):
+    """An emptyDir or a fresh volume is 0777: kvhal keeps its files in kvhal-<uid> (0700) under it."""
     shared = tmp_path / "shared"
     shared.mkdir()
     shared.chmod(0o777)
-    with pytest.raises(TierError, match="world-writable"):
-        DiskTier(make_spec(shared))
-    assert list(shared.iterdir()) == []
-    shared.chmod(0o775)  # control: group-writable only is the user's choice
-    DiskTier(make_spec(shared)).close()
+    DiskTier(make_spec(shared, role="index")).close()
+    private = shared / f"kvhal-{os.geteuid()}"
+    assert [p.name for p in shared.iterdir()] == [private.name]
+    assert stat.S_IMODE(private.stat().st_mode) == 0o700
+    assert (private / RANK0 / "index.bin").is_file()
+    shared.chmod(0o775)  # control: group-writable only is the user's choice, used as it is
+    DiskTier(make_spec(shared, role="index")).close()
+    assert (shared / TREE).is_dir()
 
 
 def test_path_that_is_a_file_refused(tmp_path):

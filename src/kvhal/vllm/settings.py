@@ -141,7 +141,8 @@ class DiskTierOptions(_Keys):
     """The ``disk`` backend's ``options`` (:mod:`kvhal.tiers.disk.directory` reads them)."""
 
     path: str = key(
-        doc="The tier's directory (created 0700); not a symbolic link, not world-writable.",
+        doc="The tier's directory (created 0700), not a symbolic link; where other users can write "
+        "it (an emptyDir), a private `kvhal-<uid>` (0700) under it.",
         expects="a directory's path",
         min_length=1,
     )
@@ -157,6 +158,14 @@ class DiskTierOptions(_Keys):
         "auto",
         doc='O_DIRECT I/O: `"auto"` where the file system takes it, `true` (or an error), `false`.',
         expects='"auto", true or false',
+    )
+    lock_wait_s: int = key(
+        60,
+        doc="How long an engine waits at start for another engine of the model on `path` (one being "
+        "replaced, draining) to release it; then the start fails naming its pid. 0: fail at once.",
+        expects="a number of seconds (0 or more)",
+        unit="s",
+        ge=0,
     )
 
 
@@ -292,6 +301,7 @@ LOCAL_SHORT_FORMS: dict[str, str] = {
     "disk_bytes_to_use": "options.bytes_to_use",
     "disk_write": "write",
     "disk_eviction_policy": "eviction_policy",
+    "disk_lock_wait_s": "options.lock_wait_s",
     "lower_tier_wait_ms": "wait_ms",
     "lower_tier_prefetch_blocks": "prefetch_blocks",
     "lower_tier_wait_policy": "wait_policy",

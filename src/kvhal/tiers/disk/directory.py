@@ -3,8 +3,10 @@
 Options (``TierSpec.options``):
 
 - ``path`` (str, required): a directory; created (mode 0700) if missing. An
-  existing one must be a real directory (not a symbolic link) that other users
-  cannot write (not world-writable).
+  existing one must be a real directory (not a symbolic link). Where other users can write it
+  (world-writable: an ``emptyDir``, a fresh volume's mount point, ``/tmp``), kvhal keeps its
+  files in a private directory of its own under it, ``kvhal-<uid>`` (0700, this user's; one
+  that is not, or is a link, is refused).
 - ``bytes_to_use`` (int, required): disk space for everything kvhal keeps under ``path``
   (models share it: see :mod:`kvhal.tiers.disk.namespaces`); of its model's share, each
   tensor-parallel rank gets ``1 / world_size``, as many whole slots
@@ -19,6 +21,12 @@ Options (``TierSpec.options``):
   read (ext4, xfs; tmpfs since Linux 6.6); ``True`` makes a file system without
   it an error. Buffers that are not 4 KiB-aligned go through per-thread bounce
   buffers.
+- ``lock_wait_s`` (int, default 60): how long the scheduler waits for another engine of the
+  model to release ``LOCK`` (an engine being replaced, draining) before failing
+  (:mod:`kvhal.tiers.disk.lock`); 0 fails at once.
+- ``defer_lock`` (bool, default False): set by a caller that serves without the tier while it
+  waits (not a user's key): the ``index`` role then opens at once, not :attr:`ready`, and takes
+  the lock on a thread (:class:`~kvhal.tiers.disk.tier.DiskTier`).
 
 What it writes, under ``<path>/kvhal-tier-v1/`` (directories 0700, files 0600,
 all opened relative to directory descriptors with ``O_NOFOLLOW``; keys never
@@ -26,7 +34,8 @@ become file names), one directory per model (``m-<digest>/``, its size recorded 
 ``namespace.json``: :mod:`kvhal.tiers.disk.namespaces`), holding:
 
 - ``LOCK``: held with ``flock`` by the engine's scheduler (``role="index"``)
-  while open, holding its pid; a second engine of the model on the same path is refused.
+  while open, holding its pid; a second engine of the model on the same path waits up to
+  ``lock_wait_s`` for it, then is refused.
   Workers (``role="io"``) do not lock: they belong to the engine holding it.
 - ``rank{r}of{n}/meta.json``: the slot geometry (checked on every open against the
   namespace's size: a disagreeing one is refused, never reinitialised, so nothing stored is
@@ -44,8 +53,8 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import json
+import logging
 import os
 import shutil
 import stat
@@ -59,6 +68,8 @@ import numpy as np
 from kvhal.errors import TierError, ValidationError, check_int
 from kvhal.tiers.disk.format import RECORD_BYTES
 
+log = logging.getLogger(__name__)
+
 __all__ = [
     "DamagedMeta",
     "DiskOptions",
@@ -69,14 +80,17 @@ __all__ = [
     "open_root",
     "preallocate",
     "read_meta",
-    "take_lock",
     "write_meta",
 ]
 
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 #: O_NONBLOCK: a FIFO put in place of a file must not block its open (no effect on regular files)
 FILE_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
-_OPTIONS = ("path", "bytes_to_use", "io_threads", "direct")
+_OPTIONS = ("path", "bytes_to_use", "io_threads", "direct", "lock_wait_s", "defer_lock")
+#: The private directory kvhal keeps under a world-writable path (one per user).
+PRIVATE_DIR = "kvhal-{uid}"
+#: The default of ``lock_wait_s``: more than a pod's default termination grace period (30 s).
+LOCK_WAIT_S = 60
 
 
 @dataclass(frozen=True)
@@ -87,6 +101,8 @@ class DiskOptions:
     bytes_to_use: int
     io_threads: int = 8
     direct: bool | str = "auto"
+    lock_wait_s: int = LOCK_WAIT_S
+    defer_lock: bool = False
 
     @classmethod
     def parse(cls, options: Mapping[str, Any]) -> DiskOptions:
@@ -105,16 +121,23 @@ class DiskOptions:
         direct = options.get("direct", "auto")
         if not (isinstance(direct, bool) or direct == "auto"):
             raise ValidationError("direct", f'must be "auto", true or false, got {direct!r}')
+        defer = options.get("defer_lock", False)
+        if not isinstance(defer, bool):
+            raise ValidationError("defer_lock", f"must be true or false, got {defer!r}")
         return cls(
             path=os.path.abspath(os.fspath(path)),
             bytes_to_use=check_int("bytes_to_use", options["bytes_to_use"]),
             io_threads=check_int("io_threads", options.get("io_threads", 8)),
             direct=direct,
+            lock_wait_s=check_int("lock_wait_s", options.get("lock_wait_s", LOCK_WAIT_S), minimum=0),
+            defer_lock=defer,
         )
 
 
-def open_root(path: str) -> int:
-    """Open ``path`` (creating it, 0700): a real directory that other users cannot write."""
+def open_root(path: str) -> tuple[int, str]:
+    """Open ``path`` (creating it, 0700), a real directory; where other users can write it, the
+    private directory kvhal keeps under it instead (:data:`PRIVATE_DIR`). The descriptor and the
+    directory's path."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
@@ -131,13 +154,18 @@ def open_root(path: str) -> int:
         )
     if not stat.S_ISDIR(st.st_mode):
         raise TierError("disk", path, "exists and is not a directory")
-    if st.st_mode & stat.S_IWOTH:
-        raise TierError(
-            "disk",
-            path,
-            f"is world-writable (mode {stat.S_IMODE(st.st_mode):o}): any user could replace "
-            "kvhal's files; use a directory others cannot write",
-        )
+    fd = _open_checked(path, st)
+    if not st.st_mode & stat.S_IWOTH:
+        return fd, path
+    # Any user could replace kvhal's files here: a directory of this user's own, opened
+    # relative to the parent's descriptor without following a link, is what kvhal uses.
+    try:
+        return _open_private(fd, path, st)
+    finally:
+        os.close(fd)
+
+
+def _open_checked(path: str, st: os.stat_result) -> int:
     fd = os.open(path, DIR_FLAGS)
     try:
         opened = os.fstat(fd)
@@ -147,6 +175,45 @@ def open_root(path: str) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def _open_private(parent: int, path: str, st: os.stat_result) -> tuple[int, str]:
+    name = PRIVATE_DIR.format(uid=os.geteuid())
+    where = os.path.join(path, name)
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(name, 0o700, dir_fd=parent)
+    try:
+        fd = os.open(name, DIR_FLAGS, dir_fd=parent)
+    except OSError as exc:
+        why = "is a symbolic link" if exc.errno in (errno.ELOOP, errno.ENOTDIR) else exc.strerror
+        raise TierError("disk", where, f"cannot be used: {why}") from exc
+    try:
+        mine = os.fstat(fd)
+        if mine.st_uid != os.geteuid() or stat.S_IMODE(mine.st_mode) & 0o077:
+            # another user made it, or it was opened up: what is in it cannot be trusted
+            raise TierError(
+                "disk",
+                where,
+                f"is not kvhal's private directory (uid {mine.st_uid}, mode "
+                f"{stat.S_IMODE(mine.st_mode):o}; kvhal makes it 0700 as uid {os.geteuid()}); "
+                "remove it, or give a path other users cannot write",
+            )
+    except BaseException:
+        os.close(fd)
+        raise
+    if where not in _SAID_PRIVATE:
+        _SAID_PRIVATE.add(where)
+        log.info(
+            "kvhal: disk tier: %s is world-writable (mode %o); kvhal keeps its files in %s (0700)",
+            path,
+            stat.S_IMODE(st.st_mode),
+            where,
+        )
+    return fd, where
+
+
+#: The private directories already logged (the scheduler and each worker open the path).
+_SAID_PRIVATE: set[str] = set()
 
 
 def open_dir(parent: int, name: str, where: str) -> int:
@@ -189,30 +256,6 @@ def open_file(dir_fd: int, name: str, flags: int, where: str) -> int:
     if not regular:
         os.close(fd)
         raise TierError("disk", path, "is not a regular file")
-    return fd
-
-
-def take_lock(dir_fd: int, where: str, path: str) -> int:
-    """Hold ``LOCK`` in ``dir_fd`` (a model's namespace at ``where``) with ``flock``, holding this
-    pid; another engine's is an error naming ``path``, the engine's ``disk_path``."""
-    fd = open_file(dir_fd, "LOCK", os.O_RDWR | os.O_CREAT, where)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-        os.close(fd)
-        raise TierError(
-            "disk",
-            path,
-            f"in use by another engine of this model (pid {holder}); stop it or give this engine "
-            "another path",
-        ) from None
-    try:
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    except BaseException:
-        os.close(fd)  # and the flock with it: a failed start must not keep the model's cache locked
-        raise
     return fd
 
 

@@ -51,7 +51,7 @@ from kvhal.tiers.disk.directory import (
 )
 from kvhal.tiers.disk.format import RECORD_BYTES, Geometry, meta_mismatches
 
-__all__ = ["NAMESPACE_FILE", "budget_lock", "namespace_name", "size_namespace"]
+__all__ = ["NAMESPACE_FILE", "budget_lock", "namespace_name", "recorded_size", "size_namespace"]
 
 log = logging.getLogger(__name__)
 
@@ -170,6 +170,16 @@ def size_namespace(
     text = (json.dumps(record, indent=1, sort_keys=True, default=str) + "\n").encode()
     write_meta(ns_fd, text, NAMESPACE_FILE)
     return size
+
+
+def recorded_size(spec: TierSpec, ns_fd: int, where: str) -> int | None:
+    """The bytes ``namespace.json`` gives ``spec``'s namespace, read only (another engine may own
+    it); ``None`` where it has none kvhal wrote."""
+    try:
+        meta = read_meta(ns_fd, where, NAMESPACE_FILE)
+        return None if meta is None else _recorded_size(meta, spec)
+    except DamagedMeta:
+        return None
 
 
 def _recorded_size(meta: dict[str, Any], spec: TierSpec) -> int:

@@ -39,10 +39,11 @@ from kvhal.errors import ClosedError, TierError, ValidationError, check_int
 from kvhal.threads import named_pool
 from kvhal.tiers.backend import IO_ERROR, OK, TierBackend, TierSpec
 from kvhal.tiers.disk.batches import Work, check_batch, submit_batch
-from kvhal.tiers.disk.directory import FILE_FLAGS, DiskOptions, open_dir, open_file, open_root, take_lock
+from kvhal.tiers.disk.directory import FILE_FLAGS, DiskOptions, open_dir, open_file, open_root
 from kvhal.tiers.disk.format import ALIGN, RECORD_BYTES, TREE, Geometry, check_record, pack_record
 from kvhal.tiers.disk.io import aligned_buffer, is_aligned, plan_tasks, preadv_all, pwritev_all
-from kvhal.tiers.disk.namespaces import budget_lock, namespace_name, size_namespace
+from kvhal.tiers.disk.lock import LockWaiter, try_lock, wait_lock
+from kvhal.tiers.disk.namespaces import budget_lock, namespace_name, recorded_size, size_namespace
 from kvhal.tiers.disk.ranks import ensure_ranks, rank_dir, rank_files
 from kvhal.tiers.disk.recovery import recover_slots
 
@@ -60,8 +61,9 @@ class DiskTier(TierBackend):
 
     :raises ValidationError: an option is wrong (names it), or the disk has too
         little free space for ``bytes_to_use``.
-    :raises TierError: the path is unsafe (a symbolic link, world-writable),
-        another engine holds it, or it holds slots of another geometry.
+    :raises TierError: the path is unsafe (a symbolic link; under a world-writable one, a
+        ``kvhal-<uid>`` that is not kvhal's), another engine holds it past ``lock_wait_s``
+        (:mod:`kvhal.tiers.disk.lock`), or it holds slots of another geometry.
     """
 
     def __init__(self, spec: TierSpec) -> None:
@@ -92,43 +94,25 @@ class DiskTier(TierBackend):
         self._data_fds: list[int] = []
         self._pools: dict[str, ThreadPoolExecutor] = {}  # "read", "write"
         self._local = threading.local()
-        tree = os.path.join(self.path, TREE)
-        #: This model's directory under the path (:mod:`kvhal.tiers.disk.namespaces`).
-        self.namespace = os.path.join(tree, namespace_name(spec))
+        #: Whether the tier serves: False while the ``index`` role waits for another engine's
+        #: lock on a thread (``defer_lock``); :attr:`lock_waiter` says how that went.
+        self.ready = True
+        self.lock_waiter: LockWaiter | None = None
         try:
-            self._root_fd = open_root(self.path)
+            self._root_fd, self.path = open_root(self.path)
+            tree = os.path.join(self.path, TREE)
+            #: This model's directory under the path (:mod:`kvhal.tiers.disk.namespaces`).
+            self.namespace = os.path.join(tree, namespace_name(spec))
             self._tree_fd = open_dir(self._root_fd, TREE, self.path)
             self._ns_fd = open_dir(self._tree_fd, os.path.basename(self.namespace), tree)
-            if spec.role == "index":
-                self._lock_fd = take_lock(self._ns_fd, self.namespace, self.path)
             ranks = range(world_size) if spec.role == "index" else [spec.rank]
-
-            def make(size: int) -> None:
-                self.geometry = Geometry.plan(slot_bytes, size // world_size)
-                self.num_slots = self.geometry.num_slots
-                if self.num_slots < 1:
-                    raise TierError("disk", self.namespace, f"was made with {size} bytes, less than a slot")
-                ensure_ranks(
-                    spec,
-                    self.geometry,
-                    self._ns_fd,
-                    self.namespace,
-                    ranks,
-                    self._rank_fds,
-                    self.options.bytes_to_use,
-                    self.path,
-                )
-
-            with budget_lock(self._tree_fd, tree):
-                size_namespace(
-                    spec,
-                    self._tree_fd,
-                    self._ns_fd,
-                    self.namespace,
-                    self.path,
-                    self.options.bytes_to_use,
-                    make,
-                )
+            if spec.role == "index":
+                self._lock_fd, holder = try_lock(self._ns_fd, self.namespace)
+                if holder is not None and self._defer(holder):
+                    return
+                if holder is not None:
+                    wait_lock(self._lock_fd, holder, self.path, self.options.lock_wait_s)
+            self._open_namespace(ranks)
             if spec.role == "io":
                 self._open_io()
         except OSError as exc:  # the file system failed (EIO, ENOSPC, ...): a clear error at start
@@ -137,6 +121,63 @@ class DiskTier(TierBackend):
         except BaseException:
             self._release()
             raise
+
+    def _open_namespace(self, ranks: Sequence[int]) -> None:
+        """Size the model's namespace (new ones: made) and open ``ranks``' directories."""
+        spec, world_size = self.spec, self.spec.world_size
+        tree = os.path.dirname(self.namespace)
+
+        def make(size: int) -> None:
+            self.geometry = Geometry.plan(spec.slot_bytes, size // world_size)
+            self.num_slots = self.geometry.num_slots
+            if self.num_slots < 1:
+                raise TierError("disk", self.namespace, f"was made with {size} bytes, less than a slot")
+            ensure_ranks(
+                spec,
+                self.geometry,
+                self._ns_fd,
+                self.namespace,
+                ranks,
+                self._rank_fds,
+                self.options.bytes_to_use,
+                self.path,
+            )
+
+        with budget_lock(self._tree_fd, tree):
+            size_namespace(
+                spec, self._tree_fd, self._ns_fd, self.namespace, self.path, self.options.bytes_to_use, make
+            )
+
+    def _defer(self, holder: str) -> bool:
+        """With ``defer_lock``, wait for ``holder``'s lock on a thread: not :attr:`ready` until then.
+
+        Only where the namespace's size is recorded (its slots are then known now, and stay
+        what the waiter opens); else False, and the caller waits here.
+        """
+        if not self.options.defer_lock or self.options.lock_wait_s == 0:
+            return False
+        with budget_lock(self._tree_fd, os.path.dirname(self.namespace)):
+            size = recorded_size(self.spec, self._ns_fd, self.namespace)
+        if size is None:
+            return False
+        self.geometry = Geometry.plan(self.spec.slot_bytes, size // self.spec.world_size)
+        self.num_slots = self.geometry.num_slots
+        if self.num_slots < 1:
+            return False
+        self.ready = False
+
+        announced = self.num_slots
+
+        def on_taken() -> None:
+            if self._closed:
+                return
+            self._open_namespace(range(self.spec.world_size))
+            if self.num_slots != announced:  # remade meanwhile: the chain's index has the old count
+                raise TierError("disk", self.namespace, f"now has {self.num_slots} slots, not {announced}")
+            self.ready = True
+
+        self.lock_waiter = LockWaiter(self._lock_fd, holder, self.path, self.options.lock_wait_s, on_taken)
+        return True
 
     # ------------------------------------------------------------------ the chain's calls
 
@@ -147,6 +188,12 @@ class DiskTier(TierBackend):
         slots whose ranks disagree are left out (the chain overwrites them).
         """
         self._check_open("recover", "index")
+        if not self.ready:
+            raise TierError(
+                "disk",
+                self.path,
+                "recover() before the tier is ready: another engine holds its lock (poll ready)",
+            )
         try:
             return self._recover(progress)
         except OSError as exc:  # a cache: what cannot be read is not offered, and the tier serves
@@ -192,6 +239,8 @@ class DiskTier(TierBackend):
         if self._closed:
             return
         self._closed = True
+        if self.lock_waiter is not None:
+            self.lock_waiter.cancel()
         for pool in self._pools.values():
             pool.shutdown(wait=True)
         for fd in [*self._data_fds, self._index_fd]:
