@@ -27,7 +27,7 @@ from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
 
 from kvhal.vllm.config import ConnectorConfig, GroupInfo
-from kvhal.vllm.metadata import JobKind, KVHALMetadata, KVHALWorkerMetadata
+from kvhal.vllm.metadata import KVHALMetadata, KVHALWorkerMetadata, StoreJob
 from kvhal.vllm.scheduler_side import LOADED_TOKENS, SchedulerSide
 
 BS = 4
@@ -157,7 +157,7 @@ def prefill(scheduler: SchedulerSide, req: Request, blocks: list[int]) -> KVHALM
 
 
 def store_ids(meta: KVHALMetadata) -> list[int]:
-    assert all(job.kind is JobKind.STORE for job in meta.stores)
+    assert all(isinstance(job, StoreJob) for job in meta.stores)
     return [job.job_id for job in meta.stores]
 
 
