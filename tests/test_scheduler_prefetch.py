@@ -16,9 +16,10 @@ pytest.importorskip("vllm")
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
-from kvhal.offload.wait_policy import PROBE_S
+from kvhal.offload.wait_policy import PROBE_S, WaitPolicy
 from kvhal.vllm.config import LowerTierConfig
-from kvhal.vllm.metadata import KVHALMetadata
+from kvhal.vllm.keys import offload_key
+from kvhal.vllm.metadata import KVHALMetadata, ReadJob
 from kvhal.vllm.scheduler_side import SchedulerSide
 from tests.test_scheduler_side import PAGE, output, prefill, reported, request, scheduler_config
 
@@ -42,10 +43,17 @@ def tiered(
     return SchedulerSide(scheduler_config(slots=SLOTS, lower_tier=lower))
 
 
+def disk_wait(scheduler: SchedulerSide) -> WaitPolicy:
+    """The disk tier's wait policy."""
+    [tier] = scheduler.tiers
+    assert tier.name == "disk" and tier.wait is not None
+    return tier.wait
+
+
 def finish_stores(scheduler: SchedulerSide, meta: KVHALMetadata) -> None:
     """The workers stored every block of ``meta`` and wrote it through to the disk."""
     reported(scheduler, [job.job_id for job in meta.stores])
-    reported(scheduler, [job.write.job_id for job in meta.stores if job.write is not None])
+    reported(scheduler, [write.job_id for job in meta.stores for write in job.writes])
 
 
 def only_on_disk(scheduler: SchedulerSide) -> None:
@@ -57,8 +65,9 @@ def only_on_disk(scheduler: SchedulerSide) -> None:
         other = request(f"x{i}", list(range(first, first + 12)))
         finish_stores(scheduler, prefill(scheduler, other, [10 + 3 * i, 11 + 3 * i, 12 + 3 * i]))
         scheduler.request_finished(other)
-    assert scheduler.manager.lookup(scheduler._keys(a.block_hashes[:2], 0)) == 0
-    assert scheduler.chain.lower.lookup(scheduler._keys(a.block_hashes[:2], 0)) == 2
+    keys = [offload_key(h, 0) for h in a.block_hashes[:2]]
+    assert scheduler.manager.lookup(keys) == 0
+    assert scheduler.chain.tier("disk").index.lookup(keys) == 2
 
 
 def waiting(scheduler: SchedulerSide):
@@ -74,14 +83,15 @@ def test_a_disk_hit_is_read_into_host_memory_while_the_request_waits_then_loads_
     scheduler = tiered(tmp_path)
     only_on_disk(scheduler)
     b, prefetch = waiting(scheduler)
-    assert prefetch.prefetch and prefetch.groups == {} and len(prefetch.reads.keys) == 2
+    # a read into host slots, no device copy (a ReadJob has no groups), from the disk
+    assert isinstance(prefetch, ReadJob) and [(r.tier, len(r.keys)) for r in prefetch.reads] == [("disk", 2)]
     assert scheduler.lookup(b, 0) == (None, False)  # still reading
     assert scheduler.build_meta(output()).prefetches == []  # one read per request
     reported(scheduler, [prefetch.job_id])
     assert scheduler.lookup(b, 0) == (8, False)  # in host memory: a synchronous host hit
     scheduler.after_alloc(b, KVCacheBlocks(([KVCacheBlock(7), KVCacheBlock(8)],)), 8)
     [load] = scheduler.build_meta(output()).loads
-    assert load.sync and load.reads is None
+    assert load.sync and load.reads == []
     assert scheduler.stats.data["tier_prefetched_blocks{tier=disk}"] == 2
     assert scheduler.stats.data["tier_hit_tokens{tier=disk}"] == 8  # the disk's share of the hit
     assert scheduler.stats.data["tier_loaded_blocks{tier=disk}"] == 2
@@ -122,9 +132,10 @@ def test_a_tier_measured_slower_than_recompute_is_not_read(tmp_path, slow):
     logger.addHandler(handler)
     level, logger.level = logger.level, logging.INFO
     only_on_disk(scheduler)
-    scheduler.wait_policy.observe_step(1000, 0.1)  # 8 tokens: recomputed in 0.8 ms
-    scheduler.wait_policy.observe_step(2000, 0.2)
-    scheduler.wait_policy.observe_read(PAGE, 1.0 if slow else 1e-9)
+    policy = disk_wait(scheduler)
+    policy.observe_step(1000, 0.1)  # 8 tokens: recomputed in 0.8 ms
+    policy.observe_step(2000, 0.2)
+    policy.observe_read(PAGE, 1.0 if slow else 1e-9)
     b = request("b")
     scheduler.track(b)
     if slow:
@@ -147,7 +158,7 @@ def test_a_slow_tier_is_probed_now_and_then_while_its_request_recomputes(tmp_pat
     serve the next request."""
     scheduler = tiered(tmp_path, policy="auto")
     only_on_disk(scheduler)
-    policy = scheduler.wait_policy
+    policy = disk_wait(scheduler)
     policy.observe_step(1000, 0.1)
     policy.observe_step(2000, 0.2)
     policy.observe_read(PAGE, 1.0)  # slow
@@ -176,7 +187,7 @@ def test_without_a_prefetch_the_hit_loads_asynchronously(tmp_path, how):
     assert scheduler.lookup(b, 0) == (8, True)  # read, then copy: vLLM parks the request
     scheduler.after_alloc(b, KVCacheBlocks(([KVCacheBlock(7), KVCacheBlock(8)],)), 8)
     [load] = scheduler.build_meta(output()).loads
-    assert not load.sync and len(load.reads.keys) == 2
+    assert not load.sync and [(r.tier, len(r.keys)) for r in load.reads] == [("disk", 2)]
     assert ("tier_prefetch_skipped_blocks{tier=disk}" in scheduler.stats.data) is (how == "over budget")
 
 
@@ -198,8 +209,8 @@ def test_a_tier_measured_slower_than_recompute_is_not_written_either(tmp_path, s
     """Blocks a tier is too slow to serve are not written to it (the negative control: a
     tier that is not slow gets its write-through)."""
     scheduler = tiered(tmp_path, policy="auto")
-    scheduler.wait_policy.slow = slow
+    disk_wait(scheduler).slow = slow
     meta = prefill(scheduler, request("a"), [1, 2, 3])
-    assert [job.write is None for job in meta.stores] == [slow]
+    assert [job.writes == [] for job in meta.stores] == [slow]
     skipped = scheduler.stats.data.get("tier_slow_skipped_writes{tier=disk}", 0)
     assert skipped == (3 if slow else 0)  # its 3 blocks

@@ -25,6 +25,7 @@ from kvhal.tiers.backend import TierSpec
 from kvhal.tiers.remote.tier import RemoteTier
 from kvhal.vllm.config import ConnectorConfig, GroupInfo, RemoteTierConfig
 from kvhal.vllm.keys import offload_key
+from kvhal.vllm.metadata import ReadJob
 from kvhal.vllm.scheduler_side import SchedulerSide
 from tests.test_scheduler_side import BS, PAGE, PROMPT, output, prefill, reported, request
 
@@ -51,6 +52,13 @@ def side(url: str, cpu_slots: int = 64, world_size: int = 1, **remote) -> Schedu
         fingerprint={"model": "scheduler-remote-test"},
     )
     return SchedulerSide(config)
+
+
+def redis_tier(scheduler: SchedulerSide) -> RemoteTier:
+    """The scheduler side's client of the Redis store."""
+    [tier] = scheduler.stores
+    assert tier.name == "redis" and tier.store is not None
+    return tier.store
 
 
 def hit(scheduler: SchedulerSide, req, timeout: float = 5.0) -> tuple[int, int]:
@@ -80,7 +88,7 @@ def put_blocks(scheduler: SchedulerSide, url: str, hashes: list[bytes]) -> None:
 def answered(scheduler: SchedulerSide, req, timeout: float = 5.0) -> tuple[int | None, bool]:
     """Ask until the store's answer to the lookup came: the answer after it."""
     deadline = time.monotonic() + timeout
-    while scheduler.track(req).probe is None or not scheduler.track(req).probe.future.done():
+    while (probe := scheduler.track(req).probes.get("redis")) is None or not probe.future.done():
         answer = scheduler.lookup(req, 0)
         assert answer[0] is None, "the lookup answered before the store did"
         assert time.monotonic() < deadline, "the store never answered"
@@ -95,8 +103,10 @@ def test_a_store_hit_is_prefetched_at_lookup_then_loaded_as_a_host_hit(server):
     assert answered(scheduler, req) == (None, False), "the store's blocks are read first: ask again"
     [prefetch] = scheduler.build_meta(output()).prefetches
     keys = [offload_key(h, 0) for h in req.block_hashes[:2]]
-    assert prefetch.prefetch and prefetch.reads is None and prefetch.remote_reads is not None
-    assert prefetch.remote_reads.keys == keys and len(set(prefetch.remote_reads.host_slots)) == 2
+    assert isinstance(prefetch, ReadJob)
+    [read] = prefetch.reads  # from the store alone
+    assert read.tier == "redis" and read.slots == []
+    assert read.keys == keys and len(set(read.host_slots)) == 2
     assert scheduler.lookup(req, 0) == (None, False), "waits while the read is in flight"
     reported(scheduler, [prefetch.job_id])  # the workers read the blocks into host memory
     assert scheduler.lookup(req, 0) == (2 * BS, False), "then a host hit, loaded in its step"
@@ -104,7 +114,7 @@ def test_a_store_hit_is_prefetched_at_lookup_then_loaded_as_a_host_hit(server):
     assert scheduler.stats.data["tier_loaded_blocks{tier=redis}"] == 2
     scheduler.after_alloc(req, KVCacheBlocks(([KVCacheBlock(i) for i in (5, 6, 7)],)), 2 * BS)
     [load] = scheduler.build_meta(output()).loads
-    assert load.sync and load.remote_reads is None and load.reads is None
+    assert load.sync and load.reads == []
     assert scheduler.stats.data["tier_hit_tokens{tier=redis}"] == 2 * BS
     scheduler.close()
 
@@ -148,8 +158,9 @@ def test_over_the_prefetch_budget_a_store_hit_is_read_by_its_load(server):
     scheduler.after_alloc(b, KVCacheBlocks(([KVCacheBlock(i) for i in (5, 6, 7)],)), 2 * BS)
     meta = scheduler.build_meta(output())
     [load] = meta.loads
-    assert not load.sync and load.remote_reads is not None and load.reads is None
-    assert load.remote_reads.keys == [offload_key(h, 0) for h in b.block_hashes[:2]]
+    assert not load.sync
+    [read] = load.reads  # from the store alone
+    assert read.tier == "redis" and read.keys == [offload_key(h, 0) for h in b.block_hashes[:2]]
     reported(scheduler, [load.job_id], ok=False)  # the read failed on the worker: recompute
     assert scheduler.stats.data["tier_failed_loads{tier=redis}"] == 1
     assert scheduler.manager.lookup([offload_key(b.block_hashes[0], 0)]) == 0, "a failed read left a block"
@@ -177,21 +188,22 @@ def test_writes_beyond_the_in_flight_cap_or_to_a_down_store_are_dropped(server):
     a, b = request("a"), request("b", [t + 100 for t in PROMPT])
     assert hit(scheduler, a)[0] == 0 and hit(scheduler, b)[0] == 0  # the store answered: it is up
     [store_a] = prefill(scheduler, a, [1, 2, 3]).stores
-    assert store_a.remote_write is not None and store_a.remote_write.remote
-    assert len(store_a.remote_write.keys) == 3
+    [write_a] = store_a.writes
+    assert write_a.tier == "redis" and write_a.slots == []
+    assert len(write_a.keys) == 3
     [store_b] = prefill(scheduler, b, [4, 5, 6]).stores
-    assert store_b.remote_write is None, "3 + 3 blocks in flight exceed the cap of 4"
+    assert store_b.writes == [], "3 + 3 blocks in flight exceed the cap of 4"
     assert scheduler.stats.data["tier_dropped_blocks{tier=redis}"] == 3
     # the store's copy and then its write end: room again
     reported(scheduler, [store_a.job_id])
-    reported(scheduler, [store_a.remote_write.job_id])
+    reported(scheduler, [write_a.job_id])
     assert scheduler.stats.data["tier_written_blocks{tier=redis}"] == 3
     server.stop()
     c = request("c", [t + 200 for t in PROMPT])
     assert hit(scheduler, c)[0] == 0
-    assert scheduler.stats.data["tier_lookup_errors{tier=redis}"] == 1 and not scheduler.remote.up
+    assert scheduler.stats.data["tier_lookup_errors{tier=redis}"] == 1 and not redis_tier(scheduler).up
     [store_c] = prefill(scheduler, c, [7, 8, 9]).stores
-    assert store_c.remote_write is None, "a write was planned to a store that is down"
+    assert store_c.writes == [], "a write was planned to a store that is down"
     assert scheduler.stats.data["tier_dropped_blocks{tier=redis}"] == 6
     scheduler.close()
 
@@ -206,7 +218,8 @@ def test_a_failed_store_keeps_its_slots_until_every_ranks_write_from_them_ended(
     a = request("a")
     assert hit(scheduler, a)[0] == 0
     [store] = prefill(scheduler, a, [1, 2, 3]).stores
-    write = store.remote_write.job_id
+    [write_job] = store.writes
+    write = write_job.job_id
     free = scheduler.manager.num_free
     reported(scheduler, [store.job_id], ok=False)  # rank 0: failed (its write never runs)
     reported(scheduler, [write], ok=False)
@@ -215,5 +228,5 @@ def test_a_failed_store_keeps_its_slots_until_every_ranks_write_from_them_ended(
         assert scheduler.manager.num_free == free, "freed while rank 1 still writes from them"
         reported(scheduler, [write])  # rank 1's write ended
     assert scheduler.manager.num_free == free + 3
-    assert not scheduler._quarantined and scheduler.stats.data["failed_stores"] == 1
+    assert not scheduler.planner._quarantined and scheduler.stats.data["failed_stores"] == 1
     scheduler.close()
