@@ -11,9 +11,6 @@ SRC = Path(__file__).resolve().parent.parent / "src"
 MAX_LINES = 500
 #: exempt for good: every hookspec in one module
 EXCEPTED = {"kvhal/hookspecs.py"}
-#: over the limit today and being split by other work (issue 35, item 6): whoever splits one
-#: removes it from this list, and the test below then holds it to the limit
-BEING_SPLIT = {"kvhal/vllm/scheduler_side.py", "kvhal/vllm/worker_side.py"}
 
 
 def line_counts() -> dict[str, int]:
@@ -31,18 +28,11 @@ def test_the_scan_finds_the_modules() -> None:
 
 
 def test_no_module_is_over_500_lines() -> None:
-    long = {p: n for p, n in line_counts().items() if n > MAX_LINES and p not in EXCEPTED | BEING_SPLIT}
+    long = {p: n for p, n in line_counts().items() if n > MAX_LINES and p not in EXCEPTED}
     assert not long, f"modules over {MAX_LINES} lines (split each by what it holds): {long}"
 
 
 def test_the_exception_names_a_module_that_exists() -> None:
-    # a module moved or renamed must not leave a stale exemption behind (BEING_SPLIT: below)
+    # a module moved or renamed must not leave a stale exemption behind
     stale = sorted(EXCEPTED - line_counts().keys())
     assert not stale, f"no such module: {stale}"
-
-
-def test_a_module_split_leaves_the_being_split_list() -> None:
-    # once one of them is within the limit, its exemption is dropped: the list only shrinks
-    counts = line_counts()
-    within = sorted(p for p in BEING_SPLIT if counts.get(p, 0) <= MAX_LINES)  # or gone
-    assert not within, f"within {MAX_LINES} lines now: remove from BEING_SPLIT: {within}"

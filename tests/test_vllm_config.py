@@ -208,7 +208,7 @@ def test_opening_the_lower_tier_names_the_users_keys(tmp_path, monkeypatch) -> N
     small = disk_config({"disk_path": str(tmp_path / "d"), "disk_bytes_to_use": 100}, algo="xxhash")
     try:
         with pytest.raises(ValidationError) as raised:
-            open_lower_tier(small, role="index", rank=0)
+            open_lower_tier(small, small.lower_tier, role="index", rank=0)
     finally:
         lower_tier.logger.removeHandler(records)
     assert raised.value.argument == "kv_connector_extra_config.disk_bytes_to_use"
@@ -217,9 +217,9 @@ def test_opening_the_lower_tier_names_the_users_keys(tmp_path, monkeypatch) -> N
     (tmp_path / "link").symlink_to(tmp_path / "real")
     linked = disk_config({"disk_path": str(tmp_path / "link"), "disk_bytes_to_use": 1 << 20})
     with pytest.raises(TierError, match="symbolic link"):
-        open_lower_tier(linked, role="index", rank=0)
+        open_lower_tier(linked, linked.lower_tier, role="index", rank=0)
     fine = disk_config({"disk_path": str(tmp_path / "ok"), "disk_bytes_to_use": 1 << 20})
-    tier = open_lower_tier(fine, "index", 0)
+    tier = open_lower_tier(fine, fine.lower_tier, "index", 0)
     assert tier.num_slots > 0
     tier.close()
 
@@ -277,9 +277,9 @@ def test_tiers_configure_the_lower_and_remote_tier() -> None:
 
 @pytest.mark.parametrize(
     "kinds",
-    [["disk", "disk"], ["redis", "disk"], ["redis", "redis"]],
+    [["disk", "disk"], ["redis", "disk"], ["redis", "redis"], ["disk", "redis", "disk", "redis"]],
 )
-def test_tiers_the_engine_does_not_serve_yet_are_refused_at_start(kinds: list[str]) -> None:
+def test_any_list_of_tiers_is_taken_in_its_order(kinds: list[str]) -> None:
     entries = {
         "disk": lambda i: {
             "name": f"d{i}",
@@ -288,9 +288,9 @@ def test_tiers_the_engine_does_not_serve_yet_are_refused_at_start(kinds: list[st
         },
         "redis": lambda i: {"name": f"r{i}", "url": "redis://h:1/0"},
     }
-    with pytest.raises(ValidationError, match="at most one local tier, then one store") as raised:
-        disk_config({"tiers": [entries[kind](i) for i, kind in enumerate(kinds)]})
-    assert raised.value.argument == "kv_connector_extra_config.tiers"
+    config = disk_config({"tiers": [entries[kind](i) for i, kind in enumerate(kinds)]})
+    assert [t.name for t in config.tiers] == [f"{kind[0]}{i}" for i, kind in enumerate(kinds)]
+    assert [hasattr(t, "url") for t in config.tiers] == [kind == "redis" for kind in kinds]
 
 
 def test_lower_and_remote_tier_given_alone_are_the_tiers() -> None:
@@ -314,5 +314,6 @@ def test_opening_a_listed_lower_tier_names_its_place(tmp_path) -> None:
 
     disk = {"backend": "disk", "options": {"path": str(tmp_path / "d"), "bytes_to_use": 100}}
     with pytest.raises(ValidationError) as raised:
-        open_lower_tier(disk_config({"tiers": [disk]}), role="index", rank=0)
+        listed = disk_config({"tiers": [disk]})
+        open_lower_tier(listed, listed.tiers[0], role="index", rank=0)
     assert raised.value.argument == "kv_connector_extra_config.tiers[0].options.bytes_to_use"

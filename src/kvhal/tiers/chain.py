@@ -1,39 +1,50 @@
-"""The tier chain: the host tier's manager and the index of the tier below it.
+"""The tier chain: the host tier's manager over an ordered list of tiers below it.
 
-Bytes flow device <-> host slots <-> lower tier. The host tier stays the
-staging area: a device never reads or writes a lower tier, so one disk or
-network backend serves every device plugin. This module decides, where the
-engine schedules, which blocks move; it never touches bytes (the workers do,
-through :mod:`kvhal.tiers.io`).
+Bytes flow device <-> host slots <-> a tier below. The host tier stays the
+staging area: a device never reads or writes a tier below, so one disk,
+object-store or network backend serves every device plugin. This module
+decides, where the engine schedules, which blocks move; it never touches
+bytes (the workers do, through :mod:`kvhal.tiers.io` and the stores).
 
-- **Lookups** find the host tier's ready prefix of a request's keys, then
-  how far the lower tier continues it (:meth:`TierChain.lookup`).
-- **Loads** of a hit found only below are *promoted*: fresh host slots are
-  taken for them (evicting as any store does), the worker reads the blocks
-  into those slots, and then loads them into the device as any host hit
-  (:meth:`TierChain.prepare_load`). Nothing here waits: the request is parked
-  by the engine while its load is in flight, as for a host hit.
-- **Stores** cascade. ``write="through"`` (the default) plans each block's
-  lower-tier write with its host store; the worker chains the write to the
-  store's copy (no round trip through the scheduler, so a shutdown can flush
-  it), and the host slot stays pinned until the write ends. ``write="back"``
-  writes a block only when the host tier evicts it, from a snapshot taken
-  before its slot is reused.
+Every tier below the host tier is a :class:`ChainTier` of one list, in the
+order the user configured it (say a disk, then Redis, then an object store):
 
-Write-through is the default because the lower tier is what survives a
-restart or a crash: under write-back, everything that lived only in host
-memory is lost with the process, and writes come in bursts exactly when the
-host tier is under pressure. Write-back writes less (blocks that die in host
-memory are never written), which suits a lower tier with costly writes.
+- a **local** tier (the disk tier, a plugin's backend through
+  ``kvhal_tier_backends``) has equal slots whose index
+  (:class:`~kvhal.tiers.index.TierIndex`) the chain keeps: what it holds is
+  known here, at once;
+- a **shared** tier (a store the fleet shares, ``kvhal_remote_stores``) names
+  its values by key; what it holds is learnt by asking it (the adapter does,
+  and hands the answer in as ``held``).
 
-A failed read forgets the blocks it was promoting from the lower tier (the
-engine recomputes them, and a later store writes them again); a failed write
-leaves nothing loadable.
+- **Lookups** find the host tier's ready prefix of a request's keys, then how
+  far the tiers below continue it: a key counts where the first tier of the
+  list that holds it can be read into a fresh host slot (:meth:`TierChain.lookup`).
+- **Loads** of a hit found below are *promoted*: fresh host slots are taken
+  for them (evicting as any store does), the worker reads each block from the
+  first tier holding it (:class:`TierRead`, one per tier), and then loads them
+  into the device as any host hit (:meth:`TierChain.prepare_load`). Nothing
+  here waits.
+- **Stores** cascade to every tier the adapter names. A local tier with
+  ``write="through"`` (the default) and every shared tier get a write planned
+  with the host store (:class:`WritePlan`); the worker chains it to the store's
+  copy, and the host slot stays pinned until the write ends. A local tier with
+  ``write="back"`` is written only when the host tier evicts a block, from a
+  snapshot taken before its slot is reused (:meth:`TierChain.take_writes`).
+
+Write-through is the default because a tier below is what survives a restart
+or a crash: under write-back, everything that lived only in host memory is
+lost with the process, and writes come in bursts exactly when the host tier is
+under pressure. Write-back writes less, which suits a tier with costly writes.
+
+A failed read forgets the blocks it was promoting from a local tier (the engine
+recomputes them, and a later store writes them again); a failed write leaves
+nothing loadable.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -43,6 +54,58 @@ from kvhal.tiers.index import TierIndex
 
 WriteMode = Literal["through", "back"]
 WRITE_MODES: tuple[str, ...] = ("through", "back")
+#: What the adapter learnt of the shared tiers: tier name -> keys it holds.
+Held = Mapping[str, Collection[bytes]]
+
+
+@dataclass
+class ChainTier:
+    """One tier below the host tier, as the chain sees it.
+
+    :param name: its name, unique in the chain (the ``tier`` label of its counters).
+    :param index: a local tier's slot index; ``None`` for a shared tier (a store
+        names its values by key: no slots, and what it holds is asked of it).
+    :param write: a local tier's write mode (``"through"`` or ``"back"``); a shared
+        tier is written through.
+    """
+
+    name: str
+    index: TierIndex | None = None
+    write: WriteMode = "through"
+    #: blocks not written since the adapter last looked: no evictable room
+    skipped_writes: int = 0
+    #: blocks evicted from the tier since the adapter last looked
+    evictions: int = 0
+
+    def __post_init__(self) -> None:
+        if self.write not in WRITE_MODES:
+            raise ValidationError("write", f"must be one of {list(WRITE_MODES)}, got {self.write!r}")
+        if self.index is None and self.write != "through":
+            raise ValidationError("write", f"tier {self.name!r}: a shared tier is written through")
+
+    @property
+    def shared(self) -> bool:
+        return self.index is None
+
+    def holds(self, key: bytes, held: Held) -> bool:
+        """Whether a read of ``key`` from this tier can be planned now."""
+        if self.index is not None:
+            return self.index.state(key) is BlockState.READY
+        return key in held.get(self.name, ())
+
+
+@dataclass(frozen=True, slots=True)
+class TierRead:
+    """Blocks a load reads from one tier below into fresh host slots first.
+
+    :param tier: the tier's name.
+    :param slots: a local tier's slots of ``keys``; empty for a shared tier.
+    """
+
+    tier: str
+    keys: list[bytes]
+    slots: list[int]
+    host_slots: list[int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,32 +114,29 @@ class LoadPlan:
 
     :param keys: every key loaded, in the order given.
     :param host_slots: the host slot of each of ``keys``.
-    :param promoted: the keys read from the lower tier first (a sub-list of ``keys``).
-    :param lower_slots: their lower-tier slots.
-    :param promoted_host_slots: the host slots they are read into.
-    :param fetched: the keys read from the remote tier first (neither the host
-        tier nor the lower tier holds them).
-    :param fetched_host_slots: the host slots they are read into.
+    :param reads: the keys read from a tier below first, one :class:`TierRead` per
+        tier, in the chain's order.
     """
 
     keys: list[bytes]
     host_slots: list[int]
-    promoted: list[bytes]
-    lower_slots: list[int]
-    promoted_host_slots: list[int]
-    fetched: list[bytes] = field(default_factory=list)
-    fetched_host_slots: list[int] = field(default_factory=list)
+    reads: list[TierRead] = field(default_factory=list)
+
+    @property
+    def read_keys(self) -> list[bytes]:
+        return [key for read in self.reads for key in read.keys]
 
     @property
     def host_hits(self) -> list[bytes]:
-        below = set(self.promoted) | set(self.fetched)
+        below = set(self.read_keys)
         return [key for key in self.keys if key not in below]
 
 
 @dataclass(slots=True)
 class WritePlan:
-    """Blocks to copy from host slots into lower-tier slots.
+    """Blocks to copy from host slots into one tier below.
 
+    :param slots: a local tier's slots; empty for a shared tier.
     :param snapshot: the host slots are being reused (write-back of evicted
         blocks): the worker copies them out before the step's copies run.
         Otherwise (write-through) the write follows the host store of the same
@@ -84,84 +144,79 @@ class WritePlan:
         :meth:`TierChain.complete_write`.
     """
 
+    tier: str
     keys: list[bytes]
     host_slots: list[int]
-    lower_slots: list[int]
-    snapshot: bool
+    slots: list[int]
+    snapshot: bool = False
     pinned: bool = False  # the chain pinned the host slots for it
-    remote: bool = False  # a write to the remote tier (no lower-tier slots)
 
 
 class TierChain:
-    """A host tier's :class:`~kvhal.offload.manager.OffloadingManager` and, optionally,
-    the :class:`~kvhal.tiers.index.TierIndex` of one tier below it.
+    """A host tier's :class:`~kvhal.offload.manager.OffloadingManager` over an ordered list
+    of :class:`ChainTier` (none: the host tier alone)."""
 
-    :param host: the host tier's manager.
-    :param lower: the lower tier's index, or ``None`` (the host tier alone).
-    :param write: ``"through"`` or ``"back"`` (see the module docstring).
-    """
-
-    def __init__(
-        self, host: OffloadingManager, lower: TierIndex | None = None, write: WriteMode = "through"
-    ) -> None:
-        if write not in WRITE_MODES:
-            raise ValidationError("write", f"must be one of {list(WRITE_MODES)}, got {write!r}")
+    def __init__(self, host: OffloadingManager, tiers: Sequence[ChainTier] = ()) -> None:
+        names = [tier.name for tier in tiers]
+        if len(set(names)) != len(names):
+            raise ValidationError("tiers", f"tier names must be unique, got {names}")
         self.host = host
-        self.lower = lower
-        self.write: WriteMode = write
+        self.tiers = list(tiers)
+        self._by_name = {tier.name: tier for tier in self.tiers}
         self._writes: list[WritePlan] = []
-        self.skipped_writes = 0  # blocks not written: the lower tier had no evictable room
-        self.lower_evictions = 0
+
+    def tier(self, name: str) -> ChainTier:
+        return self._by_name[name]
+
+    @property
+    def local(self) -> list[ChainTier]:
+        """The tiers whose index the chain keeps, in order."""
+        return [tier for tier in self.tiers if tier.index is not None]
+
+    def holder(self, key: bytes, held: Held = {}) -> ChainTier | None:  # noqa: B006 - read only
+        """The first tier of the list that can serve ``key`` (``None``: none)."""
+        for tier in self.tiers:
+            if tier.holds(key, held):
+                return tier
+        return None
 
     # -- lookups and loads -------------------------------------------------------
 
-    def lookup(self, keys: Sequence[bytes]) -> tuple[int, int]:
-        """``(hits, promoted)``: how many of ``keys``, from the first, can be loaded,
-        and how many of those only the lower tier holds (they would be promoted).
+    def lookup(self, keys: Sequence[bytes], held: Held = {}) -> tuple[int, int]:  # noqa: B006
+        """``(hits, below)``: how many of ``keys``, from the first, can be loaded, and how
+        many of those only a tier below holds (they would be promoted).
 
-        A key counts while it is ready in the host tier, or absent from it and
-        ready below with room in the host tier to promote it.
+        A key counts while it is ready in the host tier, or absent from it and held by a
+        tier below (a shared tier: in ``held``) with room in the host tier to promote it.
         """
         keys = list(keys)
         hits = self.host.lookup(keys)
-        if self.lower is None or hits == len(keys):
+        if not self.tiers or hits == len(keys):
             return hits, 0
         # A promotion takes host slots that only evictable blocks can give, and the load
         # pins its host hits first: the idle hits and the promotions must fit together.
         capacity = self.host.num_free + self.host.num_evictable
         idle = sum(1 for key in keys[:hits] if not self.host.loads_in_flight(key))
-        promoted = 0
+        below = 0
         for key in keys[hits:]:
             state = self.host.state(key)
             if state is BlockState.READY:
                 cost = 0 if self.host.loads_in_flight(key) else 1
-                if promoted and promoted + idle + cost > capacity:
+                if below and below + idle + cost > capacity:
                     break
                 idle += cost
-            elif state is BlockState.ABSENT and self.lower.state(key) is BlockState.READY:
-                if promoted + 1 + idle > capacity:
+            elif state is BlockState.ABSENT and self.holder(key, held) is not None:
+                if below + 1 + idle > capacity:
                     break
-                promoted += 1
+                below += 1
             else:
                 break
             hits += 1
-        return hits, promoted
+        return hits, below
 
-    def room(self, keys: Sequence[bytes]) -> int:
-        """How many more blocks the host tier could take by promotion, after a load of
-        ``keys`` (a hit :meth:`lookup` found): what a remote tier may add to the hit."""
-        capacity = self.host.num_free + self.host.num_evictable
-        for key in keys:
-            if self.host.state(key) is not BlockState.READY:
-                capacity -= 1  # promoted into a fresh slot
-            elif not self.host.loads_in_flight(key):
-                capacity -= 1  # pinned by the load: evictable no more
-        return max(capacity, 0)
-
-    def prepare_load(self, keys: Sequence[bytes], fetch: Collection[bytes] = ()) -> LoadPlan | None:
+    def prepare_load(self, keys: Sequence[bytes], held: Held = {}) -> LoadPlan | None:  # noqa: B006
         """Protect ``keys`` until :meth:`complete_load`: host-ready ones as loads, the
-        others as reads into fresh host slots: from the lower tier where it holds
-        them (promotions), else from the remote tier if listed in ``fetch``.
+        others as reads into fresh host slots, each from the first tier holding it.
 
         :return: the plan, or ``None`` (nothing changed) if the host tier cannot
             take the blocks read from below -- every other block is being stored or loaded.
@@ -171,8 +226,7 @@ class TierChain:
         states = [self.host.state(key) for key in keys]
         hits = [key for key, state in zip(keys, states, strict=True) if state is BlockState.READY]
         below = [key for key, state in zip(keys, states, strict=True) if state is not BlockState.READY]
-        promoted: list[bytes] = []
-        fetched: list[bytes] = []
+        by_tier: dict[str, list[bytes]] = {}
         if below:
             for key, state in zip(keys, states, strict=True):
                 if state is BlockState.STORING:
@@ -180,141 +234,135 @@ class TierChain:
             if len(set(below)) < len(below):
                 raise BlockStateError("keys", "a key read from a tier below is listed twice")
             for key in below:
-                if self.lower is not None and self.lower.state(key) is BlockState.READY:
-                    promoted.append(key)
-                elif key in fetch:
-                    fetched.append(key)
-                elif self.lower is None:
-                    raise BlockStateError("keys", f"{key!r:.60} is not ready in the host tier, nor fetched")
-                else:
-                    raise BlockStateError("keys", f"{key!r:.60} is ready in neither tier, nor fetched")
+                tier = self.holder(key, held)
+                if tier is None:
+                    raise BlockStateError("keys", f"{key!r:.60} is ready in no tier")
+                by_tier.setdefault(tier.name, []).append(key)
         hit_slots = self.host.prepare_load(hits)
-        lower_slots: list[int] = []
-        store: StorePlan | None = StorePlan([], [], [])
+        tier_slots: dict[str, list[int]] = {}
+        store: StorePlan = StorePlan([], [], [])
         if below:
-            if promoted:
-                assert self.lower is not None
-                lower_slots = self.lower.prepare_load(promoted)
-            store = self.host.prepare_store(promoted + fetched)
-            if store is None:
-                if promoted:
-                    assert self.lower is not None
-                    self.lower.complete_load(promoted)
+            for name, tier_keys in by_tier.items():
+                index = self._by_name[name].index
+                tier_slots[name] = index.prepare_load(tier_keys) if index is not None else []
+            promoted = [key for tier in self.tiers for key in by_tier.get(tier.name, ())]
+            planned = self.host.prepare_store(promoted)
+            if planned is None:
+                self._end_tier_loads(by_tier, success=True)
                 self.host.complete_load(hits)
                 return None
+            store = planned
             self._after_host_store(store)
         where = dict(zip(hits, hit_slots, strict=True))
         where.update(zip(store.keys, store.slots, strict=True))
-        return LoadPlan(
-            keys,
-            [where[key] for key in keys],
-            promoted,
-            lower_slots,
-            [where[key] for key in promoted],
-            fetched,
-            [where[key] for key in fetched],
-        )
+        reads = [
+            TierRead(
+                tier.name, by_tier[tier.name], tier_slots[tier.name], [where[k] for k in by_tier[tier.name]]
+            )
+            for tier in self.tiers
+            if tier.name in by_tier
+        ]
+        return LoadPlan(keys, [where[key] for key in keys], reads)
 
     def complete_load(self, plan: LoadPlan, success: bool = True) -> None:
-        """End ``plan``'s load. Promoted blocks become host-ready on success; on
-        failure they leave the host tier and the lower tier both (a read that
-        failed may have found them corrupt)."""
+        """End ``plan``'s load. Promoted blocks become host-ready on success; on failure
+        they leave the host tier, and the local tier they came from (a read that failed
+        may have found them corrupt)."""
         self.host.complete_load(plan.host_hits)
-        if plan.fetched:
-            self.host.complete_store(plan.fetched, success=success)
-        if plan.promoted:
-            assert self.lower is not None
-            self.host.complete_store(plan.promoted, success=success)
-            self.lower.complete_load(plan.promoted)
-            if not success:
-                self.lower.forget(plan.promoted)
+        for read in plan.reads:
+            self.host.complete_store(read.keys, success=success)
+        self._end_tier_loads({read.tier: read.keys for read in plan.reads}, success)
+
+    def _end_tier_loads(self, by_tier: Mapping[str, list[bytes]], success: bool) -> None:
+        for name, keys in by_tier.items():
+            index = self._by_name[name].index
+            if index is not None:
+                index.complete_load(keys)
+                if not success:
+                    index.forget(keys)
 
     # -- stores --------------------------------------------------------------------
 
     def prepare_store(
-        self, keys: Sequence[bytes], below: bool = True
-    ) -> tuple[StorePlan, WritePlan | None] | None:
-        """:meth:`OffloadingManager.prepare_store` on the host tier, and under
-        write-through the write of the stored blocks below (to run once the store's
-        copy is done). Under write-back, the blocks the store evicts are queued for
-        the lower tier instead (:meth:`take_writes`). ``below=False``: nothing is
-        written below (a lower tier not worth reading is not worth writing).
+        self, keys: Sequence[bytes], tiers: Iterable[str] = ()
+    ) -> tuple[StorePlan, list[WritePlan]] | None:
+        """:meth:`OffloadingManager.prepare_store` on the host tier, and the writes of the
+        stored blocks to the tiers named in ``tiers`` that are written through (to run
+        once the store's copy is done). The blocks the store evicts are queued for the
+        named tiers written back (:meth:`take_writes`). A tier not named is not written
+        (the adapter leaves out a tier not worth reading, or a store that is down).
 
-        :return: the host plan and its write (``None`` if there is none), or
-            ``None`` if the host tier has no room.
+        :return: the host plan and its writes, or ``None`` if the host tier has no room.
         """
         plan = self.host.prepare_store(keys)
         if plan is None:
             return None
-        if below:
-            self._after_host_store(plan)
-        write = None
-        if below and self.lower is not None and self.write == "through" and plan.keys:
-            planned = self._plan_write(plan.keys)
-            if planned is not None:
-                keys, lower_slots = planned
-                where = dict(zip(plan.keys, plan.slots, strict=True))
-                write = WritePlan(keys, [where[k] for k in keys], lower_slots, snapshot=False)
-        return plan, write
+        named = set(tiers)
+        self._after_host_store(plan, named)
+        writes = []
+        if plan.keys:
+            where = dict(zip(plan.keys, plan.slots, strict=True))
+            for tier in self.tiers:
+                if tier.name not in named or tier.write != "through":
+                    continue
+                planned = self._plan_write(tier, plan.keys)
+                if planned is not None:
+                    tier_keys, slots = planned
+                    writes.append(WritePlan(tier.name, tier_keys, [where[k] for k in tier_keys], slots))
+        return plan, writes
 
-    def _after_host_store(self, plan: StorePlan) -> None:
-        if self.lower is None or self.write != "back" or not plan.evicted:
+    def _after_host_store(self, plan: StorePlan, named: Collection[str] | None = None) -> None:
+        """Queue the write-back snapshots of the blocks ``plan`` evicted (every tier
+        written back, or those in ``named``)."""
+        if not plan.evicted:
             return
         by_key = dict(zip(plan.evicted, plan.evicted_slots, strict=True))
-        write = self._plan_write(plan.evicted)
-        if write is not None:
-            keys, lower_slots = write
-            self._writes.append(WritePlan(keys, [by_key[k] for k in keys], lower_slots, snapshot=True))
+        for tier in self.tiers:
+            if tier.write != "back" or (named is not None and tier.name not in named):
+                continue
+            planned = self._plan_write(tier, plan.evicted)
+            if planned is not None:
+                tier_keys, slots = planned
+                host_slots = [by_key[k] for k in tier_keys]
+                self._writes.append(WritePlan(tier.name, tier_keys, host_slots, slots, snapshot=True))
+
+    def _plan_write(self, tier: ChainTier, keys: list[bytes]) -> tuple[list[bytes], list[int]] | None:
+        if tier.index is None:  # a store: every key, named by itself
+            return (list(keys), []) if keys else None
+        plan = tier.index.prepare_store(keys)
+        if plan is None:
+            tier.skipped_writes += len(keys)
+            return None
+        tier.evictions += len(plan.evicted)
+        return (plan.keys, plan.slots) if plan.keys else None
 
     def complete_store(
-        self,
-        keys: Sequence[bytes],
-        success: bool = True,
-        write: WritePlan | None = None,
-        remote: WritePlan | None = None,
+        self, keys: Sequence[bytes], success: bool = True, writes: Iterable[WritePlan] = ()
     ) -> None:
-        """:meth:`OffloadingManager.complete_store`; the host slots of ``write`` and
-        ``remote`` (the store's own write-through to the lower and the remote tier)
-        stay pinned until :meth:`complete_write`."""
+        """:meth:`OffloadingManager.complete_store`; the host slots of ``writes`` (the
+        store's own write-throughs) stay pinned until :meth:`complete_write`."""
         self.host.complete_store(keys, success=success)
-        for plan in (write, remote):
-            if plan is not None and success and plan.keys:
+        for plan in writes:
+            if success and plan.keys:
                 self.host.prepare_load(plan.keys)
                 plan.pinned = True
-
-    def remote_write(self, plan: StorePlan, keys: Collection[bytes] = ()) -> WritePlan | None:
-        """The write of ``plan``'s stored blocks to the remote tier (limited to ``keys``
-        if given), to run once the store's copy is done; ``None`` if there is none."""
-        where = [(k, s) for k, s in zip(plan.keys, plan.slots, strict=True) if not keys or k in keys]
-        if not where:
-            return None
-        return WritePlan([k for k, _ in where], [s for _, s in where], [], snapshot=False, remote=True)
-
-    def _plan_write(self, keys: list[bytes]) -> tuple[list[bytes], list[int]] | None:
-        assert self.lower is not None
-        plan = self.lower.prepare_store(keys)
-        if plan is None:
-            self.skipped_writes += len(keys)
-            return None
-        self.lower_evictions += len(plan.evicted)
-        return (plan.keys, plan.slots) if plan.keys else None
 
     def has_planned_writes(self) -> bool:
         """Whether writes are planned that :meth:`take_writes` has not handed out yet."""
         return bool(self._writes)
 
     def take_writes(self) -> list[WritePlan]:
-        """The writes to the lower tier planned since the last call."""
+        """The write-back snapshots planned since the last call."""
         writes, self._writes = self._writes, []
         return writes
 
     def complete_write(self, plan: WritePlan, success: bool = True) -> None:
-        """End ``plan``'s write: its blocks are ready below (or forgotten), and the
-        host slots a write-through pinned are released. A write-through whose
-        store failed ends here too, as failed: the worker never ran it."""
-        if not plan.remote:
-            assert self.lower is not None
-            self.lower.complete_store(plan.keys, success=success and (plan.snapshot or plan.pinned))
+        """End ``plan``'s write: its blocks are ready in its tier (or forgotten), and the
+        host slots a write-through pinned are released. A write-through whose store
+        failed ends here too, as failed: the worker never ran it."""
+        index = self._by_name[plan.tier].index
+        if index is not None:
+            index.complete_store(plan.keys, success=success and (plan.snapshot or plan.pinned))
         if plan.pinned:
             self.host.complete_load(plan.keys)
             plan.pinned = False

@@ -163,7 +163,6 @@ class ConnectorConfig:
         KV cache groups, block size, workers, layout, and the tiers' fingerprint."""
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
         settings = check_extra_config(extra)
-        _refuse_unserved(settings.tiers)
         from kvhal.vllm.versions import kv_cache_layout, prefix_cacheable_group_ids  # imports vLLM
 
         groups = []
@@ -228,17 +227,6 @@ class ConnectorConfig:
                 f"{config.cpu_bytes_to_use} bytes hold no block of {config.slot_bytes} bytes per worker",
             )
         return config
-
-
-def _refuse_unserved(tiers: tuple[TierConfig, ...]) -> None:
-    """Refuse the tiers the engine's chain does not serve yet: it reads one local tier, then one
-    store (``lower_tier``, ``remote_tier``); the chain's rewrite for any list lifts this."""
-    kinds = ["local" if isinstance(t, LowerTierConfig) else "store" for t in tiers]
-    if kinds.count("local") > 1 or kinds.count("store") > 1 or kinds[:2] == ["store", "local"]:
-        raise ValidationError(
-            "kv_connector_extra_config.tiers",
-            f"this kvhal's engine serves at most one local tier, then one store, so far; got {kinds}",
-        )
 
 
 #: ``PYTHONHASHSEED``: what makes vLLM's block hashes the same in every process.

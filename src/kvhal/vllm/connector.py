@@ -37,6 +37,7 @@ from vllm.logger import init_logger
 
 from kvhal.vllm.config import ConnectorConfig
 from kvhal.vllm.config_check import refuse_early
+from kvhal.vllm.local import in_process_worker
 from kvhal.vllm.metadata import KVHALMetadata, KVHALWorkerMetadata
 from kvhal.vllm.scheduler_side import SchedulerSide
 from kvhal.vllm.start_log import log_start
@@ -72,7 +73,11 @@ class KVHALConnector(KVConnectorBase_V1, SupportsHMA):
         logger.info("kvhal: %s", describe())
         if role is KVConnectorRole.SCHEDULER:  # once an engine: kvhal's version, device, extensions, tiers
             log_start(logger, self.config, vllm_config)
-        self.scheduler_side = SchedulerSide(self.config) if role is KVConnectorRole.SCHEDULER else None
+        self.scheduler_side = (
+            SchedulerSide(self.config, local=in_process_worker(self.config))
+            if role is KVConnectorRole.SCHEDULER
+            else None
+        )
         self.worker_side = WorkerSide(self.config) if role is KVConnectorRole.WORKER else None
 
     @property

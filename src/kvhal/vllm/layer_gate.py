@@ -18,7 +18,7 @@ from kvhal.descriptor import Capability
 from kvhal.device import Device
 from kvhal.offload.transfer import TransferEngine, TransferKind
 from kvhal.vllm.config import ConnectorConfig, GroupInfo
-from kvhal.vllm.metadata import TransferJob
+from kvhal.vllm.metadata import LoadJob
 
 logger = init_logger("vllm." + __name__)  # under "vllm": its handlers and level
 
@@ -58,7 +58,7 @@ class LayerGate:
         )
         self._layer_of.update({name: (group.group_id, i) for i, name in enumerate(group.layer_names)})
 
-    def takes(self, job: TransferJob, device: Device | None) -> bool:
+    def takes(self, job: LoadJob, device: Device | None) -> bool:
         """Whether the synchronous load ``job`` goes layer by layer (on ``device``)."""
         if not self.layerwise or self.config.load_mode == "sync":
             return False
@@ -72,7 +72,7 @@ class LayerGate:
             and job.num_blocks * self.config.slot_bytes >= LAYERWISE_MIN_LAYER_BYTES * layers
         )
 
-    def submit(self, engine: TransferEngine, jobs: list[TransferJob]) -> tuple[dict[int, set[int]], set[int]]:
+    def submit(self, engine: TransferEngine, jobs: list[LoadJob]) -> tuple[dict[int, set[int]], set[int]]:
         """Submit ``jobs``' copies layer by layer, every job's first layer first (the copies run
         in submission order): each job's copies, and the jobs a copy of which was refused (no
         later layer of them is submitted; logged). :meth:`wait_for` hands out each layer's.

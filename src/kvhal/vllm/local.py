@@ -1,40 +1,36 @@
-"""The worker side of an engine whose scheduler runs in the same process.
+"""The worker side of an engine whose scheduler runs in the same process, found once.
 
 With one worker (no tensor parallelism) vLLM runs the scheduler and the worker in one
-process (the engine core), so the scheduler side can read the lower tier into host slots
+process (the engine core), so the scheduler side can read the tiers below into host slots
 itself, at lookup, and wait a few milliseconds for it, instead of sending the read to the
 worker and learning that it ended from the next step's output (docs/tiers.md, "Prefetch at
-lookup"). Workers publish themselves here by the engine's ``engine_id``; nothing else is
-shared, and a scheduler that finds no worker (several workers, or another process) sends
-its reads to the workers as before.
+lookup"). vLLM builds the worker's connector first (with the KV caches) and keeps it as the
+process's KV transfer agent; the scheduler side is handed it at construction
+(:func:`in_process_worker`), or ``None`` where there is none to read with.
 """
 
 from __future__ import annotations
 
-import threading
-import weakref
 from typing import TYPE_CHECKING
 
+from vllm.distributed.kv_transfer import kv_transfer_state
+
 if TYPE_CHECKING:
+    from kvhal.vllm.config import ConnectorConfig
     from kvhal.vllm.worker_side import WorkerSide
 
-_lock = threading.Lock()
-_workers: weakref.WeakValueDictionary[str, WorkerSide] = weakref.WeakValueDictionary()
 
+def in_process_worker(config: ConnectorConfig) -> WorkerSide | None:
+    """The worker side of ``config``'s engine if it runs in this process, its only worker.
 
-def publish(engine_id: str, worker: WorkerSide) -> None:
-    with _lock:
-        _workers[engine_id] = worker
-
-
-def withdraw(engine_id: str, worker: WorkerSide) -> None:
-    with _lock:
-        if _workers.get(engine_id) is worker:
-            del _workers[engine_id]
-
-
-def find(engine_id: str | None) -> WorkerSide | None:
-    if engine_id is None:
+    ``None`` with several workers (each reads its own share of a block: the scheduler sends
+    its reads to all of them), in a process without a worker (the scheduler in another
+    process than its workers), or where this process's agent is another engine's.
+    """
+    if config.world_size != 1 or config.engine_id is None or not kv_transfer_state.has_kv_transfer_group():
         return None
-    with _lock:
-        return _workers.get(engine_id)
+    agent = kv_transfer_state.get_kv_transfer_group()
+    worker = getattr(agent, "worker_side", None)
+    if worker is None or worker.config.engine_id != config.engine_id:
+        return None
+    return worker

@@ -10,27 +10,22 @@ from kvhal.errors import ValidationError
 from kvhal.registry import PluginRegistry
 from kvhal.tiers.backend import TierBackend
 from kvhal.tiers.media import open_tier
-from kvhal.vllm.config import HASH_SEED_VARIABLE, ConnectorConfig
+from kvhal.vllm.config import HASH_SEED_VARIABLE, ConnectorConfig, LowerTierConfig
 from kvhal.vllm.versions import seed_advice
 
 logger = init_logger("vllm." + __name__)  # under "vllm": its handlers and level
 
 
-def lower_tier_name(config: ConnectorConfig) -> str:
-    """The name ``config``'s lower tier counts under (``tier`` label): its backend's."""
-    assert config.lower_tier is not None
-    return config.lower_tier.backend
-
-
-def open_lower_tier(config: ConnectorConfig, role: Literal["index", "io"], rank: int) -> TierBackend:
-    """Open ``config``'s lower tier for ``role`` (``"index"``: the scheduler; ``"io"``: worker ``rank``).
+def open_lower_tier(
+    config: ConnectorConfig, lower: LowerTierConfig, role: Literal["index", "io"], rank: int
+) -> TierBackend:
+    """Open ``lower``, a local tier of ``config``, for ``role`` (``"index"``: the scheduler;
+    ``"io"``: worker ``rank``).
 
     :raises ValidationError: a bad option, named by the user's key
         (``kv_connector_extra_config.disk_path``, ...).
     :raises TierError: the medium is owned by another engine, or unsafe.
     """
-    lower = config.lower_tier
-    assert lower is not None
     spec = config.tier_spec(role, rank, lower.options)
     if role == "index" and config.fingerprint.get("hash_seed") == "random-per-process":
         logger.warning(

@@ -1,8 +1,19 @@
-"""What the scheduler-side connector tells the workers each step, and what they answer."""
+"""What the scheduler-side connector tells the workers each step, and what they answer.
+
+A step's work is four kinds of job, each a type of its own, each handled in one place on
+each side:
+
+- :class:`LoadJob`: host slots -> the KV cache (after reading the blocks that tiers below
+  hold into host slots, :class:`~kvhal.tiers.chain.TierRead`);
+- :class:`StoreJob`: the KV cache -> host slots, and then its write-throughs;
+- :class:`ReadJob`: tiers below -> host slots, for a request waiting at its lookup (a
+  prefetch; no device copy);
+- :class:`WriteJob`: host slots -> one tier below (a write-through, run once its store's
+  copy is done, or a write-back snapshot).
+"""
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -10,53 +21,74 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from kvhal.tiers.chain import TierRead
 
-class JobKind(str, enum.Enum):
-    STORE = "store"
-    LOAD = "load"
-    WRITE = "write"  # host slots -> the lower tier
-
-
-@dataclass
-class TierReads:
-    """Blocks a load first reads from the lower tier into host slots (a promotion)."""
-
-    keys: list[bytes]
-    lower_slots: list[int]
-    host_slots: list[int]
+#: Per KV cache group, ``(device block ids, host slots)`` of equal length.
+Groups = dict[int, tuple[list[int], list[int]]]
 
 
 @dataclass
-class TransferJob:
-    """Copy one request's blocks between the device KV cache and host slots.
+class WriteJob:
+    """Copy host slots into one tier below.
 
-    :param groups: per KV cache group, ``(device block ids, host slots)`` of equal length.
-    :param reads: for a load, the blocks to read from the lower tier first.
+    :param slots: a local tier's slots (empty for a shared store).
+    :param snapshot: the host slots are reused from this step on (write-back of
+        evicted blocks): the worker copies them out before anything else.
     """
 
     job_id: int
-    kind: JobKind
+    tier: str
+    keys: list[bytes]
+    host_slots: list[int]
+    slots: list[int]
+    snapshot: bool = False
+
+
+@dataclass
+class LoadJob:
+    """Copy one request's blocks from host slots into the KV cache.
+
+    :param reads: the blocks to read from tiers below into host slots first.
+    :param sync: a load vLLM scheduled in this step: the forward waits for its copy, and a
+        failure is reported as invalid blocks (``get_block_ids_with_load_errors``).
+    :param doomed: the scheduler could not plan it (no host room for a promotion): it
+        fails unrun, and vLLM recomputes.
+    """
+
+    job_id: int
     req_id: str
-    groups: dict[int, tuple[list[int], list[int]]]
-    reads: TierReads | None = None
-    #: for a store, its write-through to the lower tier, run once the store's copy is done
-    write: TierWrite | None = None
-    #: the scheduler could not plan it (no host room for a promotion): it fails unrun
-    doomed: bool = False
-    #: for a load, the blocks to read from the remote tier first
-    remote_reads: TierReads | None = None
-    #: for a store, its write-through to the remote tier, run once the store's copy is done
-    remote_write: TierWrite | None = None
-    #: a load vLLM scheduled in this step: the forward waits for its copy, and a failure is
-    #: reported as invalid blocks (``get_block_ids_with_load_errors``), not in ``finished_recving``
+    groups: Groups
+    reads: list[TierRead] = field(default_factory=list)
     sync: bool = False
-    #: a load with no copy to the device: ``reads`` into host slots, started at the step's
-    #: beginning for a request that waits (unscheduled) until they are in host memory
-    prefetch: bool = False
+    doomed: bool = False
 
     @property
     def num_blocks(self) -> int:
         return sum(len(ids) for ids, _ in self.groups.values())
+
+
+@dataclass
+class StoreJob:
+    """Copy one request's blocks from the KV cache into host slots, then write them to the
+    tiers below written through (``writes``, once the copy is done)."""
+
+    job_id: int
+    req_id: str
+    groups: Groups
+    writes: list[WriteJob] = field(default_factory=list)
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(len(ids) for ids, _ in self.groups.values())
+
+
+@dataclass
+class ReadJob:
+    """Read a waiting request's blocks from tiers below into host slots (a prefetch)."""
+
+    job_id: int
+    req_id: str
+    reads: list[TierRead]
 
 
 @dataclass
@@ -66,14 +98,14 @@ class KVHALMetadata(KVConnectorMetadata):
     :param loads: submitted once the step's forward is launched; each worker
         reports a request in ``finished_recving`` in the step it finds its load done.
     :param stores: submitted after the forward (ordered after its compute).
+    :param prefetches: reads from tiers below into host slots, started before the step's
+        forward (they overlap it); reported in the worker metadata, never to vLLM.
+    :param writes: write-back snapshots, submitted before the step's other copies.
     :param fence: store jobs whose source blocks may be rewritten from this step
         on (their request was preempted, or a block they read was allocated
         again): the compute stream waits for them before the step's work.
     :param held: finished requests whose blocks vLLM keeps until every worker
         reports them in ``finished_sending``, once their store jobs finished there.
-    :param writes: copies of host slots into the lower tier.
-    :param prefetches: reads from the lower tier into host slots, started before the step's
-        forward (they overlap it); reported in the worker metadata, never to vLLM.
     :param idle: nothing computes in this step and no request is known to kvhal: vLLM steps
         an idle engine about every millisecond while kvhal has jobs in flight, so the workers
         wait a little for one of them to end before they answer.
@@ -85,31 +117,15 @@ class KVHALMetadata(KVConnectorMetadata):
         submitted).
     """
 
-    loads: list[TransferJob] = field(default_factory=list)
-    stores: list[TransferJob] = field(default_factory=list)
-    prefetches: list[TransferJob] = field(default_factory=list)
+    loads: list[LoadJob] = field(default_factory=list)
+    stores: list[StoreJob] = field(default_factory=list)
+    prefetches: list[ReadJob] = field(default_factory=list)
+    writes: list[WriteJob] = field(default_factory=list)
     fence: list[int] = field(default_factory=list)
     held: list[str] = field(default_factory=list)
-    writes: list[TierWrite] = field(default_factory=list)
     idle: bool = False
     no_forward: bool = False
     send_stats: bool = True
-
-
-@dataclass
-class TierWrite:
-    """Copy host slots into the lower tier; submitted before the step's other copies.
-
-    :param snapshot: the host slots are reused from this step on (write-back of
-        evicted blocks): the worker copies them out before anything else.
-    """
-
-    job_id: int
-    keys: list[bytes]
-    host_slots: list[int]
-    lower_slots: list[int]
-    snapshot: bool
-    remote: bool = False  # to the remote tier (``lower_slots`` is empty)
 
 
 @dataclass

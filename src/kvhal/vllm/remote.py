@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from typing import Literal
-from urllib.parse import urlsplit
 
 from vllm.logger import init_logger
 
@@ -17,17 +16,8 @@ from kvhal.vllm.versions import seed_advice
 
 logger = init_logger("vllm." + __name__)  # under "vllm": its handlers and level
 SECRET_VARIABLE = "KVHAL_REMOTE_SECRET"
-URL_KEY = "kv_connector_extra_config.remote_url"
-AUTH_KEY = "kv_connector_extra_config.remote_auth"
-FILE_KEY = "kv_connector_extra_config.remote_secret_file"
 #: The most bytes a secret file may hold.
 SECRET_FILE_MAX_BYTES = 4096
-
-
-def remote_tier_name(config: ConnectorConfig) -> str:
-    """The name ``config``'s shared store counts under (``tier`` label): its URL's scheme."""
-    assert config.remote_tier is not None
-    return urlsplit(config.remote_tier.url).scheme or "remote"
 
 
 def read_secret(remote: RemoteTierConfig) -> bytes | None:
@@ -44,31 +34,37 @@ def read_secret(remote: RemoteTierConfig) -> bytes | None:
         with open(remote.secret_file, "rb") as f:
             text = f.read(SECRET_FILE_MAX_BYTES + 1)
     except OSError as exc:
-        raise ValidationError(FILE_KEY, f"cannot read {remote.secret_file!r}: {exc.strerror}") from None
+        raise ValidationError(
+            remote.key("secret_file"), f"cannot read {remote.secret_file!r}: {exc.strerror}"
+        ) from None
     if len(text) > SECRET_FILE_MAX_BYTES:
-        raise ValidationError(FILE_KEY, f"{remote.secret_file!r} has more than {SECRET_FILE_MAX_BYTES} bytes")
+        raise ValidationError(
+            remote.key("secret_file"), f"{remote.secret_file!r} has more than {SECRET_FILE_MAX_BYTES} bytes"
+        )
     line = text.split(b"\n", 1)[0].strip()
     if not line:
-        raise ValidationError(FILE_KEY, f"{remote.secret_file!r} holds no secret (its first line is empty)")
+        raise ValidationError(
+            remote.key("secret_file"), f"{remote.secret_file!r} holds no secret (its first line is empty)"
+        )
     return line
 
 
 def open_remote_tier(
     config: ConnectorConfig,
+    remote: RemoteTierConfig,
     role: Literal["index", "io"],
     rank: int,
     stats: KVHALStats,
     host: HostTier | None = None,
 ) -> RemoteTier:
-    """Open ``config``'s remote tier for ``role`` (``"index"``: the scheduler; ``"io"``: worker ``rank``).
+    """Open ``remote``, a store of ``config``, for ``role`` (``"index"``: the scheduler;
+    ``"io"``: worker ``rank``).
 
     An unreachable store is a warning and a tier that starts down (it keeps
     trying), or a :class:`~kvhal.errors.TierError` with ``remote_strict``.
 
     :raises ValidationError: a malformed ``remote_url``, named by the user's key.
     """
-    remote = config.remote_tier
-    assert remote is not None
     url = redact(remote.url)
     spec = config.tier_spec(role, rank)
     if role == "index" and config.fingerprint.get("hash_seed") == "random-per-process":
@@ -83,7 +79,7 @@ def open_remote_tier(
     secret = read_secret(remote)
     if secret is None and remote.auth != "none":
         raise ValidationError(
-            AUTH_KEY,
+            remote.key("auth"),
             f"the remote tier {url} is written by every client of the store, so its values are "
             f"authenticated: set {SECRET_VARIABLE} to the same secret on every engine, or name a file "
             f'holding it in remote_secret_file; or opt out in so many words with remote_auth: "none" '
@@ -101,7 +97,7 @@ def open_remote_tier(
         if up:
             logger.info("kvhal: remote tier %s (%s) is reachable: %s", url, role, why)
         else:
-            stats.add_tier("tier_unreachable", remote_tier_name(config), 1)
+            stats.add_tier("tier_unreachable", remote.name, 1)
             logger.warning(
                 "kvhal: remote tier %s (%s) is unreachable (%s); its hits are recomputed and its "
                 "writes dropped until it answers again",
@@ -122,7 +118,7 @@ def open_remote_tier(
     except ValidationError as exc:
         if exc.argument != "remote_url":
             raise
-        raise ValidationError(URL_KEY, str(exc).removeprefix("remote_url: ")) from exc
+        raise ValidationError(remote.key("url"), str(exc).removeprefix("remote_url: ")) from exc
     if role == "index" and url != remote.url:
         logger.warning(
             "kvhal: remote_url holds a password, and vLLM logs kv_transfer_config whole at start: "

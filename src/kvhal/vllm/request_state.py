@@ -1,5 +1,5 @@
 """What the scheduler side keeps per request: its lookup's hit, its load and stores in flight,
-its lookup of the remote store (:class:`Probe`) and its prefetch from a tier below
+its lookups of the shared stores (:class:`Probe`) and its prefetch from the tiers below
 (:class:`Prefetch`)."""
 
 from __future__ import annotations
@@ -12,24 +12,24 @@ from vllm.v1.request import Request
 
 @dataclass
 class Probe:
-    """A remote lookup of a request's blocks ``[first, first + len(hashes))``."""
+    """A store's lookup of a request's blocks ``[first, first + len(hashes))``."""
 
     first: int
     hashes: list[bytes]
     future: Future[list[bool]]
     deadline: float
-    blocks: int | None = None  # the answer: how many of them the store holds, from the first
+    #: the answer: per block of ``hashes``, whether the store holds it (every group's)
+    found: list[bool] | None = None
 
 
 @dataclass
 class Prefetch:
-    """Blocks of a request being read from a tier below into host slots at its lookup."""
+    """Blocks of a request being read from the tiers below into host slots at its lookup."""
 
-    job_id: int  # the workers' job, or -1 for a read of the in-process worker's tier (``local``)
+    job_id: int  # the workers' job, or -1 for a read through the in-process worker (``local``)
     deadline: float
     done: bool = False
     started: float = 0.0
-    remote: bool = False  # read from the remote tier (else the lower tier)
 
 
 @dataclass
@@ -46,11 +46,11 @@ class RequestState:
     loading: int | None = None  # the load job in flight, if any
     # store jobs in flight that read the blocks the request holds now
     store_jobs: set[int] = field(default_factory=set)
-    probe: Probe | None = None  # the last remote lookup
-    fetch: set[bytes] = field(default_factory=set)  # keys the remote tier holds, per the probe
-    prefetch: Prefetch | None = None  # the read from the lower tier it waits for, if any
-    prefetched: bool = False  # one prefetch per request: a hit lost again loads as before
-    remote_prefetched: bool = False  # one from the remote tier too: what it missed is recomputed
+    probes: dict[str, Probe] = field(default_factory=dict)  # the last lookup of each store
+    held: dict[str, set[bytes]] = field(default_factory=dict)  # keys each store holds, per its probe
+    prefetch: Prefetch | None = None  # the read from the tiers below it waits for, if any
+    # one prefetch per request: a hit lost again loads as before, and what a store held is
+    # recomputed (its blocks are read once, at the prefetch)
+    prefetched: bool = False
     recompute_below: bool = False  # the wait policy chose to recompute what is below the host tier
-    from_below: set[bytes] = field(default_factory=set)  # keys its prefetch read from below
-    from_store: set[bytes] = field(default_factory=set)  # keys its prefetch read from the store
+    read_from: dict[str, set[bytes]] = field(default_factory=dict)  # keys its prefetch read, by tier

@@ -6,7 +6,7 @@ the finished requests the scheduler held whose blocks no store of this worker re
 
 from __future__ import annotations
 
-from kvhal.vllm.metadata import KVHALWorkerMetadata, TransferJob
+from kvhal.vllm.metadata import KVHALWorkerMetadata, LoadJob, StoreJob
 from kvhal.vllm.versions import REQUEST_LEVEL_LOAD_FAILURES
 
 
@@ -31,7 +31,7 @@ class WorkerReports:
         outcome = self._succeeded if ok else self._failed
         outcome[job_id] = outcome.get(job_id, 0) + 1
 
-    def load_ended(self, job: TransferJob, ok: bool, sync: bool) -> None:
+    def load_ended(self, job: LoadJob, ok: bool, sync: bool) -> None:
         """A load's copy ended: a synchronous one (``sync``, vLLM is not waiting for it in
         ``finished_recving``) fails as load errors, an asynchronous one is finished."""
         if sync:
@@ -43,15 +43,13 @@ class WorkerReports:
             if not ok:
                 self._fail_load(job)
 
-    def give_up(self, job: TransferJob) -> None:
+    def give_up(self, job: LoadJob) -> None:
         """Report ``job``'s load failed to vLLM now (its request is recomputed); the job
         itself ends later, once its reads into host slots end."""
-        if job.prefetch:
-            return  # vLLM waits for no prefetch: the scheduler side hears of it
         self._finished_loads.add(job.req_id)
         self._fail_load(job)
 
-    def _fail_load(self, job: TransferJob) -> None:
+    def _fail_load(self, job: LoadJob) -> None:
         """Tell vLLM an asynchronous load failed: per request where it takes that, else its
         blocks as load errors (vLLM recomputes from the first; one KV cache group, checked at
         start)."""
@@ -61,11 +59,11 @@ class WorkerReports:
         else:
             self._load_errors.update(b for ids, _ in job.groups.values() for b in ids)
 
-    def store_started(self, job: TransferJob) -> None:
+    def store_started(self, job: StoreJob) -> None:
         """Store ``job`` reads its request's blocks until :meth:`store_ended`."""
         self._stores_of.setdefault(job.req_id, set()).add(job.job_id)
 
-    def store_ended(self, job: TransferJob) -> None:
+    def store_ended(self, job: StoreJob) -> None:
         """Store ``job`` ended: a held request none of whose stores runs now is sent."""
         stores = self._stores_of[job.req_id]
         stores.discard(job.job_id)

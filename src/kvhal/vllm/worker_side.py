@@ -4,7 +4,8 @@ On ``register_kv_caches`` it picks the kvhal device plugin for the device the
 engine's KV cache lives on (or the one the user named), wraps each offloaded
 KV cache group's layer tensors (one tensor per layer, a (K, V) pair as
 vllm-ascend passes, or another shape :mod:`kvhal.vllm.cache_shapes` takes) as a
-:class:`~kvhal.cache.KVCache` and lays the same group geometry over one pinned host buffer.
+:class:`~kvhal.cache.KVCache`, lays the same group geometry over one pinned host buffer,
+and opens its share of every tier below the host tier (:mod:`kvhal.vllm.tier_list`).
 
 Nothing here waits for a copy on the engine's thread except a fence the
 scheduler asked for and a synchronous load: a host hit vLLM scheduled in this
@@ -13,30 +14,25 @@ a device with streams the thread does not; on the CPU it waits for the copy).
 A failed one is reported as invalid blocks, which vLLM recomputes; a large one may
 be copied layer by layer (:mod:`kvhal.vllm.layer_gate`).
 Asynchronous loads are polled: a request parked for its load is reported in
-the step its load is found done. Stores are submitted after the forward, ordered after its compute
-by the device facade, and overlap the following steps; the compute stream
+the step its load is found done. Stores are submitted after the forward, ordered after its
+compute by the device facade, and overlap the following steps; the compute stream
 waits only for the stores the step's metadata names (their blocks may be
 rewritten), and a finished request the scheduler held is reported in
 ``finished_sending`` once this worker's stores of it finished. What it has yet to
 report, to vLLM and to the scheduler side, is kept in a
 :class:`~kvhal.vllm.worker_reports.WorkerReports`.
 
-With a tier below host memory, this worker reads and writes its own share of
-each block there (:class:`~kvhal.tiers.io.TierIO`, on the backend's threads): a
-load that promotes blocks first reads them into host slots, polled like any
-copy, then loads them as host hits; a failed read fails the load (vLLM
-recomputes). Write jobs are submitted before the step's other copies.
-
-With a remote tier, loads read their remote blocks the same way (on the
-remote tier's threads); one that waits longer than ``remote_load_timeout_ms``
-is reported failed to vLLM at once (the request is recomputed), while its
-host slots stay reserved until the read really ends, so a late reply never
-lands in a reused slot.
+Every job in flight is one :class:`Running` in one table, whatever its kind
+(:mod:`kvhal.vllm.metadata`): a load first reads the blocks that tiers below hold into
+host slots (on the tiers' threads, polled like any copy), then copies them; a read job (a
+prefetch) only reads; a store copies, then starts its write-throughs; a write moves host
+slots to its tier. A load whose reads take longer than its tiers' wait is reported failed
+to vLLM at once (the request is recomputed), while its host slots stay reserved until the
+reads really end, so a late reply never lands in a reused slot.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import time
@@ -49,31 +45,18 @@ from vllm.logger import init_logger
 
 from kvhal.cache import KVCache
 from kvhal.device import Device
-from kvhal.errors import ValidationError
-from kvhal.layouts import layout_by_name
 from kvhal.offload.host_tier import HostTier
 from kvhal.offload.transfer import TransferEngine, TransferResult
-from kvhal.registry import select_device
-from kvhal.tiers.backend import OK, ReadOutcome, TierBackend
-from kvhal.tiers.io import TierIO
-from kvhal.tiers.remote.tier import RemoteTier
-from kvhal.vllm import local
-from kvhal.vllm.cache_shapes import group_views
-from kvhal.vllm.config import ConnectorConfig
+from kvhal.tiers.backend import OK, ReadOutcome
+from kvhal.tiers.chain import TierRead
+from kvhal.vllm.config import ConnectorConfig, LowerTierConfig
 from kvhal.vllm.layer_gate import LayerGate
-from kvhal.vllm.lower_tier import lower_tier_name, open_lower_tier
-from kvhal.vllm.metadata import (
-    JobKind,
-    KVHALMetadata,
-    KVHALWorkerMetadata,
-    TierReads,
-    TierWrite,
-    TransferJob,
-)
-from kvhal.vllm.remote import open_remote_tier, remote_tier_name
+from kvhal.vllm.metadata import KVHALMetadata, KVHALWorkerMetadata, LoadJob, ReadJob, StoreJob, WriteJob
 from kvhal.vllm.stats import READ_FAILURE_COUNTERS, KVHALStats
+from kvhal.vllm.tier_list import TierReadWrite, ends_by, load_wait_s, open_worker_tiers, result_of
 from kvhal.vllm.versions import STATS_NEED_REQUEST_OUTPUTS
 from kvhal.vllm.worker_reports import WorkerReports
+from kvhal.vllm.worker_setup import wrap_caches
 
 logger = init_logger("vllm." + __name__)  # under "vllm": its handlers and level
 F = TypeVar("F", bound=Callable[..., Any])
@@ -88,10 +71,6 @@ IDLE_POLL_S = 0.002
 #: Past it, their host memory and their tiers are left as they are (not freed, not closed: a
 #: late read must not land in freed memory), and the engine's shutdown goes on.
 SHUTDOWN_WAIT_S = 10.0
-#: How long an asynchronous load waits for its reads from the lower tier when
-#: ``lower_tier_wait_ms`` is null (no prefetch); past it, the request is recomputed and the
-#: slots stay reserved until the read returns.
-LOWER_LOAD_WAIT_MS = 1000
 
 
 def _on_engine_thread(method: F) -> F:
@@ -111,20 +90,27 @@ def _on_engine_thread(method: F) -> F:
 
 
 @dataclass
-class _Reading:
-    """A load's reads from the tiers below into host slots, before its copy to the device."""
+class Running:
+    """A job in flight on this worker and what it waits for.
 
-    job: TransferJob
-    reads: list[tuple[TierReads, bool, Future[list[ReadOutcome]]]]  # (reads, remote?, future)
-    deadline: float | None = None  # when the load is given up (its request recomputed)
-    gave_up: bool = False  # reported failed to vLLM; the job ends once the reads end
+    :param copies: its device copies (the transfer engine's jobs).
+    :param reads: a load's or a read job's reads into host slots, by tier.
+    :param write: a write job's write.
+    :param deadline: when a load's reads are given up (its request recomputed).
+    :param gave_up: reported failed to vLLM; the job ends once its reads end.
+    """
 
-
-@dataclass
-class _Running:
-    job: TransferJob
-    engine_jobs: set[int]
+    job: LoadJob | StoreJob | ReadJob | WriteJob
+    copies: set[int] = field(default_factory=set)
+    reads: dict[str, tuple[TierRead, Future[list[ReadOutcome]]]] = field(default_factory=dict)
+    write: Future[list[bool]] | None = None
+    deadline: float | None = None
+    gave_up: bool = False
     ok: bool = True
+
+    @property
+    def sync(self) -> bool:
+        return isinstance(self.job, LoadJob) and self.job.sync
 
 
 @dataclass
@@ -140,24 +126,19 @@ class WorkerSide:
         self.engine: TransferEngine | None = None
         self.caches: dict[int, KVCache] = {}
         self.host_views: dict[int, KVCache] = {}
-        self._running: dict[int, _Running] = {}
-        self._by_engine_job: dict[int, int] = {}
+        self.tiers: dict[str, TierReadWrite] = {}  # the tiers below, by name
+        self._jobs: dict[int, Running] = {}  # every job in flight, by id
+        self._job_of_copy: dict[int, int] = {}  # a device copy's job (the index of Running.copies)
         self.reports = WorkerReports()  # what this worker has yet to report
         self._stores_started: KVHALMetadata | None = None  # the step whose stores were submitted
-        self._sync_jobs: set[int] = set()  # synchronous loads not yet reported
         self._idle = False  # this step computes nothing and no request waits (KVHALMetadata.idle)
         self.layer_gate = LayerGate(self.config)  # large synchronous loads, layer by layer
         self.busy_seconds = 0.0
-        self.lower_backend: TierBackend | None = None
-        self.tier_io: TierIO | None = None
-        self.remote: RemoteTier | None = None
-        self._reads: dict[int, _Reading] = {}
-        self._writes: dict[int, tuple[TierWrite, Future[list[bool]]]] = {}
 
     # -- set-up ------------------------------------------------------------------
 
     def register(self, kv_caches: dict[str, Any]) -> None:
-        """Wrap the engine's KV cache and allocate the host tier.
+        """Wrap the engine's KV cache, allocate the host tier and open the tiers below.
 
         :param kv_caches: per layer name, a logical ``[B, H, N, C]`` tensor, a
             ``(k_cache, v_cache)`` pair of them (split K and V, as vllm-ascend has; of other
@@ -166,41 +147,11 @@ class WorkerSide:
         :raises ValidationError: a layer is missing or of a shape kvhal refuses, or its blocks
             do not hold the bytes vLLM's KV cache spec says (naming the layer).
         """
-        views = group_views(kv_caches, self.config.groups)
-        first = next(iter(views.values())).layers[0][0]
-        self.device = select_device(self.config.device, device_type=first.device.type)
-        layout = layout_by_name(self.config.layout)
-        for group in self.config.groups:
-            tensors = views[group.group_id]
-            cache = KVCache.wrap(tensors.layers, layout, head_size=tensors.head_size)
-            if cache.geometry.block_bytes != group.slot_bytes:
-                raise ValidationError(
-                    "kv_caches",
-                    f"KV cache group {group.group_id} (layers {group.layer_names[0]!r}...): a block of "
-                    f"its tensors holds {cache.geometry.block_bytes} bytes, vLLM's KV cache spec says "
-                    f"{group.slot_bytes} ({len(group.layer_names)} layers x {group.page_bytes})",
-                )
-            self.caches[group.group_id] = cache
-        self.host_tier = HostTier(
-            self.device, self.config.num_slots * self.config.slot_bytes, self.config.slot_bytes
-        )
-        for group_id, cache in self.caches.items():
-            host = self.host_views[group_id] = self.host_tier.view(cache.geometry, layout)
-            # a copy the device cannot make (a split cache on a plugin without kv.split,
-            # say) fails engine start, naming the plugin, rather than every job later
-            self.device.plan_copy(cache, host, [(0, 0)])
+        self.device, self.caches, self.host_tier, self.host_views = wrap_caches(self.config, kv_caches)
         for group in self.config.groups:
             self.layer_gate.add_group(group, self.caches[group.group_id], self.host_views[group.group_id])
         self.engine = TransferEngine(self.device)
-        if self.config.lower_tier is not None:
-            self.lower_backend = open_lower_tier(self.config, role="io", rank=_tensor_parallel_rank())
-            self.tier_io = TierIO(self.host_tier, self.lower_backend)
-        if self.config.remote_tier is not None:
-            rank = _tensor_parallel_rank()
-            self.remote = open_remote_tier(self.config, "io", rank, self.stats, host=self.host_tier)
-        below = self.tier_io is not None or self.remote is not None
-        if below and self.config.world_size == 1 and self.config.engine_id is not None:
-            local.publish(self.config.engine_id, self)  # the scheduler reads at lookup
+        self.tiers = open_worker_tiers(self.config, self.stats, self.host_tier, _tensor_parallel_rank())
         logger.info(
             "kvhal: device plugin %r (%s), %d host slots of %d bytes, pinned=%s",
             self.device.plugin_name,
@@ -210,6 +161,11 @@ class WorkerSide:
             self.host_tier.is_pinned,
         )
 
+    def read_tier(self, read: TierRead) -> Future[list[ReadOutcome]]:
+        """Start ``read`` (blocks of one tier into host slots); for the in-process scheduler
+        side's prefetch too (:mod:`kvhal.vllm.local`)."""
+        return self.tiers[read.tier].read(read.keys, read.slots, read.host_slots)
+
     # -- per step -----------------------------------------------------------------
 
     @_on_engine_thread
@@ -217,57 +173,53 @@ class WorkerSide:
         """Before the step's compute: fence the stores whose blocks it may rewrite,
         and take note of the finished requests the scheduler holds for their stores."""
         if self.engine is not None and meta.fence:
-            running = [self._running[j] for j in meta.fence if j in self._running]  # others are done
-            engine_jobs = [e for job in running for e in job.engine_jobs]
-            self.engine.fence(self.device.current_stream(), engine_jobs)
+            copies = [c for j in meta.fence if j in self._jobs for c in self._jobs[j].copies]
+            self.engine.fence(self.device.current_stream(), copies)
         for write in meta.writes:  # first: a write-back snapshots slots this step reuses
             self._start_write(write)
         for job in meta.prefetches:  # before the forward: the reads overlap it
-            self._start_reads(job)
+            self._start_reads(Running(job), job.reads)
         self._idle = meta.idle
         for req_id in meta.held:
             self.reports.hold(req_id)
 
     @_on_engine_thread
     def start_loads(self, meta: KVHALMetadata) -> None:
-        """Submit this step's loads (host tier -> KV cache), reading promoted blocks from
-        the lower tier first; :meth:`collect` reports them. The compute stream waits for
-        the synchronous ones: vLLM runs their requests in this step's forward."""
+        """Submit this step's loads (host tier -> KV cache), reading blocks from the tiers
+        below first; :meth:`collect` reports them. The compute stream waits for the
+        synchronous ones: vLLM runs their requests in this step's forward."""
         sync_copies: list[int] = []
-        by_layer: list[TransferJob] = []
+        by_layer: list[LoadJob] = []
         for job in meta.loads:
-            if job.sync:
-                self._sync_jobs.add(job.job_id)
+            running = Running(job)
             if job.doomed:
-                self._running[job.job_id] = _Running(job, set(), ok=False)
-                self._finish(job.job_id)
-            elif job.reads is not None or job.remote_reads is not None:
-                self._start_reads(job)
+                self._jobs[job.job_id] = running
+                self._finish(running, ok=False)
+            elif job.reads:
+                self._start_reads(running, job.reads)
             elif job.sync and self.layer_gate.takes(job, self.device):
                 by_layer.append(job)
             else:
-                self._submit(job)
-                running = self._running.get(job.job_id)
-                if job.sync and running is not None:
-                    sync_copies.extend(running.engine_jobs)
+                self._submit(running)
+                if job.sync:
+                    sync_copies.extend(running.copies)
         if by_layer:
             self._submit_by_layer(by_layer)
         if sync_copies:
             assert self.engine is not None and self.device is not None
             self.engine.order_after(self.device.current_stream(), sync_copies)
 
-    def _submit_by_layer(self, jobs: list[TransferJob]) -> None:
+    def _submit_by_layer(self, jobs: list[LoadJob]) -> None:
         """Submit synchronous loads layer by layer (:class:`~kvhal.vllm.layer_gate.LayerGate`):
         the attention of each layer waits for its copies only, in :meth:`wait_for_layer`."""
         assert self.engine is not None
         self.stats.add("layerwise_loads", len(jobs))
         copies, refused = self.layer_gate.submit(self.engine, jobs)
         for job in jobs:
-            engine_jobs = copies[job.job_id]
-            self._running[job.job_id] = _Running(job, engine_jobs, ok=job.job_id not in refused)
-            self._by_engine_job.update(dict.fromkeys(engine_jobs, job.job_id))
-            if not engine_jobs:
-                self._finish(job.job_id)
+            running = self._jobs[job.job_id] = Running(job, copies[job.job_id], ok=job.job_id not in refused)
+            self._job_of_copy.update(dict.fromkeys(running.copies, job.job_id))
+            if not running.copies:
+                self._finish(running, running.ok)
 
     @_on_engine_thread
     def wait_for_layer(self, name: str) -> None:
@@ -282,40 +234,38 @@ class WorkerSide:
         left = self.layer_gate.end_forward()
         if left:
             for copy in left:
-                running = self._running.get(self._by_engine_job.get(copy, -1))
+                running = self._jobs.get(self._job_of_copy.get(copy, -1))
                 if running is not None:
                     running.ok = False
             assert self.engine is not None and self.device is not None
             self.engine.order_after(self.device.current_stream(), left)
 
-    def _start_reads(self, job: TransferJob) -> None:
-        reading = _Reading(job, [])
+    def _start_reads(self, running: Running, reads: list[TierRead]) -> None:
+        """Start a load's or a read job's reads of the tiers below into host slots. A load
+        waits for them at most its tiers' wait; a read job (a prefetch) for a store at most
+        the store's load timeout (the scheduler side waits no longer for a local tier)."""
+        job = running.job
+        self._jobs[job.job_id] = running
+        waited = [r.tier for r in reads if isinstance(job, LoadJob) or not self._is_local(r.tier)]
+        if waited:
+            running.deadline = time.monotonic() + load_wait_s(self.config, waited)
         try:
-            if job.reads is not None:
-                assert self.tier_io is not None and self.config.lower_tier is not None
-                reads = job.reads
-                future = self.tier_io.read(reads.keys, reads.lower_slots, reads.host_slots)
-                reading.reads.append((reads, False, future))
-                if not job.prefetch:  # a prefetch's deadline is the scheduler side's
-                    wait_ms = self.config.lower_tier.wait_ms
-                    reading.deadline = (
-                        time.monotonic() + (wait_ms if wait_ms is not None else LOWER_LOAD_WAIT_MS) / 1000
-                    )
-            if job.remote_reads is not None:
-                assert self.remote is not None and self.config.remote_tier is not None
-                reads = job.remote_reads
-                reading.reads.append((reads, True, self.remote.read(reads.keys, reads.host_slots)))
-                deadline = time.monotonic() + self.config.remote_tier.load_timeout_ms / 1000
-                reading.deadline = min(deadline, reading.deadline or deadline)
+            for read in reads:
+                running.reads[read.tier] = (read, self.read_tier(read))
         except Exception:  # a refused read fails the load; vLLM recomputes
-            logger.exception("kvhal: load job %d: reading a tier below was refused", job.job_id)
-            if not reading.reads:
-                self._running[job.job_id] = _Running(job, set(), ok=False)
-                self._finish(job.job_id)
+            logger.exception("kvhal: job %d: reading a tier below was refused", job.job_id)
+            if not running.reads:
+                self._finish(running, ok=False)
                 return
-            reading.gave_up = True  # the read started must end before its slots are released
-            self.reports.give_up(job)
-        self._reads[job.job_id] = reading
+            self._give_up(running)  # the reads started must end before their slots are released
+
+    def _is_local(self, name: str) -> bool:
+        return any(tier.name == name and isinstance(tier, LowerTierConfig) for tier in self.config.tiers)
+
+    def _give_up(self, running: Running) -> None:
+        running.gave_up = True
+        if isinstance(running.job, LoadJob):  # vLLM waits for no read job: the scheduler does
+            self.reports.give_up(running.job)
 
     @_on_engine_thread
     def start_stores(self, meta: KVHALMetadata) -> None:
@@ -326,68 +276,64 @@ class WorkerSide:
         self._stores_started = meta
         self._end_forward()
         for job in meta.stores:
-            self._submit(job)
-
-    def _submit(self, job: TransferJob) -> None:
-        assert self.engine is not None
-        running = self._running[job.job_id] = _Running(job, set())
-        if job.kind is JobKind.STORE:
             self.reports.store_started(job)
+            self._submit(Running(job))
+
+    def _submit(self, running: Running) -> None:
+        """Submit a load's or a store's device copies."""
+        assert self.engine is not None
+        job = running.job
+        assert isinstance(job, (LoadJob, StoreJob))
+        self._jobs[job.job_id] = running
         for group_id, (block_ids, slots) in job.groups.items():
             if not block_ids:
                 continue
             cache, host = self.caches[group_id], self.host_views[group_id]
             keys = ()  # the manager's keys stay scheduler-side; jobs are tracked by id
             try:
-                if job.kind is JobKind.STORE:
-                    engine_job = self.engine.submit_store(
+                if isinstance(job, StoreJob):
+                    copy = self.engine.submit_store(
                         keys, cache, host, list(zip(block_ids, slots, strict=True))
                     )
                 else:
-                    engine_job = self.engine.submit_load(
+                    copy = self.engine.submit_load(
                         keys, host, cache, list(zip(slots, block_ids, strict=True))
                     )
             except Exception:  # a refused copy fails the job; the engine recomputes or skips it
-                logger.exception("kvhal: %s job %d refused", job.kind.value, job.job_id)
+                logger.exception("kvhal: %s job %d refused", type(job).__name__, job.job_id)
                 running.ok = False
                 continue
-            running.engine_jobs.add(engine_job)
-            self._by_engine_job[engine_job] = job.job_id
-        if not running.engine_jobs:
-            self._finish(job.job_id)
+            running.copies.add(copy)
+            self._job_of_copy[copy] = job.job_id
+        if not running.copies:
+            self._finish(running, running.ok)
 
-    def _on_result(self, result: TransferResult) -> None:
-        job_id = self._by_engine_job.pop(result.job_id)
-        running = self._running[job_id]
-        running.engine_jobs.discard(result.job_id)
+    def _onresult_of(self, result: TransferResult) -> None:
+        running = self._jobs[self._job_of_copy.pop(result.job_id)]
+        running.copies.discard(result.job_id)
         running.ok &= result.success
         if not result.success:
-            logger.warning("kvhal: %s job %d failed: %s", running.job.kind.value, job_id, result.error)
-        if not running.engine_jobs:
-            self._finish(job_id)
+            logger.warning("kvhal: job %d failed: %s", running.job.job_id, result.error)
+        if not running.copies:
+            self._finish(running, running.ok)
 
-    def _finish(self, job_id: int) -> None:
-        running = self._running.pop(job_id)
+    def _finish(self, running: Running, ok: bool) -> None:
+        """End a job here: report it, and what follows from its kind."""
         job = running.job
-        self.reports.ended(job_id, running.ok)
-        # Bytes are counted where they move: each tensor-parallel worker copies its own
-        # share, and vLLM sums the workers' stats. Blocks are counted once, scheduler-side.
-        nbytes = job.num_blocks * self.config.slot_bytes  # one slot per (group, block)
-        if job.kind is JobKind.LOAD and job.prefetch:
-            pass  # no device copy, no request waiting in vLLM: the scheduler side hears of it
-        elif job.kind is JobKind.LOAD:
-            sync = job.job_id in self._sync_jobs
-            self._sync_jobs.discard(job.job_id)
-            self.reports.load_ended(job, running.ok, sync)
-            if running.ok and job.num_blocks:
-                self.stats.add("loaded_bytes", nbytes)
-        else:
-            if running.ok:
-                self.stats.add("stored_bytes", nbytes)
-            if job.write is not None:
-                self._start_write(job.write, stored=running.ok)
-            if job.remote_write is not None:
-                self._start_write(job.remote_write, stored=running.ok)
+        del self._jobs[job.job_id]
+        self.reports.ended(job.job_id, ok)
+        if isinstance(job, LoadJob):
+            self.reports.load_ended(job, ok, job.sync)
+            if ok and job.num_blocks:
+                # Bytes are counted where they move: each tensor-parallel worker copies its
+                # own share, and vLLM sums the workers' stats. Blocks are counted once,
+                # scheduler-side.
+                self.stats.add("loaded_bytes", job.num_blocks * self.config.slot_bytes)
+        elif isinstance(job, StoreJob):
+            if ok:
+                self.stats.add("stored_bytes", job.num_blocks * self.config.slot_bytes)
+            for write in job.writes:
+                self._start_write(write, stored=ok)
             self.reports.store_ended(job)
 
     @_on_engine_thread
@@ -395,7 +341,7 @@ class WorkerSide:
         """Requests whose loads finished, whose loads failed (a subset), and whose
         held blocks the stores read no more; polls, never waits for a copy (but in an idle
         step, up to :data:`IDLE_WAIT_S` for one of its jobs to end)."""
-        assert self.engine is not None or not self._running
+        assert self.engine is not None or not self._jobs
         self._poll()
         if self._idle and self.jobs_in_flight:
             deadline = time.monotonic() + IDLE_WAIT_S
@@ -405,101 +351,94 @@ class WorkerSide:
         return self.reports.take_requests()
 
     def _poll(self) -> None:
-        self._poll_tier()
+        self._poll_tiers()
         if self.engine is not None:
             # A synchronous load is reported in its own step: the forward waited for its
             # copy, so this wait is for an event already complete (or failed).
-            pending = [e for j in self._sync_jobs if j in self._running for e in self._running[j].engine_jobs]
+            pending = [c for r in self._jobs.values() if r.sync for c in r.copies]
             for result in self.engine.wait(pending) if pending else ():
-                self._on_result(result)
+                self._onresult_of(result)
             for result in self.engine.poll():
-                self._on_result(result)
+                self._onresult_of(result)
 
-    def _start_write(self, write: TierWrite, stored: bool = True) -> None:
-        """Submit a write to the lower tier; a write-through whose store failed fails unrun."""
+    def _start_write(self, write: WriteJob, stored: bool = True) -> None:
+        """Submit a write to its tier; a write-through whose store failed fails unrun."""
+        running = self._jobs[write.job_id] = Running(write)
         if not stored:
-            self.reports.ended(write.job_id, ok=False)
+            self._finish(running, ok=False)
             return
         try:
-            if write.remote:
-                assert self.remote is not None
-                future = self.remote.write(write.keys, write.host_slots)
-            else:
-                assert self.tier_io is not None
-                future = self.tier_io.write(write.keys, write.host_slots, write.lower_slots, write.snapshot)
+            running.write = self.tiers[write.tier].write(
+                write.keys, write.host_slots, write.slots, write.snapshot
+            )
         except Exception:  # a refused write leaves nothing loadable below
-            logger.exception("kvhal: write job %d to the lower tier was refused", write.job_id)
-            self.reports.ended(write.job_id, ok=False)
-            return
-        self._writes[write.job_id] = (write, future)
+            logger.exception("kvhal: write job %d to the %s tier was refused", write.job_id, write.tier)
+            self._finish(running, ok=False)
 
-    def _poll_tier(self, wait: bool = False, deadline: float = math.inf) -> int:
-        """Finish the lower tier's reads and writes that completed (all of them if ``wait``,
-        up to ``deadline``): how many had not ended by then (reported failed)."""
+    def _poll_tiers(self, wait: bool = False, deadline: float = math.inf) -> int:
+        """Finish the tiers' reads and writes that completed (all of them if ``wait``, up to
+        ``deadline``): how many had not ended by then (reported failed)."""
         stuck = 0
-        for job_id, (write, future) in list(self._writes.items()):
-            if wait or future.done():
-                del self._writes[job_id]
-                stuck += not _ends_by(future, deadline)
-                written = _result(future, len(write.keys), False)
-                ok = all(written)
-                self.reports.ended(job_id, ok)
-                self.stats.add_tier(
-                    "tier_written_bytes", self._tier_name(write.remote), sum(written) * self.config.slot_bytes
-                )
         now = time.monotonic()
-        for job_id, reading in list(self._reads.items()):
-            job = reading.job
-            if not (wait or all(future.done() for _, _, future in reading.reads)):
-                if reading.deadline is not None and now > reading.deadline and not reading.gave_up:
-                    reading.gave_up = True
-                    stalled = sorted(
-                        {self._tier_name(remote) for _, remote, f in reading.reads if not f.done()}
-                    )
-                    for tier in stalled:
-                        self.stats.add_tier("tier_load_timeouts", tier, 1)
+        for running in [r for r in self._jobs.values() if r.write is not None or r.reads]:
+            futures = [f for _, f in running.reads.values()] + ([running.write] if running.write else [])
+            if not (wait or all(f.done() for f in futures)):
+                if running.deadline is not None and now > running.deadline and not running.gave_up:
+                    stalled = sorted(name for name, (_, f) in running.reads.items() if not f.done())
+                    for name in stalled:
+                        self.stats.add_tier("tier_load_timeouts", name, 1)
                     logger.warning(
-                        "kvhal: load job %d: the %s tier did not answer by its deadline; recomputing",
-                        job_id,
+                        "kvhal: job %d: the %s tier did not answer by its deadline; recomputing",
+                        running.job.job_id,
                         " and ".join(stalled),
                     )
-                    self.reports.give_up(job)
+                    self._give_up(running)
                 continue
-            del self._reads[job_id]
-            failures: list[str] = []
-            for reads, remote, future in reading.reads:
-                stuck += not _ends_by(future, deadline)
-                outcomes = _result(future, len(reads.keys), ReadOutcome.IO_ERROR)
-                tier = self._tier_name(remote)
-                for outcome in outcomes:
-                    if outcome is not OK:
-                        self.stats.add_tier(READ_FAILURE_COUNTERS[outcome], tier, 1)
-                        failures.append(f"{tier} {outcome.value}")
-                good = outcomes.count(OK)
-                self.stats.add_tier("tier_read_bytes", tier, good * self.config.slot_bytes)
-            if not failures and not wait and not reading.gave_up:
-                self._submit(job)  # now a load of host slots, as any hit
-                continue
-            if reading.gave_up:  # vLLM was told; now the job ends and its host slots are released
-                self.reports.ended(job_id, ok=False)
-                continue
-            total = sum(len(reads.keys) for reads, _, _ in reading.reads)
-            logger.warning(
-                "kvhal: load job %d: %d of %d blocks from the tiers below failed (%s); recomputing",
-                job_id,
-                len(failures),
-                total,
-                ", ".join(sorted(set(failures))) or "shutting down",
-            )
-            self._running[job_id] = _Running(job, set(), ok=False)
-            self._finish(job_id)
+            stuck += sum(not ends_by(f, deadline) for f in futures)
+            if running.write is not None:
+                self._write_ended(running)
+            else:
+                self._reads_ended(running, shutting_down=wait)
         return stuck
 
-    def _tier_name(self, remote: bool) -> str:
-        """The name a tier below counts under: the remote tier's, or the lower tier's."""
-        if remote:
-            return remote_tier_name(self.config)
-        return lower_tier_name(self.config)
+    def _write_ended(self, running: Running) -> None:
+        job = running.job
+        assert isinstance(job, WriteJob) and running.write is not None
+        written = result_of(running.write, len(job.keys), False)
+        self.stats.add_tier("tier_written_bytes", job.tier, sum(written) * self.config.slot_bytes)
+        self._finish(running, all(written))
+
+    def _reads_ended(self, running: Running, shutting_down: bool) -> None:
+        """A load's or a read job's reads ended: a load whose reads all succeeded is now a load
+        of host slots (its copies are submitted), anything else ends here."""
+        failures: list[str] = []
+        for name, (read, future) in running.reads.items():
+            outcomes = result_of(future, len(read.keys), ReadOutcome.IO_ERROR)
+            for outcome in outcomes:
+                if outcome is not OK:
+                    self.stats.add_tier(READ_FAILURE_COUNTERS[outcome], name, 1)
+                    failures.append(f"{name} {outcome.value}")
+            self.stats.add_tier("tier_read_bytes", name, outcomes.count(OK) * self.config.slot_bytes)
+        reads, running.reads = running.reads, {}
+        if not failures and not shutting_down and not running.gave_up:
+            if isinstance(running.job, LoadJob):
+                self._submit(running)  # now a load of host slots, as any hit
+            else:
+                self._finish(running, ok=True)
+            return
+        if failures and isinstance(running.job, LoadJob):
+            logger.warning(
+                "kvhal: load job %d: %d of %d blocks from the tiers below failed (%s); recomputing",
+                running.job.job_id,
+                len(failures),
+                sum(len(read.keys) for read, _ in reads.values()),
+                ", ".join(sorted(set(failures))),
+            )
+        if running.gave_up:  # vLLM was told; now the job ends and its host slots are released
+            del self._jobs[running.job.job_id]
+            self.reports.ended(running.job.job_id, ok=False)
+            return
+        self._finish(running, ok=False)
 
     def take_stats(self, send: bool) -> KVHALStats | None:
         """This step's counters for vLLM, or None to keep them for a later step: when the
@@ -517,24 +456,22 @@ class WorkerSide:
 
     @property
     def jobs_in_flight(self) -> int:
-        """Load, store and lower-tier jobs submitted and not yet finished on this worker."""
-        return len(self._running) + len(self._reads) + len(self._writes)
+        """Jobs submitted and not yet finished on this worker, of every kind."""
+        return len(self._jobs)
 
     def worker_meta(self) -> KVHALWorkerMetadata | None:
         """The jobs finished since the last call, for the scheduler side (``None`` if none)."""
         return self.reports.worker_meta()
 
     def shutdown(self) -> None:
-        """Wait for every copy in flight (none may write a freed buffer), then free the tier.
+        """Wait for every copy in flight (none may write a freed buffer), then free the tiers.
         Reads and writes of the tiers below are waited for up to :data:`SHUTDOWN_WAIT_S`; one
         still running then keeps its host memory and its tier as they are (leaked, not freed
         under it) and the shutdown goes on."""
         if self.engine is not None:
             for result in self.engine.wait():
-                self._on_result(result)  # a finished store starts its write-through
-        stuck = self._poll_tier(wait=True, deadline=time.monotonic() + SHUTDOWN_WAIT_S)
-        if self.config.engine_id is not None:
-            local.withdraw(self.config.engine_id, self)
+                self._onresult_of(result)  # a finished store starts its write-through
+        stuck = self._poll_tiers(wait=True, deadline=time.monotonic() + SHUTDOWN_WAIT_S)
         if stuck:
             logger.warning(
                 "kvhal: %d reads or writes of the tiers below did not end within %.0f s of shutdown; "
@@ -543,41 +480,17 @@ class WorkerSide:
                 stuck,
                 SHUTDOWN_WAIT_S,
             )
-            self.lower_backend = self.tier_io = self.remote = self.host_tier = None
+            self.tiers = {}
+            self.host_tier = None
             self.host_views.clear()
             return
-        if self.lower_backend is not None:
-            self.lower_backend.close()
-            self.lower_backend = self.tier_io = None
-        if self.remote is not None:
-            self.remote.close()
-            self.remote = None
+        for tier in self.tiers.values():
+            tier.close()
+        self.tiers = {}
         if self.host_tier is not None:
             self.host_views.clear()
             self.host_tier.close()
             self.host_tier = None
-
-
-T = TypeVar("T")
-
-
-def _ends_by(future: Future[Any], deadline: float) -> bool:
-    """Whether ``future`` is done by ``deadline`` (waiting for it until then)."""
-    with contextlib.suppress(Exception):  # a timeout, or the future's own exception
-        future.exception(timeout=max(0.0, deadline - time.monotonic()) if deadline < math.inf else None)
-    return future.done()
-
-
-def _result(future: Future[list[T]], count: int, failed: T) -> list[T]:
-    """A tier future's per-block results; ``failed`` for each if it raised (logged) or has
-    not ended (a shutdown's deadline passed)."""
-    if not future.done():
-        return [failed] * count
-    try:
-        return future.result()
-    except Exception:
-        logger.exception("kvhal: a lower-tier job raised")
-        return [failed] * count
 
 
 def _tensor_parallel_rank() -> int:

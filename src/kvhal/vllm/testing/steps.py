@@ -127,7 +127,7 @@ def kvhal_state(llm: Any) -> dict:
         "scheduler_jobs_in_flight": scheduler.has_jobs_in_flight(),
         "worker_jobs_in_flight": worker.jobs_in_flight,
         "worker_busy_seconds": worker.busy_seconds,
-        "lower_blocks": len(scheduler.chain.lower) if scheduler.chain.lower is not None else None,
+        "lower_blocks": sum(len(t.index) for t in scheduler.chain.local) if scheduler.chain.local else None,
     }
 
 
