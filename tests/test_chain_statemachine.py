@@ -5,9 +5,9 @@ The system: a :class:`HostTier` on the CPU device (6 slots) whose view is layer-
 (a slot is one run per layer) or cross-layer (one run), its
 :class:`OffloadingManager`, a :class:`DiskTier` in a temporary directory (12 slots; an
 ``index`` role for recovery, an ``io`` role for bytes), its :class:`TierIndex`, the
-:class:`TierChain` (write-through or write-back) and :class:`TierIO`. Steps call
-them in the order the vLLM connector does: the scheduler side plans, the worker side
-copies bytes, the scheduler completes.
+:class:`TierChain` over it (one :class:`ChainTier`, ``disk``, written through or
+back) and :class:`TierIO`. Steps call them in the order the vLLM connector does: the
+scheduler side plans, the worker side copies bytes, the scheduler completes.
 
 The disk's calls are deferred until a rule finishes them, so loads and writes stay
 in flight across steps (what the chain pins must then stay untouched), and faults
@@ -52,7 +52,7 @@ from kvhal.offload.host_tier import HostTier
 from kvhal.offload.manager import BlockState, OffloadingManager
 from kvhal.registry import PluginRegistry
 from kvhal.tiers.backend import OK, TierBackend, TierSpec
-from kvhal.tiers.chain import LoadPlan, TierChain, WritePlan
+from kvhal.tiers.chain import ChainTier, LoadPlan, TierChain, TierRead, WritePlan
 from kvhal.tiers.disk import DiskTier
 from kvhal.tiers.disk.format import RECORD_BYTES
 from kvhal.tiers.index import TierIndex
@@ -65,6 +65,7 @@ UNIVERSE = [b"key-%04d" % i for i in range(16)]
 HOST_SLOTS = 6
 DISK_SLOTS = 12
 FINGERPRINT = {"model": "statemachine"}
+DISK = "disk"  # the chain's one tier below the host tier
 
 
 @dataclass(frozen=True)
@@ -192,7 +193,7 @@ class ChainMachine(RuleBasedStateMachine):
         self.view = self.host_tier.view(self.geometry.with_num_blocks(HOST_SLOTS), self.variant.layout)
         assert self.host_tier.slots_are_contiguous == (self.variant.layout is BLHNC)
         manager = OffloadingManager(self.host_tier.pool, "lru", registry=REGISTRY)
-        self.chain = TierChain(manager, lower, self.variant.write)  # type: ignore[arg-type]
+        self.chain = TierChain(manager, [ChainTier(DISK, lower, self.variant.write)])  # type: ignore[arg-type]
         self.io = FaultyDisk(self.spec("io"))
         self.backend = Deferred(self.io)
         self.tio = TierIO(self.host_tier, self.backend)
@@ -220,6 +221,19 @@ class ChainMachine(RuleBasedStateMachine):
 
     # -- helpers ---------------------------------------------------------------------
 
+    @property
+    def index(self) -> TierIndex:
+        """The disk tier's index, as the chain keeps it."""
+        index = self.chain.tier(DISK).index
+        assert index is not None
+        return index
+
+    @staticmethod
+    def disk_read(plan: LoadPlan) -> TierRead:
+        """The plan's read from the disk tier (empty if it promotes nothing)."""
+        assert [read.tier for read in plan.reads] in ([], [DISK]), "the chain's only tier below is the disk"
+        return plan.reads[0] if plan.reads else TierRead(DISK, [], [], [])
+
     def check_slot(self, key: bytes, slot: int) -> None:
         got = get_kv_from_block(self.view, slot)
         assert torch.equal(got, self.refs[key]), f"host slot {slot} does not hold the bytes of {key!r}"
@@ -234,23 +248,20 @@ class ChainMachine(RuleBasedStateMachine):
             del self.host[key]
         if host_evicted is not None:
             assert sorted(gone) == sorted(host_evicted)
-        gone = [
-            k
-            for k, s in self.lower.items()
-            if s == "ready" and self.chain.lower.state(k) is BlockState.ABSENT
-        ]
+        gone = [k for k, s in self.lower.items() if s == "ready" and self.index.state(k) is BlockState.ABSENT]
         for key in gone:
             assert not self.lower_pins[key], f"{key!r} was evicted from the disk tier while being read"
             del self.lower[key]
         self.lower_evicted += len(gone)
-        assert self.chain.lower_evictions == self.lower_evicted
+        assert self.chain.tier(DISK).evictions == self.lower_evicted
 
     def start_write(self, plan: WritePlan) -> None:
+        assert plan.tier == DISK
         for key in plan.keys:
             if plan.snapshot:  # a write-through's keys were marked with its store
                 assert key not in self.lower, f"{key!r} is written below twice"
                 self.lower[key] = "storing"
-        future = self.tio.write(plan.keys, plan.host_slots, plan.lower_slots, plan.snapshot)
+        future = self.tio.write(plan.keys, plan.host_slots, plan.slots, plan.snapshot)
         self.writes.append((plan, future, self.backend.last))
 
     def start_write_backs(self) -> None:
@@ -269,11 +280,13 @@ class ChainMachine(RuleBasedStateMachine):
 
     def store(self, keys: list[bytes], fail: bool) -> None:
         new = [k for k in dict.fromkeys(keys) if k not in self.host]
-        planned = self.chain.prepare_store(keys)
+        planned = self.chain.prepare_store(keys, [DISK])
         if planned is None:
             assert new and len(new) > self.room(keys), "a store with room was refused"
             return
-        plan, write = planned
+        plan, writes = planned
+        assert len(writes) <= 1, "one tier below, one write-through at most"
+        write = writes[0] if writes else None
         assert plan.keys == new and len(new) <= self.room(keys)
         self.sync_evictions(plan.evicted)
         for key in plan.keys:
@@ -289,7 +302,7 @@ class ChainMachine(RuleBasedStateMachine):
         for i, (key, slot) in enumerate(zip(plan.keys, plan.slots, strict=True)):
             kv = self.refs[key] if not (fail and i % 2 == 0) else torch.zeros_like(self.refs[key])
             put_kv_into_block(self.view, slot, kv)
-        self.chain.complete_store(plan.keys, success=not fail, write=write)
+        self.chain.complete_store(plan.keys, success=not fail, writes=writes)
         for key in plan.keys:
             if fail:
                 del self.host[key]
@@ -334,7 +347,7 @@ class ChainMachine(RuleBasedStateMachine):
         self.backend.run(call, fault if fault != "report" else None)
         written = future.result()
         assert written == [fault in (None, "report")] * len(plan.keys)
-        for key, slot in zip(plan.keys, plan.lower_slots, strict=True):
+        for key, slot in zip(plan.keys, plan.slots, strict=True):
             if fault in (None, "report"):
                 self.disk[slot] = (key, True)
             elif fault == "record" and slot in self.disk:
@@ -380,18 +393,19 @@ class ChainMachine(RuleBasedStateMachine):
         keys = keys[:hits]
         plan = self.chain.prepare_load(keys)
         assert plan is not None, "a load the lookup offered was refused"
-        assert plan.promoted == [k for k in keys if self.host.get(k) != "ready"]
-        assert len(plan.promoted) == promoted
+        read = self.disk_read(plan)
+        assert read.keys == [k for k in keys if self.host.get(k) != "ready"]
+        assert len(read.keys) == promoted
         self.pins.update(plan.host_hits)
         self.sync_evictions()
-        for key in plan.promoted:
+        for key in read.keys:
             assert self.lower[key] == "ready" and key not in self.host
             self.host[key] = "storing"
-        self.lower_pins.update(plan.promoted)
+        self.lower_pins.update(read.keys)
         self.start_write_backs()  # before the reads land in the slots they reuse
         future = call = None
-        if plan.promoted:
-            future = self.tio.read(plan.promoted, plan.lower_slots, plan.promoted_host_slots)
+        if read.keys:
+            future = self.tio.read(read.keys, read.slots, read.host_slots)
             call = self.backend.last
         self.loads.append((plan, future, call))
         if finish:
@@ -405,12 +419,13 @@ class ChainMachine(RuleBasedStateMachine):
     def finish(self, i: int, fault: str | None) -> None:
         """The reads, then the device load of every block: each must be the key's."""
         plan, future, call = self.loads.pop(i)
+        read = self.disk_read(plan)
         ok = True
         if future is not None:
             self.backend.run(call, fault)
             outcomes = future.result()
             for key, lower_slot, host_slot, outcome in zip(
-                plan.promoted, plan.lower_slots, plan.promoted_host_slots, outcomes, strict=True
+                read.keys, read.slots, read.host_slots, outcomes, strict=True
             ):
                 intact = self.disk.get(lower_slot) == (key, True) and fault is None
                 assert (outcome is OK) == intact, f"read of {key!r} from disk slot {lower_slot}: {outcome}"
@@ -418,12 +433,12 @@ class ChainMachine(RuleBasedStateMachine):
                     self.check_slot(key, host_slot)
             ok = all(outcome is OK for outcome in outcomes)
         for key, slot in zip(plan.keys, plan.host_slots, strict=True):
-            if ok or key not in plan.promoted:
+            if ok or key not in read.keys:
                 self.check_slot(key, slot)  # what the device load delivers
         self.chain.complete_load(plan, success=ok)
         self.pins.subtract(plan.host_hits)
-        self.lower_pins.subtract(plan.promoted)
-        for key in plan.promoted:
+        self.lower_pins.subtract(read.keys)
+        for key in read.keys:
             if ok:
                 self.host[key] = "ready"
             else:  # gone from both tiers: the engine recomputes it
@@ -476,15 +491,15 @@ class ChainMachine(RuleBasedStateMachine):
                 f"{key!r}: host {host}, model {self.host.get(key)}"
             )
             assert chain.host.loads_in_flight(key) == self.pins[key], f"{key!r}: host pins"
-            lower = chain.lower.state(key)
+            lower = self.index.state(key)
             assert lower.value == self.lower.get(key, "absent"), (
                 f"{key!r}: disk {lower}, model {self.lower.get(key)}"
             )
-            assert chain.lower.loads_in_flight(key) == self.lower_pins[key], f"{key!r}: disk pins"
+            assert self.index.loads_in_flight(key) == self.lower_pins[key], f"{key!r}: disk pins"
             if chain.lookup([key])[0]:
                 assert self.host.get(key) == "ready" or self.lower.get(key) == "ready"
             if lower is BlockState.READY:
-                assert self.disk[chain.lower.slot(key)][0] == key, "the index points at another key's slot"
+                assert self.disk[self.index.slot(key)][0] == key, "the index points at another key's slot"
             if host is BlockState.READY:
                 self.check_slot(key, chain.host.slot(key))
         if not self.loads and not self.writes:

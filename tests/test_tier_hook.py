@@ -14,7 +14,7 @@ from kvhal.offload.host_tier import HostTier
 from kvhal.offload.manager import OffloadingManager
 from kvhal.registry import PluginRegistry, select_device
 from kvhal.tiers.backend import MISSING, OK, TierBackend, TierSpec
-from kvhal.tiers.chain import TierChain
+from kvhal.tiers.chain import ChainTier, TierChain
 from kvhal.tiers.disk import DiskTier
 from kvhal.tiers.index import TierIndex
 from kvhal.tiers.io import TierIO
@@ -86,21 +86,23 @@ def test_a_third_party_backend_serves_the_chain_end_to_end():
     registry = registry_with(("memtier", Offers({"memory": MemoryTier})))
     backend = open_tier("memory", TierSpec({"slots": 8}, SLOT), registry)
     with HostTier(select_device("cpu"), 4 * SLOT, SLOT) as host:
-        chain = TierChain(OffloadingManager(host.pool), TierIndex(8))
+        chain = TierChain(OffloadingManager(host.pool), [ChainTier("memory", TierIndex(8))])
         io = TierIO(host, backend)
         data = np.random.default_rng(0).integers(0, 256, (6, SLOT), dtype=np.uint8)
         keys = [b"k%d" % i for i in range(6)]
         for key, row in zip(keys, data, strict=True):  # one block at a time: the host holds 4
-            plan, write = chain.prepare_store([key])
+            plan, (write,) = chain.prepare_store([key], ["memory"])
             host.scatter_slots(plan.slots, row[None])  # what the device copy would write
-            chain.complete_store(plan.keys, write=write)
+            chain.complete_store(plan.keys, writes=[write])
             chain.complete_write(
-                write, success=all(io.write(write.keys, write.host_slots, write.lower_slots, False).result())
+                write, success=all(io.write(write.keys, write.host_slots, write.slots, False).result())
             )
         # the host tier holds k2..k5 in its 4 slots: promoting k0, k1 leaves room for 2 hits
         assert chain.lookup(keys) == (4, 2), "the two oldest blocks come from the third party's tier"
         load = chain.prepare_load(keys[:4])
-        outcomes = io.read(load.promoted, load.lower_slots, load.promoted_host_slots).result()
+        (read,) = load.reads
+        assert read.tier == "memory" and read.keys == keys[:2]
+        outcomes = io.read(read.keys, read.slots, read.host_slots).result()
         assert outcomes == [OK, OK]
         rows = np.empty((4, SLOT), dtype=np.uint8)
         host.gather_slots(load.host_slots, rows)
