@@ -32,8 +32,9 @@ if [ -f "$stamp" ] && [ "${KVHAL_FORCE_SETUP:-0}" != 1 ]; then
   exit 0
 fi
 
-# The shared tier's tests run real servers and Mooncake's libraries link against these.
-debs=(libibverbs1 libnuma1 redis-server)
+# The shared tier's tests run real servers and Mooncake's libraries link against these;
+# tests/test_deploy_manifests.py renders deploy/ with kubectl.
+debs=(libibverbs1 libnuma1 redis-server kubectl)
 missing=()
 for deb in "${debs[@]}"; do
   dpkg -s "$deb" >/dev/null 2>&1 || missing+=("$deb")
@@ -78,5 +79,6 @@ for dir in plugins/cuda plugins/rocm plugins/npu conformance; do
   [ -f "$dir/pyproject.toml" ] && editables+=(-e "$dir")
 done
 "${pip[@]}" "${editables[@]}"
+"${pip[@]}" "kubernetes-validate==1.37.0"  # deploy/'s manifests checked offline against the Kubernetes schema
 rm -f "$VENV"/.kvhal-setup-*
 touch "$stamp"

@@ -1,5 +1,5 @@
 """The ``kvhal`` command: ``kvhal devices``, ``bench ...``, ``conformance``, ``new-plugin``,
-``config check``, ``--version``."""
+``config check``, ``size``, ``--version``."""
 
 from __future__ import annotations
 
@@ -237,6 +237,15 @@ def add_config_parser(sub: argparse._SubParsersAction) -> None:
     check.set_defaults(func=cmd_config_check)
 
 
+def add_size_parser(sub: argparse._SubParsersAction) -> None:
+    """``kvhal size MODEL``: KV bytes per token and each tier's budget (:mod:`kvhal.sizing`)."""
+    from kvhal import sizing
+
+    size = sub.add_parser("size", help="a model's KV bytes per token, and each tier's budget for a workload")
+    sizing.add_arguments(size)
+    size.set_defaults(func=sizing.run)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvhal", description=__doc__)
     parser.add_argument("--version", action=_Version)
@@ -283,6 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
     new_plugin.set_defaults(func=cmd_new_plugin)
 
     add_config_parser(sub)
+    add_size_parser(sub)
 
     conformance = sub.add_parser("conformance", help="run the conformance suite against a device plugin")
     conformance.add_argument(
@@ -295,9 +305,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["conformance"]:  # its own parser takes every remaining option
         return cmd_conformance(argparse.Namespace(conformance_args=argv[1:]))
-    if argv[:1] == ["config"]:  # in seconds: without building (importing) every benchmark's parser
+    if argv[:1] in (["config"], ["size"]):  # in seconds: without importing every benchmark's parser
         parser = argparse.ArgumentParser(prog="kvhal")
-        add_config_parser(parser.add_subparsers(dest="command", required=True))
+        sub = parser.add_subparsers(dest="command", required=True)
+        (add_config_parser if argv[0] == "config" else add_size_parser)(sub)
         args = parser.parse_args(argv)
         return int(args.func(args) or 0)
     args = build_parser().parse_args(argv)

@@ -82,8 +82,8 @@ def wait_lock(fd: int, holder: str, path: str, wait_s: float) -> None:
             raise busy_error(path, holder, wait_s)
         time.sleep(LOCK_POLL_S)
         holder = _try(fd)
-    if wait_s > 0:
-        log.info("kvhal: disk tier at %s: lock taken after %.1f s", path, time.monotonic() - started)
+    if wait_s > 0:  # a warning, as the wait's start: the engine's start was that much later
+        log.warning("kvhal: disk tier at %s: lock taken after %.1f s", path, time.monotonic() - started)
 
 
 class LockWaiter:
