@@ -22,7 +22,7 @@ from kvhal.tiers.backend import OK, TierSpec
 from kvhal.tiers.disk import DiskTier
 from kvhal.vllm.cache_shapes import ACCEPTED
 from kvhal.vllm.config import ConnectorConfig, GroupInfo
-from kvhal.vllm.metadata import JobKind, TransferJob
+from kvhal.vllm.metadata import LoadJob, StoreJob
 from kvhal.vllm.worker_side import WorkerSide
 from tests.test_worker_side import settle, step
 
@@ -69,12 +69,12 @@ def snapshot(caches: dict, block: int) -> list[bytes]:
     return [t[block].contiguous().view(torch.uint8).numpy().tobytes() for v in kv for t in parts(v)]
 
 
-def store(job_id: int, block_ids: list[int], slots: list[int], group: int = 0) -> TransferJob:
-    return TransferJob(job_id, JobKind.STORE, "a", {group: (block_ids, slots)})
+def store(job_id: int, block_ids: list[int], slots: list[int], group: int = 0) -> StoreJob:
+    return StoreJob(job_id, "a", {group: (block_ids, slots)})
 
 
-def load(job_id: int, block_ids: list[int], slots: list[int], group: int = 0) -> TransferJob:
-    return TransferJob(job_id, JobKind.LOAD, "b", {group: (block_ids, slots)})
+def load(job_id: int, block_ids: list[int], slots: list[int], group: int = 0) -> LoadJob:
+    return LoadJob(job_id, "b", {group: (block_ids, slots)})
 
 
 # -- offloaded ----------------------------------------------------------------------

@@ -26,9 +26,9 @@ from kvhal.errors import ValidationError
 from kvhal.geometry import KVFormat
 from kvhal.hookspecs import hookimpl
 from kvhal.registry import PluginRegistry
-from kvhal.vllm import worker_side
+from kvhal.vllm import worker_setup, worker_side
 from kvhal.vllm.config import ConnectorConfig, GroupInfo
-from kvhal.vllm.metadata import JobKind, KVHALMetadata, TransferJob
+from kvhal.vllm.metadata import KVHALMetadata, LoadJob, StoreJob
 from kvhal.vllm.worker_side import WorkerSide
 
 BLOCKS, HEADS, TOKENS, HEAD = 16, 2, 4, 8
@@ -76,12 +76,12 @@ def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> list[bool]:
     return [torch.equal(x, y) for x, y in zip(a, b, strict=True)]
 
 
-def store(job_id: int, req_id: str, block_ids: list[int], slots: list[int]) -> TransferJob:
-    return TransferJob(job_id, JobKind.STORE, req_id, {0: (block_ids, slots)})
+def store(job_id: int, req_id: str, block_ids: list[int], slots: list[int]) -> StoreJob:
+    return StoreJob(job_id, req_id, {0: (block_ids, slots)})
 
 
-def load(job_id: int, req_id: str, block_ids: list[int], slots: list[int]) -> TransferJob:
-    return TransferJob(job_id, JobKind.LOAD, req_id, {0: (block_ids, slots)})
+def load(job_id: int, req_id: str, block_ids: list[int], slots: list[int]) -> LoadJob:
+    return LoadJob(job_id, req_id, {0: (block_ids, slots)})
 
 
 def step(worker: WorkerSide, **meta_fields) -> tuple[set[str], set[str], set[str]]:
@@ -136,7 +136,7 @@ def cpu_plugin_with(monkeypatch, plugin: object, name: str) -> None:
     registry = PluginRegistry(autoload=False, allow=None, block=())
     registry.register(plugin, name)
     monkeypatch.setattr(
-        worker_side, "select_device", lambda name=None, device_type=None: registry.select("cpu")
+        worker_setup, "select_device", lambda name=None, device_type=None: registry.select("cpu")
     )
 
 
@@ -312,10 +312,8 @@ def test_a_failed_load_is_reported_as_finished_and_failed(gate):
 # -- synchronous loads: the forward waits for them ----------------------------------
 
 
-def sync_load(job_id: int, req_id: str, block_ids: list[int], slots: list[int]) -> TransferJob:
-    job = load(job_id, req_id, block_ids, slots)
-    job.sync = True
-    return job
+def sync_load(job_id: int, req_id: str, block_ids: list[int], slots: list[int]) -> LoadJob:
+    return LoadJob(job_id, req_id, {0: (block_ids, slots)}, sync=True)
 
 
 def test_a_synchronous_load_holds_the_forward_and_is_not_reported_as_received(gate):
@@ -441,7 +439,7 @@ def test_with_two_workers_a_held_request_is_finished_when_both_reported(gate, mo
     slow, _ = registered(world_size=2)
     fast_registry = PluginRegistry(autoload=False, allow=None, block=())
     monkeypatch.setattr(
-        worker_side, "select_device", lambda name=None, device_type=None: fast_registry.select("cpu")
+        worker_setup, "select_device", lambda name=None, device_type=None: fast_registry.select("cpu")
     )
     fast, _ = registered(world_size=2)
     aggregator = KVOutputAggregator(expected_finished_count=2)
