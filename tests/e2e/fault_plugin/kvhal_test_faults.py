@@ -72,8 +72,8 @@ class FaultInjector:
 
     @hookimpl
     def kvhal_tier_backends(self):
-        # offered as any third party would: the tests name it in ``tier_backend``
-        return {FAULTY_DISK: _faulty_disk}
+        # offered as any third party would: the tests name them in ``tier_backend`` or ``tiers``
+        return {FAULTY_DISK: _faulty_disk, RAM_TIER: _ram_tier}
 
     @hookimpl(wrapper=True)
     def kvhal_allocate_host_buffer(self, nbytes):
@@ -155,3 +155,55 @@ def _faulty_disk(spec):
             super()._preadv(fd, buffers, offset)
 
     return FaultyDisk(spec)
+
+
+# -- a tier of the test's own, in the engine's memory -------------------------------------------
+
+#: ``backend`` the tests name to stack a tier that is neither the disk tier nor a store: slots
+#: of ``options.bytes_to_use`` bytes in this process's memory (the engine core's, where the
+#: scheduler and its one worker both run: the index and io roles share them). Its reads are
+#: verified by key. ``ram_garbage`` in ``KVHAL_TEST_FAULTS`` makes every read deliver zeros and
+#: say it is fine: the negative control that shows the tier's bytes are what the engine uses.
+RAM_TIER = "test-ram"
+_RAM: dict[bytes, dict[int, tuple[bytes, bytes]]] = {}
+
+
+def _ram_tier(spec):
+    from concurrent.futures import Future
+
+    from kvhal.tiers.backend import MISSING, OK, TierBackend
+
+    def done(result):
+        future = Future()
+        future.set_result(result)
+        return future
+
+    class RamTier(TierBackend):
+        def __init__(self) -> None:
+            self.num_slots = int(spec.options["bytes_to_use"]) // spec.slot_bytes
+            self.slots = _RAM.setdefault(spec.digest(), {})
+            self.garbage = "ram_garbage" in os.environ.get("KVHAL_TEST_FAULTS", "")
+
+        def recover(self, progress=None):
+            return [], []  # a new process's memory holds nothing
+
+        def write(self, slots, keys, buffers):
+            for slot, key, buffer in zip(slots, keys, buffers, strict=True):
+                self.slots[slot] = (bytes(key), bytes(buffer))
+            return done([True] * len(slots))
+
+        def read(self, slots, keys, buffers):
+            outcomes = []
+            for slot, key, buffer in zip(slots, keys, buffers, strict=True):
+                held = self.slots.get(slot)
+                if held is None or held[0] != key:
+                    outcomes.append(MISSING)
+                    continue
+                memoryview(buffer).cast("B")[:] = bytes(len(held[1])) if self.garbage else held[1]
+                outcomes.append(OK)
+            return done(outcomes)
+
+        def close(self) -> None:
+            pass
+
+    return RamTier()
