@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The test command (README): set up, lint, run every test. Extra arguments go to pytest.
 #   bash scripts/test.sh           every test, two workers (what CI runs via .ci/run), then the
-#                                  vllm_compat end-to-end subset on vLLM 0.27.1 in .venv-vllm0271
+#                                  wheels installed in a fresh venv (scripts/check-wheels.sh), then
+#                                  the vllm_compat end-to-end subset on vLLM 0.27.1 in .venv-vllm0271
 #   bash scripts/test.sh --quick   the inner loop before each commit: every unit test, no engine,
 #                                  no conformance-suite marathon, hypothesis's quick profile
 set -euo pipefail
@@ -30,6 +31,12 @@ fi
 echo "[test] pytest"
 status=0
 "${pytest[@]}" "${args[@]}" || status=$?
+# kvhal as shipped: the release's wheels built, installed (not editable) into a fresh venv
+# beside vLLM, and an OpenAI server from that venv serving a kvhal hit (KVHAL_WHEEL_CHECK=0 skips it)
+if [ "${KVHAL_WHEEL_CHECK:-1}" != 0 ] && [ ${#args[@]} -eq 0 ]; then
+  echo "[test] the wheels, installed (scripts/check-wheels.sh)"
+  bash scripts/check-wheels.sh || status=$?
+fi
 # The vllm_compat subset (tests/e2e/conftest.py) again on vLLM 0.27.1, the version vllm-ascend
 # pins, in a venv of its own (KVHAL_COMPAT_VLLM=none skips it; another version may be named).
 compat=${KVHAL_COMPAT_VLLM:-0.27.1}
