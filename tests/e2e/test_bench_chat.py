@@ -11,6 +11,7 @@ import json
 import pytest
 
 from kvhal.bench.chat.checks import STEP_PARTS
+from kvhal.bench.chat.slow_tier import SLOW_TIER
 from kvhal.cli import main
 from tests.e2e.common import MODEL_CACHE
 
@@ -98,8 +99,8 @@ def test_chat_bench_slow_tier_and_cold_workload(tmp_path, vllm_installed):
     runs = {run["config"]: run for run in result["runs"]}
 
     slow = runs["slow"]["metrics"]
-    assert slow["vllm:kvhal_tier_written_blocks"] > 0, "nothing reached the slow tier"
-    assert slow["vllm:kvhal_prefetch_slow_tier_blocks"] > 0, "the slow tier was read every time"
+    assert slow[f"vllm:kvhal_tier_written_blocks{{tier={SLOW_TIER}}}"] > 0, "nothing reached the slow tier"
+    assert slow[f"vllm:kvhal_tier_slow_blocks{{tier={SLOW_TIER}}}"] > 0, "the slow tier was read every time"
 
     cold = result["outputs_cold"]
     assert cold["reference"]["config"] == "cold-vllm" and cold["passed"]

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from kvhal.bench.counters import kvhal_counters, tiers
 from kvhal.testing.scenario import ScenarioError, run_scenario
 from tests.e2e.common import fault_env, prompts
 from tests.e2e.test_vllm_connector import BLOCK, BLOCK_BYTES, LENGTH, SERVED, baseline, loaded, tokens
@@ -71,8 +72,12 @@ def without_settles(raw: list[dict], batch: list[list[int]]) -> list[dict]:
     return [*raw[0 : 2 * len(batch) : 2], *raw[2 * len(batch) :]]
 
 
-def metrics(step: dict) -> dict:
-    return {k.removeprefix("vllm:kvhal_"): v for k, v in step["metrics"].items() if "kvhal_" in k}
+def metrics(step: dict, tier: str = "disk") -> dict:
+    """kvhal's counters at a ``metrics`` step: engine-wide ones by name, the lower tier's by
+    family (``tier_loaded_blocks`` for ``tier_loaded_blocks{tier=disk}``); a counter of any
+    other tier fails the test (the disk counted under a wrong name would pass a check of 0)."""
+    assert tiers(step["metrics"]) <= {tier}, f"counted under a tier other than {tier!r}: {step['metrics']}"
+    return kvhal_counters(step["metrics"], tier)
 
 
 @pytest.mark.parametrize("write", ["through", "back"])
@@ -196,7 +201,7 @@ def test_disk_full_or_io_errors_fail_cleanly_and_recompute(model, tmp_path, faul
     assert [tokens(s)[0] for s in result[:4]] == expected
     warm = result[5:9][::-1]
     assert [tokens(s)[0] for s in warm] == expected, f"{fault}: outputs changed"
-    found = metrics(result[9])
+    found = metrics(result[9], "disk-faults")
     if fault == "disk_full":
         assert found["tier_failed_writes"] >= 1 and found.get("tier_written_blocks", 0) == 0, found
         assert found.get("tier_loaded_blocks", 0) == 0
@@ -219,11 +224,11 @@ def test_a_stalled_disk_costs_a_request_its_wait_then_recompute(model, tmp_path)
     expected = baseline(model, batch)
     warm = result[5:9][::-1]
     assert [tokens(s)[0] for s in warm] == expected, "outputs changed behind a stalled disk"
-    found = metrics(result[10])
+    found = metrics(result[10], "disk-faults")
     # A request stops waiting at its deadline: a prefetch at the scheduler side's, and a
     # request whose prefetch found the budget or the host room taken by reads still stalled
     # (it loads asynchronously, reading then copying) at the worker's.
-    assert found["prefetch_timeouts"] + found.get("tier_load_timeouts", 0) >= 1, found
+    assert found.get("tier_prefetch_timeouts", 0) + found.get("tier_load_timeouts", 0) >= 1, found
     assert loaded(warm[-1])[0] == SERVED, "the newest prompt is a host hit, stall or not"
     state = result[11]
     assert state["storing"] == 0 and not state["scheduler_jobs_in_flight"], f"a read never ended: {state}"
@@ -241,9 +246,9 @@ def test_hits_read_from_disk_are_prefetched_and_loaded_in_their_step(model, tmp_
         assert [tokens(s)[0] for s in result[5:9][::-1]] == baseline(model, batch)
         counters[wait] = metrics(result[9])
     on, off = counters[1000], counters[None]
-    assert on["prefetched_blocks"] >= 2 * BLOCKS_PER_PROMPT and on["tier_hit_tokens"] >= 2 * SERVED, on
+    assert on["tier_prefetched_blocks"] >= 2 * BLOCKS_PER_PROMPT and on["tier_hit_tokens"] >= 2 * SERVED, on
     assert on["sync_hit_tokens"] >= 4 * SERVED, on  # every hit, disk ones included, in its step
-    assert off.get("prefetched_blocks", 0) == 0 and off["tier_hit_tokens"] >= 2 * SERVED, off
+    assert off.get("tier_prefetched_blocks", 0) == 0 and off["tier_hit_tokens"] >= 2 * SERVED, off
     assert off["sync_hit_tokens"] < on["sync_hit_tokens"], off  # disk hits parked a step
 
 

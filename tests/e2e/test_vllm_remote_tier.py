@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from kvhal.bench.counters import kvhal_counters, store_tier, tiers
 from kvhal.testing.scenario import ScenarioError, run_scenario
 from tests.e2e.common import hybrid_models_offloaded, prompts
 from tests.e2e.test_vllm_connector import BLOCK, BLOCK_BYTES, LENGTH, SERVED, baseline, loaded, tokens
@@ -85,8 +86,13 @@ def engine(
     return run_scenario(spec)["steps"]
 
 
-def metrics(step: dict) -> dict:
-    return {k.removeprefix("vllm:kvhal_"): v for k, v in step["metrics"].items() if "kvhal_" in k}
+def metrics(step: dict, url: str) -> dict:
+    """kvhal's counters at a ``metrics`` step: engine-wide ones by name, the store's (at
+    ``url``: its tier is the URL's scheme) by family (``tier_loaded_blocks`` for
+    ``tier_loaded_blocks{tier=redis}``); a counter of any other tier fails the test."""
+    tier = store_tier(url)
+    assert tiers(step["metrics"]) <= {tier}, f"counted under a tier other than {tier!r}: {step['metrics']}"
+    return kvhal_counters(step["metrics"], tier)
 
 
 #: vLLM's prefix cache and kvhal's host tier forget everything: only the store can serve.
@@ -99,8 +105,8 @@ def populate(model: str, url: str, batch: list[list[int]], env: dict | None = No
     """Engine A serves ``batch`` (its blocks are written to the store), then exits."""
     steps = engine(model, remote(url), [{"op": "generate", "prompts": batch}, *SETTLE], env)
     assert tokens(steps[0]) == baseline(model, batch)
-    found = metrics(steps[-1])
-    assert found["remote_written_blocks"] == len(batch) * BLOCKS_PER_PROMPT, found
+    found = metrics(steps[-1], url)
+    assert found["tier_written_blocks"] == len(batch) * BLOCKS_PER_PROMPT, found
     return found
 
 
@@ -110,10 +116,10 @@ def test_a_fresh_engine_serves_what_another_computed(model, store):
     second = engine(model, remote(store.url), [{"op": "generate", "prompts": batch}, {"op": "metrics"}])
     assert tokens(second[0]) == baseline(model, batch), "outputs differ when KV comes from the store"
     assert loaded(second[0]) == [SERVED] * 3, "engine B got no hit from what engine A stored"
-    found = metrics(second[1])
-    assert found["remote_loaded_blocks"] == 3 * BLOCKS_PER_PROMPT, found
-    assert found["remote_hit_tokens"] == 3 * SERVED, found
-    for counter in ("remote_corrupt_blocks", "remote_foreign_blocks", "remote_failed_loads"):
+    found = metrics(second[1], store.url)
+    assert found["tier_loaded_blocks"] == 3 * BLOCKS_PER_PROMPT, found
+    assert found["tier_hit_tokens"] == 3 * SERVED, found
+    for counter in ("tier_corrupt_blocks", "tier_foreign_blocks", "tier_failed_loads"):
         assert found.get(counter, 0) == 0, found
 
 
@@ -130,9 +136,9 @@ def test_an_engine_of_another_geometry_loads_nothing_of_the_first(model, hybrid_
     )
     assert tokens(other[0]) == baseline(hybrid_model, batch)
     assert loaded(other[0]) == [0, 0], "another model loaded the first one's blocks"
-    found = metrics(other[1])
-    assert found["remote_lookups"] >= 2, "the store was never asked: the test proves nothing"
-    assert found.get("remote_loaded_blocks", 0) == 0
+    found = metrics(other[1], redis_server.url)
+    assert found["tier_lookups"] >= 2, "the store was never asked: the test proves nothing"
+    assert found.get("tier_loaded_blocks", 0) == 0
 
 
 def run_with_outage(model: str, kvhal: dict, steps: list[dict], tmp_path: Path, actions: list[Callable]):
@@ -206,16 +212,16 @@ def test_store_down_mid_run_recomputes_then_hits_resume(model, backend, tmp_path
     assert tokens(down_first) == baseline(model, first), "outputs changed while the store was down"
     assert tokens(down_during) == baseline(model, during)
     assert loaded(down_first) == [0, 0], "a block was served from a store that is down"
-    found = metrics(down_metrics)
-    assert found["remote_unreachable"] >= 1, found
-    assert found.get("remote_lookup_errors", 0) + found.get("remote_lookup_timeouts", 0) >= 1, found
+    found = metrics(down_metrics, server.url)
+    assert found["tier_unreachable"] >= 1, found
+    assert found.get("tier_lookup_errors", 0) + found.get("tier_lookup_timeouts", 0) >= 1, found
     assert tokens(back) == tokens(again) == baseline(model, after)
     assert loaded(again) == [SERVED] * 2, (
-        f"hits did not resume once the store came back: {metrics(back_metrics)}"
+        f"hits did not resume once the store came back: {metrics(back_metrics, server.url)}"
     )
-    found = metrics(back_metrics)
-    assert found["remote_loaded_blocks"] >= 2 * BLOCKS_PER_PROMPT, found
-    assert found["remote_written_bytes"] >= found["remote_written_blocks"] * BLOCK_BYTES, found
+    found = metrics(back_metrics, server.url)
+    assert found["tier_loaded_blocks"] >= 2 * BLOCKS_PER_PROMPT, found
+    assert found["tier_written_bytes"] >= found["tier_written_blocks"] * BLOCK_BYTES, found
 
 
 @pytest.fixture
@@ -240,9 +246,9 @@ def test_a_corrupted_value_is_recomputed(model, own_redis):
     assert tokens(second[0]) == baseline(model, batch), "a corrupt block was served"
     served = loaded(second[0])
     assert sorted(served) == [0, SERVED, SERVED], f"exactly the corrupted prompt recomputes: {served}"
-    found = metrics(second[1])
-    assert found["remote_corrupt_blocks"] == 1, found
-    assert found["remote_failed_loads"] == 1, found
+    found = metrics(second[1], own_redis.url)
+    assert found["tier_corrupt_blocks"] == 1, found
+    assert found["tier_failed_loads"] == 1, found
 
 
 def test_with_a_secret_values_written_without_it_are_refused(model, own_redis):
@@ -262,8 +268,8 @@ def test_with_a_secret_values_written_without_it_are_refused(model, own_redis):
     assert loaded(result[0]) == [0, 0], "a value without the secret's MAC was loaded"
     assert tokens(result[4]) == baseline(model, signed)
     assert loaded(result[4]) == [SERVED, SERVED], "the engine's own signed values were not served"
-    found = metrics(result[5])
-    assert found["remote_unauthenticated_blocks"] >= 2, found
+    found = metrics(result[5], own_redis.url)
+    assert found["tier_unauthenticated_blocks"] >= 2, found
 
 
 def test_a_store_unreachable_at_start_is_a_warning_or_with_strict_an_error(model):
@@ -276,7 +282,7 @@ def test_a_store_unreachable_at_start_is_a_warning_or_with_strict_an_error(model
     assert tokens(result["steps"][0]) == baseline(model, batch), "an engine without its store serves as usual"
     assert "is unreachable" in result["stderr"], "the operator is not told the store is down"
     assert 'remote_auth is "none"' in result["stderr"], "the opt-out of authentication is not said"
-    assert metrics(result["steps"][1])["remote_lookup_errors"] >= 1
+    assert metrics(result["steps"][1], url)["tier_lookup_errors"] >= 1
     strict = {**spec, "kvhal": remote(url, remote_strict=True), "steps": []}
     with pytest.raises(ScenarioError, match="remote_strict is set"):
         run_scenario(strict)

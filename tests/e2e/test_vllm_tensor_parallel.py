@@ -195,9 +195,13 @@ def test_tp_disk_tier_restart_serves_each_ranks_share(model, tp_written):
     assert tokens(second[0]) == baseline(model)
     assert loaded(second[0]) == [SERVED] * 3, "a restarted TP engine got no hit from disk"
     found = second[1]["metrics"]
-    assert found["vllm:kvhal_tier_recovered_blocks"] == 3 * SERVED // BLOCK
-    assert found["vllm:kvhal_tier_loaded_blocks"] == 3 * SERVED // BLOCK, "blocks counted once, not per rank"
-    assert found["vllm:kvhal_tier_read_bytes"] == 3 * SERVED // BLOCK * BLOCK_BYTES, "each rank read its half"
+    assert found["vllm:kvhal_tier_recovered_blocks{tier=disk}"] == 3 * SERVED // BLOCK
+    assert found["vllm:kvhal_tier_loaded_blocks{tier=disk}"] == 3 * SERVED // BLOCK, (
+        "blocks counted once, not per rank"
+    )
+    assert found["vllm:kvhal_tier_read_bytes{tier=disk}"] == 3 * SERVED // BLOCK * BLOCK_BYTES, (
+        "each rank read its half"
+    )
 
 
 def test_tp_engines_share_each_ranks_half_through_the_remote_tier(model, tp_written):
@@ -216,10 +220,10 @@ def test_tp_engines_share_each_ranks_half_through_the_remote_tier(model, tp_writ
     assert tokens(second[0]) == baseline(model)
     assert loaded(second[0]) == [SERVED] * 3, "a fresh TP engine got no hit from the store"
     found = second[1]["metrics"]
-    assert found["vllm:kvhal_remote_loaded_blocks"] == 3 * SERVED // BLOCK, (
+    assert found["vllm:kvhal_tier_loaded_blocks{tier=redis}"] == 3 * SERVED // BLOCK, (
         "blocks counted once, not per rank"
     )
-    assert found["vllm:kvhal_remote_read_bytes"] == 3 * SERVED // BLOCK * BLOCK_BYTES, (
+    assert found["vllm:kvhal_tier_read_bytes{tier=redis}"] == 3 * SERVED // BLOCK * BLOCK_BYTES, (
         "each rank read its half"
     )
 

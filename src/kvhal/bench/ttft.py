@@ -16,6 +16,7 @@ from pathlib import Path
 
 from rich.progress import Progress
 
+from kvhal.bench.counters import kvhal_counters
 from kvhal.bench.e2e import SHARING_ENV, _prompt, engine_args
 from kvhal.testing.models import BENCH_MODEL
 from kvhal.testing.scenario import run_scenario
@@ -107,10 +108,11 @@ class TTFTRig:
         self.progress.remove_task(self.task)
 
     @staticmethod
-    def metrics(result: dict) -> dict[str, float]:
-        """kvhal's counters at the scenario's last ``metrics`` step, without the ``vllm:kvhal_`` prefix."""
+    def metrics(result: dict, tier: str | None = None) -> dict[str, float]:
+        """kvhal's counters at the scenario's last ``metrics`` step, without the ``vllm:kvhal_``
+        prefix: engine-wide ones by name, tier ``tier``'s by family (``tier_loaded_blocks``)."""
         found = [s for s in result["steps"] if s["op"] == "metrics"][-1]["metrics"]
-        return {k.removeprefix("vllm:kvhal_"): v for k, v in found.items() if "kvhal_" in k}
+        return kvhal_counters(found, tier)
 
     def category(self, name: str, result: dict) -> dict:
         """The row of category ``name``: TTFT median and every run, cached and loaded tokens, outputs."""

@@ -41,8 +41,9 @@ repeat), the machine's load average recorded before and after each:
 Reports: TTFT mean, p50, p90 per round, round 1 apart from rounds >= 2; output tokens/s
 (output tokens over the workload's wall time, engine start and warm-up excluded); prompt
 tokens per round served by vLLM's prefix cache (``num_cached_tokens`` less what kvhal
-loaded), kvhal's host tier, its disk tier (``vllm:kvhal_tier_hit_tokens``), the remote tier
-(``vllm:kvhal_remote_hit_tokens``), and computed; the check that greedy outputs are the
+loaded), kvhal's host tier, its disk tier (``vllm:kvhal_tier_hit_tokens{tier="disk"}``, or
+the slow configuration's tier), the remote tier (``vllm:kvhal_tier_hit_tokens`` of the store's
+tier, ``tier="redis"`` or ``"mooncake"``), and computed; the check that greedy outputs are the
 floor's; and the targets.
 
 The outputs check: every run's outputs are compared with the floor's first run, user by

@@ -15,6 +15,7 @@ from typing import Any
 
 from kvhal.bench.chat.slow_tier import SLOW_TIER, install
 from kvhal.bench.chat.workload import DTYPE, TOP_LOGPROBS
+from kvhal.bench.counters import by_tier, store_tier
 from kvhal.bench.e2e import SHARING_ENV
 from kvhal.testing.scenario import JobEngine, run_scenario
 
@@ -53,13 +54,24 @@ def _delta(after: dict, before: dict | None, name: str) -> float:
     return (after or {}).get(name, 0) - (before or {}).get(name, 0)
 
 
-def round_tiers(requests: list[dict], after: dict | None, before: dict | None) -> dict[str, float]:
-    """Prompt tokens of one round (one engine's share) by where they came from."""
+def _tier_deltas(after: dict | None, before: dict | None, family: str) -> dict[str, float]:
+    """A per-tier counter family's growth between two ``metrics`` steps, by tier."""
+    old = by_tier(before or {}, family)
+    return {tier: value - old.get(tier, 0) for tier, value in by_tier(after or {}, family).items()}
+
+
+def round_tiers(
+    requests: list[dict], after: dict | None, before: dict | None, store: str | None = None
+) -> dict[str, float]:
+    """Prompt tokens of one round (one engine's share) by where they came from: the host tier,
+    the tier below it (``disk``: the disk, or the slow configuration's tier), the store the
+    engines share (tier ``store``)."""
     prompt = sum(q["prompt_tokens"] for q in requests)
     cached = sum(q["num_cached_tokens"] for q in requests)
     kvhal = sum(q["kvhal_loaded_tokens"] or 0 for q in requests)
-    disk = _delta(after, before, "vllm:kvhal_tier_hit_tokens")
-    remote = _delta(after, before, "vllm:kvhal_remote_hit_tokens")
+    below = _tier_deltas(after, before, "tier_hit_tokens")
+    remote = below.pop(store, 0) if store is not None else 0
+    disk = sum(below.values())
     return {
         "prompt": prompt,
         "vllm_prefix_cache": cached - kvhal,
@@ -70,14 +82,15 @@ def round_tiers(requests: list[dict], after: dict | None, before: dict | None) -
         "remote": remote,
         "computed": prompt - cached,
         "failed_loads": _delta(after, before, "vllm:kvhal_failed_loads"),
-        "remote_dropped_blocks": _delta(after, before, "vllm:kvhal_remote_dropped_blocks"),
+        "remote_dropped_blocks": sum(_tier_deltas(after, before, "tier_dropped_blocks").values()),
         # the small device cache is sized for the requests in flight: a preemption is a sizing bug
         "preemptions": _delta(after, before, "vllm:num_preemptions"),
     }
 
 
-def _rounds_of(chat: dict, engine: str | None = None) -> list[dict]:
-    """A ``chat`` record's rounds, with each round's tier split and the engine named."""
+def _rounds_of(chat: dict, engine: str | None = None, store: str | None = None) -> list[dict]:
+    """A ``chat`` record's rounds, with each round's tier split and the engine named (``store``:
+    the name the engines' shared store counts under)."""
     rounds, before = [], chat.get("metrics_before")
     for record in chat["rounds"]:
         after = record.get("metrics")
@@ -87,7 +100,7 @@ def _rounds_of(chat: dict, engine: str | None = None) -> list[dict]:
             {
                 "seconds": record["seconds"],
                 "requests": record["requests"],
-                "tiers": round_tiers(record["requests"], after, before),
+                "tiers": round_tiers(record["requests"], after, before, store),
                 "load_avg": record.get("load_avg"),
                 "steps": record.get("steps"),
                 "thread_cpu_s": record.get("thread_cpu_s") or {},
@@ -263,7 +276,7 @@ def shared_engines(
                 merged["store_wall_s"] += time.perf_counter() - store_wall
                 for u, history in zip(users, out["histories"], strict=True):
                     histories[u] = history
-                (half,) = _rounds_of(out, engine="AB"[e])
+                (half,) = _rounds_of(out, engine="AB"[e], store=store_tier(store.url))
                 merged["seconds"] += half["seconds"]
                 merged["requests"] += half["requests"]
                 for key, value in half["tiers"].items():

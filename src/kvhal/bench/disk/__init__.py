@@ -29,7 +29,8 @@ tier, after ``reset_prefix_cache``) and a disk hit: one engine writes the
 prompts through to a disk tier and exits; a fresh engine on the same
 ``disk_path``, with a host tier too small to matter, loads them from disk in
 its first round (``O_DIRECT`` reads: not from the page cache).
-``tier_loaded_blocks`` says how many blocks came from the disk.
+``tier_loaded_blocks`` (``vllm:kvhal_tier_loaded_blocks{tier="disk"}``) says how many
+blocks came from the disk.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ def ttft(folder: str, prompt_len: int, repeats: int, models: Path, progress: Pro
     table.append(rig.category("disk hit", from_disk))
     outputs = {r["category"]: r.pop("outputs") for r in table}
     by = {r["category"]: r["ttft_s"] for r in table}
-    written_counts, read = rig.metrics(written), rig.metrics(from_disk)
+    written_counts, read = rig.metrics(written, "disk"), rig.metrics(from_disk, "disk")
     return {
         **rig.header(),
         "rows": table,

@@ -43,7 +43,8 @@ after ``reset_prefix_cache``) and, for each store of ``--e2e-stores``, a shared
 hit: engine A (``remote_url``, an ample host tier) serves the prompts and
 exits once its writes landed; a fresh engine B on the same store, with a
 host tier too small to matter, serves the same prompts from the store.
-``remote_loaded_blocks`` says how many blocks engine B read from the store.
+``tier_loaded_blocks`` of the store's tier (``vllm:kvhal_tier_loaded_blocks{tier="redis"}``,
+or ``"mooncake"``) says how many blocks engine B read from the store.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ from rich.progress import Progress
 
 from kvhal.bench.common import console as make_console
 from kvhal.bench.common import parse_size, result_header, write_outputs
+from kvhal.bench.counters import store_tier
 from kvhal.bench.shared.report import check_targets, plot, print_targets, print_throughput, print_ttft
 from kvhal.bench.shared.stores import SECRET_VARIABLE, STORES, store_server
 from kvhal.bench.shared.throughput import throughput
@@ -101,16 +103,17 @@ def ttft(
             )
         row = {**rig.category("shared hit", reader), "category": f"shared hit ({kind})", "store": kind}
         table.append(row)
-        written, read = rig.metrics(writer), rig.metrics(reader)
+        # the store's counters: the per-tier families, labelled with its URL's scheme
+        written, read = rig.metrics(writer, store_tier(url)), rig.metrics(reader, store_tier(url))
         shared[kind] = {
             "where": where,
-            "writer": {k: v for k, v in written.items() if k.startswith("remote_")},
-            "reader": {k: v for k, v in read.items() if k.startswith("remote_")},
-            "written_blocks": written.get("remote_written_blocks", 0),
-            "loaded_blocks": read.get("remote_loaded_blocks", 0),
-            "hit_tokens": read.get("remote_hit_tokens", 0),
+            "writer": {k: v for k, v in written.items() if k.startswith("tier_")},
+            "reader": {k: v for k, v in read.items() if k.startswith("tier_")},
+            "written_blocks": written.get("tier_written_blocks", 0),
+            "loaded_blocks": read.get("tier_loaded_blocks", 0),
+            "hit_tokens": read.get("tier_hit_tokens", 0),
             "refused_blocks": sum(
-                read.get(f"remote_{c}_blocks", 0) for c in ("corrupt", "foreign", "unauthenticated")
+                read.get(f"tier_{c}_blocks", 0) for c in ("corrupt", "foreign", "unauthenticated")
             ),
         }
     rig.done()

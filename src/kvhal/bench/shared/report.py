@@ -126,8 +126,8 @@ def print_ttft(console: Console, e2e: dict | None) -> None:
             f"{kind}: engine A wrote {s['written_blocks']:.0f} blocks; fresh engine B was offered "
             f"{s['hit_tokens']:.0f} tokens from the store and read {s['loaded_blocks']:.0f} blocks "
             f"({e2e['shared_hit_prompts']} prompts and a warm-up's prefix), refused "
-            f"{s['refused_blocks']:.0f}; loads failed {reader.get('remote_failed_loads', 0):.0f} "
-            f"(of them timed out: {reader.get('remote_load_timeouts', 0):.0f}); shared hit "
+            f"{s['refused_blocks']:.0f}; loads failed {reader.get('tier_failed_loads', 0):.0f} "
+            f"(of them timed out: {reader.get('tier_load_timeouts', 0):.0f}); shared hit "
             f"{e2e['shared_vs_host'][kind]:.2f}x the host hit"
         )
     console.print(
