@@ -12,8 +12,9 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from kvhal.tiers.chain import TierRead
 from kvhal.vllm.config import LowerTierConfig
-from kvhal.vllm.metadata import JobKind, TierReads, TierWrite, TransferJob
+from kvhal.vllm.metadata import ReadJob, WriteJob
 from kvhal.vllm.worker_side import WorkerSide
 from tests.test_worker_side import block, connector_config, kv_caches, load, same, settle, step, store
 
@@ -32,18 +33,23 @@ def disk_worker(tmp_path, wait_ms: int | None = 1000) -> tuple[WorkerSide, dict]
     return side, caches
 
 
-def prefetch(job_id: int) -> TransferJob:
-    return TransferJob(job_id, JobKind.LOAD, "s", {}, reads=TierReads(KEYS, [0, 1], [4, 6]), prefetch=True)
+def disk_read() -> TierRead:
+    """KEYS from disk slots 0 and 1 into host slots 4 and 6."""
+    return TierRead("disk", KEYS, [0, 1], [4, 6])
+
+
+def prefetch(job_id: int) -> ReadJob:
+    return ReadJob(job_id, "s", [disk_read()])
 
 
 def stored_then_stalled(worker: WorkerSide, stalled: bool) -> threading.Event:
     """KEYS stored in device blocks 3 and 5, written through to disk slots 0 and 1; then, if
     ``stalled``, every read of a data file hangs until the returned event is set (30 s at most)."""
     job = store(0, "r", [3, 5], [0, 1])
-    job.write = TierWrite(1, KEYS, [0, 1], [0, 1], snapshot=False)
+    job.writes = [WriteJob(1, "disk", KEYS, [0, 1], [0, 1])]
     step(worker, stores=[job])
     settle(worker)
-    backend, release = worker.tier_io.backend, threading.Event()
+    backend, release = worker.tiers["disk"].backend, threading.Event()
     read = backend._preadv
 
     def stalling(fd, buffers, offset):
@@ -58,7 +64,7 @@ def stored_then_stalled(worker: WorkerSide, stalled: bool) -> threading.Event:
 def test_a_prefetch_reads_the_disk_into_host_slots_and_a_sync_load_copies_them(tmp_path):
     worker, caches = disk_worker(tmp_path)
     job = store(0, "r", [3, 5], [0, 1])
-    job.write = TierWrite(1, KEYS, [0, 1], [0, 1], snapshot=False)
+    job.writes = [WriteJob(1, "disk", KEYS, [0, 1], [0, 1])]
     step(worker, stores=[job])
     settle(worker)
     # the prefetch starts at the step's beginning (handle_preemptions), before any load
@@ -95,7 +101,7 @@ def test_an_asynchronous_load_from_a_stalled_disk_gives_up_at_its_deadline(tmp_p
     worker, _ = disk_worker(tmp_path, wait_ms=100)
     release = stored_then_stalled(worker, stalled)
     slow = load(2, "s", [7, 9], [4, 6])
-    slow.reads = TierReads(KEYS, [0, 1], [4, 6])
+    slow.reads = [disk_read()]
     step(worker, loads=[slow])
     deadline = time.monotonic() + 20
     finished: set[str] = set()
