@@ -11,11 +11,12 @@ of it is loaded:
 - ``crc32c`` of the payload and its length: a torn or flipped value is a miss.
 - With a shared secret, an HMAC-SHA256 over the header's first 64 bytes and
   the payload's BLAKE3-256 digest: an engine without the secret cannot forge a
-  value that others load. Without a secret the MAC field is zero, and a reader
-  with a secret refuses such a value. (The digest, not the payload, goes through
-  SHA-256: BLAKE3 hashed a 192 KiB block 3.6x faster than SHA-256 here, on a
-  CPU with SHA extensions, and faster still where SHA-256 has none; BLAKE3 is
-  collision resistant, so the MAC covers every byte as before.)
+  value that others load. A reader also accepts the MACs of previous secrets it
+  is given (a rotation: new values carry the current one). Without a secret the
+  MAC field is zero, and a reader with a secret refuses such a value. (The
+  digest, not the payload, goes through SHA-256: BLAKE3 hashed a 192 KiB block
+  3.6x faster than SHA-256 here, on a CPU with SHA extensions, and faster still
+  where SHA-256 has none; BLAKE3 is collision resistant, so the MAC covers every byte as before.)
 
 Layout (little-endian): magic ``KVHALR1\\0`` (8), version u32, flags u32,
 payload length u64, crc32c u32, 4 reserved, namespace (8), name hash (8),
@@ -27,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import struct
+from collections.abc import Sequence
 
 import blake3
 import crc32c
@@ -55,8 +57,12 @@ def name_hash(name: str) -> bytes:
 
 
 def _mac(secret: bytes, fields: memoryview, payload: memoryview) -> bytes:
+    return _mac_of_digest(secret, fields, blake3.blake3(payload).digest())
+
+
+def _mac_of_digest(secret: bytes, fields: memoryview, digest: bytes) -> bytes:
     mac = hmac.new(secret, fields, hashlib.sha256)
-    mac.update(blake3.blake3(payload).digest())
+    mac.update(digest)
     return mac.digest()
 
 
@@ -75,24 +81,46 @@ def write_header(
 
 
 def check(
-    header: memoryview, payload: memoryview, namespace: bytes, name: str, secret: bytes | None
+    header: memoryview,
+    payload: memoryview,
+    namespace: bytes,
+    name: str,
+    secret: bytes | None,
+    previous: Sequence[bytes] = (),
 ) -> ReadOutcome:
     """Whether ``header`` + ``payload`` is the block ``name`` of ``namespace``: :data:`OK`,
-    ``FOREIGN``, ``CORRUPT`` or :data:`UNAUTHENTICATED`."""
+    ``FOREIGN``, ``CORRUPT`` or :data:`UNAUTHENTICATED` (:func:`signed_by` says which
+    secret signed a value that is OK)."""
+    return signed_by(header, payload, namespace, name, secret, previous)[0]
+
+
+def signed_by(
+    header: memoryview,
+    payload: memoryview,
+    namespace: bytes,
+    name: str,
+    secret: bytes | None,
+    previous: Sequence[bytes] = (),
+) -> tuple[ReadOutcome, int]:
+    """:func:`check`'s outcome, and which secret's MAC it carries: 0 the current one (or no
+    secret asked), ``i`` the ``previous[i - 1]`` (a rotation in progress), -1 none."""
     try:
         magic, version, flags, length, crc, their_space, their_hash = _FIELDS.unpack_from(header)
     except struct.error:
-        return CORRUPT
+        return CORRUPT, -1
     if magic != MAGIC or version != VERSION or flags & ~FLAG_MAC:  # an unknown flag: not ours
-        return CORRUPT
+        return CORRUPT, -1
     if their_space != namespace or their_hash != name_hash(name) or length != payload.nbytes:
-        return FOREIGN
+        return FOREIGN, -1
     if crc32c.crc32c(payload) != crc:
-        return CORRUPT
-    if secret:
-        mac = bytes(header[_FIELDS.size : HEADER_BYTES])
-        if not flags & FLAG_MAC or not hmac.compare_digest(
-            mac, _mac(secret, header[: _FIELDS.size], payload)
-        ):
-            return UNAUTHENTICATED
-    return OK
+        return CORRUPT, -1
+    if not secret:
+        return OK, 0
+    if not flags & FLAG_MAC:
+        return UNAUTHENTICATED, -1
+    mac = bytes(header[_FIELDS.size : HEADER_BYTES])
+    fields, digest = header[: _FIELDS.size], blake3.blake3(payload).digest()
+    for index, key in enumerate((secret, *previous)):
+        if key and hmac.compare_digest(mac, _mac_of_digest(key, fields, digest)):
+            return OK, index
+    return UNAUTHENTICATED, -1

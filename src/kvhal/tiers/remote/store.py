@@ -71,6 +71,22 @@ class RemoteStore(abc.ABC):
         :raises StoreUnavailable: the store did not answer.
         """
 
+    def replace(
+        self, names: Sequence[str], values: Sequence[Sequence[memoryview]], refused: Sequence[str]
+    ) -> list[bool]:
+        """Store ``values[i]`` under ``names[i]``, which held a value kvhal refused (a plant, a
+        torn write, another secret's): in its place where the name holds nothing, a value
+        whose length is not the new value's (never a genuine one), or a value whose SHA-1
+        (hex) is ``refused[i]`` (``""``: none known), as one step; else it is left as it is.
+
+        The default, for a store that cannot replace, is :meth:`put` (the name stays taken).
+
+        :return: per name, True once the value is stored, or the name holds another value
+            of the right length (another engine's, stored meanwhile); False if it failed.
+        :raises StoreUnavailable: the store did not answer.
+        """
+        return self.put(names, values)
+
     @abc.abstractmethod
     def get(self, names: Sequence[str], buffers: Sequence[Sequence[memoryview]]) -> list[int]:
         """Read the value of ``names[i]`` into ``buffers[i]`` (its parts, in order).

@@ -15,6 +15,11 @@ geometry sharing the store never read each other's blocks. Each value is a
 :mod:`~kvhal.tiers.remote.format` header and the block's bytes, verified on every
 read (a failure is a miss, counted by its kind).
 
+A refused value does not keep its name: the tier remembers the names it refused
+(and the SHA-1 of what it read there) and writes the engine's recomputed block
+there with the store's :meth:`~kvhal.tiers.remote.store.RemoteStore.replace`,
+which never replaces a value it was not shown to be refused.
+
 A store that cannot be reached marks the tier *down*: calls fail fast (the
 engine recomputes; stores are dropped) and the tier tries to connect again
 at most every ``retry_seconds``; the first call that succeeds marks it *up*.
@@ -23,9 +28,11 @@ Each change is reported once through ``on_health``.
 
 from __future__ import annotations
 
+import hashlib
 import mmap
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import TypeVar
@@ -36,16 +43,26 @@ from kvhal.errors import TierError
 from kvhal.offload.host_tier import HostTier
 from kvhal.registry import PluginRegistry
 from kvhal.threads import kernel_name, named_pool
-from kvhal.tiers.backend import CORRUPT, IO_ERROR, MISSING, OK, ReadOutcome, TierSpec
+from kvhal.tiers.backend import CORRUPT, FOREIGN, IO_ERROR, MISSING, OK, ReadOutcome, TierSpec
 from kvhal.tiers.media import open_store
 from kvhal.tiers.remote import format as remote_format
-from kvhal.tiers.remote.store import ABSENT, RemoteStore, StoreUnavailable
+from kvhal.tiers.remote.store import ABSENT, FAILED, RemoteStore, StoreUnavailable
 from kvhal.tiers.remote.urls import redact
 
 T = TypeVar("T")
 HEADER_BYTES = remote_format.HEADER_BYTES
 #: Most threads a tier runs its store calls on (the store's ``concurrency`` caps it further).
 MAX_THREADS = 4
+#: Most refused names a tier remembers to write again (the oldest forgotten first).
+REFUSED_NAMES = 4096
+#: Outcomes of a value that is there but refused: its name is written again, replacing it.
+_REFUSED = (CORRUPT, FOREIGN, remote_format.UNAUTHENTICATED)
+
+
+def _sha1(header: memoryview, payload: memoryview) -> str:
+    digest = hashlib.sha1(header, usedforsecurity=False)
+    digest.update(payload)
+    return digest.hexdigest()
 
 
 def _aligned(rows: int, row_bytes: int) -> np.ndarray:
@@ -62,6 +79,8 @@ class RemoteTier:
     :param host: the worker's host tier (``role="io"``): values move between
         its slots and the store, in place where a slot is one run of bytes.
     :param secret: values carry an HMAC of it, and values without a valid one are refused.
+    :param previous_secrets: values with an HMAC of one of these are accepted too (a rotation).
+    :param on_previous_secret: called with how many values a read accepted by a previous secret.
     :param strict: a store unreachable now is a :class:`~kvhal.errors.TierError`
         instead of a tier that starts down.
     :param on_health: called with ``(up, why)`` each time the store's reachability changes.
@@ -76,6 +95,8 @@ class RemoteTier:
         *,
         host: HostTier | None = None,
         secret: bytes | None = None,
+        previous_secrets: Sequence[bytes] = (),
+        on_previous_secret: Callable[[int], None] | None = None,
         strict: bool = False,
         registry: PluginRegistry | None = None,
         on_health: Callable[[bool, str], None] | None = None,
@@ -83,6 +104,10 @@ class RemoteTier:
         prefix: str = "kvhal",
     ) -> None:
         self.url, self.spec, self.host, self.secret = url, spec, host, secret or None
+        self.previous_secrets = tuple(p for p in previous_secrets if p) if self.secret else ()
+        self.on_previous_secret = on_previous_secret or (lambda count: None)
+        # names whose value this tier refused -> that value's SHA-1 ("": not read whole)
+        self._refused: OrderedDict[str, str] = OrderedDict()
         self.registry = registry or PluginRegistry()
         self.on_health = on_health or (lambda up, why: None)
         self.retry_seconds = retry_seconds
@@ -215,12 +240,50 @@ class RemoteTier:
             for header, payload, name in zip(headers, payloads, names, strict=True):
                 remote_format.write_header(header, payload, self._namespace, name, self.secret)
             values = list(zip(headers, payloads, strict=True))
+            with self._lock:
+                refused = {i: self._refused[n] for i, n in enumerate(names) if n in self._refused}
             try:
-                return self._run(lambda store: store.put(names, values))
+                results = self._run(lambda store: self._put(store, names, values, refused))
             except StoreUnavailable:
                 return [False] * len(keys)
+            with self._lock:
+                for i, stored in zip(refused, (results[i] for i in refused), strict=True):
+                    if stored:
+                        self._refused.pop(names[i], None)
+            return results
 
         return self._threads.submit(work)
+
+    @staticmethod
+    def _put(
+        store: RemoteStore,
+        names: list[str],
+        values: list[tuple[memoryview, memoryview]],
+        refused: dict[int, str],
+    ) -> list[bool]:
+        """Put ``values``; those of ``refused`` names (index -> SHA-1) replace what was refused."""
+        if not refused:
+            return store.put(names, values)
+        fresh = [i for i in range(len(names)) if i not in refused]
+        results = [False] * len(names)
+        if fresh:
+            for i, ok in zip(
+                fresh, store.put([names[i] for i in fresh], [values[i] for i in fresh]), strict=True
+            ):
+                results[i] = ok
+        replaced = store.replace(
+            [names[i] for i in refused], [values[i] for i in refused], list(refused.values())
+        )
+        for i, ok in zip(refused, replaced, strict=True):
+            results[i] = ok
+        return results
+
+    def _remember_refused(self, name: str, digest: str) -> None:
+        with self._lock:
+            self._refused[name] = digest
+            self._refused.move_to_end(name)
+            while len(self._refused) > REFUSED_NAMES:
+                self._refused.popitem(last=False)
 
     def read(self, keys: Sequence[bytes], host_slots: Sequence[int]) -> Future[list[ReadOutcome]]:
         """Read ``keys`` into host slots ``host_slots``: one outcome per key, :data:`OK` once
@@ -241,13 +304,24 @@ class RemoteTier:
             except StoreUnavailable:
                 return [IO_ERROR] * len(keys)
             outcomes: list[ReadOutcome] = []
+            previous = 0
             for size, header, payload, name in zip(sizes, headers, payloads, names, strict=True):
                 if size == ABSENT:
                     outcomes.append(MISSING)
                 elif size != HEADER_BYTES + payload.nbytes:
                     outcomes.append(CORRUPT if size >= 0 else IO_ERROR)
+                    if size >= 0 or size == FAILED:  # (FAILED: oversized, or one transfer failed)
+                        self._remember_refused(name, "")  # replaced only if not a block's length
                 else:
-                    outcomes.append(remote_format.check(header, payload, self._namespace, name, self.secret))
+                    outcome, signer = remote_format.signed_by(
+                        header, payload, self._namespace, name, self.secret, self.previous_secrets
+                    )
+                    outcomes.append(outcome)
+                    previous += signer > 0
+                    if outcome in _REFUSED:
+                        self._remember_refused(name, _sha1(header, payload))
+            if previous:
+                self.on_previous_secret(previous)
             if rows is not None:
                 assert self.host is not None
                 good = [i for i, outcome in enumerate(outcomes) if outcome is OK]

@@ -3,11 +3,13 @@
 Each value is one binary Redis string under its name, written with ``SET NX`` (names are
 content-addressed: an existing value is never replaced) and read with ``GETRANGE name 0
 SIZE``, at most one byte more than the value can be (an oversized value is never read whole);
-batches are pipelined. Nothing is pickled. Reads of one plain-TCP server go through kvhal's
-own reader, which receives each value straight into its host slot with the GIL released
-(:mod:`kvhal.tiers.stores.redis_direct`); other reads, and writes, go through valkey-glide
-where it is installed, for one server and for a cluster (:mod:`kvhal.tiers.stores.redis_glide`:
-its I/O does not wait on the engine's GIL); lookups go through redis-py.
+batches are pipelined. A name holding a value kvhal refused is written again by a Lua script
+that replaces only that value (:meth:`RedisStore.replace`). Nothing is pickled. Reads of one
+plain-TCP server go through kvhal's own reader, which receives each value straight into its
+host slot with the GIL released (:mod:`kvhal.tiers.stores.redis_direct`); other reads, and
+writes, go through valkey-glide where it is installed, for one server and for a cluster
+(:mod:`kvhal.tiers.stores.redis_glide`: its I/O does not wait on the engine's GIL); lookups go
+through redis-py.
 ``KVHAL_REDIS_READER`` (``direct``, ``glide``, ``redis-py``) picks another for comparison.
 
 The URL (``remote_url``), its options and the credentials: :mod:`kvhal.tiers.stores.redis_url`.
@@ -47,6 +49,16 @@ READERS = ("direct", "glide", "redis-py")
 #: memory of joined values and the size of one round trip)
 PIPELINE_COMMANDS = 128
 PIPELINE_BYTES = 64 << 20
+#: SET the new value (ARGV[1]) unless the name holds a value of its length other than the one
+#: refused (SHA-1 ARGV[2]): a genuine value is never replaced; ARGV[3]: the TTL, "" none.
+#: One script runs atomically, so no engine's write lands between the check and the SET.
+REPLACE_SCRIPT = """
+local held = redis.call('GET', KEYS[1])
+if held and #held == #ARGV[1] and redis.sha1hex(held) ~= ARGV[2] then return 0 end
+if ARGV[3] ~= '' then redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[3])
+else redis.call('SET', KEYS[1], ARGV[1]) end
+return 1
+"""
 
 
 #: errors that mean the store (or a node of it) did not answer, as opposed to one command failing.
@@ -279,6 +291,22 @@ class RedisStore(RemoteStore):
 
         replies = self._pipelined(len(names), add)
         # SET NX answers None when the name exists already: stored, by another writer
+        return [not isinstance(r, BaseException) for r in replies]
+
+    def replace(
+        self, names: Sequence[str], values: Sequence[Sequence[memoryview]], refused: Sequence[str]
+    ) -> list[bool]:
+        if not len(names) == len(values) == len(refused):
+            raise ValueError(f"{len(names)} names, {len(values)} values, {len(refused)} digests")
+        ttl = "" if not self._target.ttl else str(self._target.ttl)
+
+        def add(pipe: Any, i: int) -> int:  # rare (a refused value): redis-py, the script sent whole
+            value = b"".join(values[i])
+            pipe.eval(REPLACE_SCRIPT, 1, names[i], value, refused[i], ttl)
+            return len(value)
+
+        replies = self._pipelined(len(names), add)
+        # 0: the name holds another value of a block's length (another engine's): stored
         return [not isinstance(r, BaseException) for r in replies]
 
     def get(self, names: Sequence[str], buffers: Sequence[Sequence[memoryview]]) -> list[int]:
