@@ -299,3 +299,17 @@ def test_a_server_that_hangs_up_mid_value() -> None:
         with pytest.raises(StoreUnavailable, match="closed the connection"):
             reader.getrange_into(["a"], [[memoryview(bytearray(200))]])
         reader.close()
+
+
+@pytest.mark.parametrize("value", ["1e10", "86400.5", "inf", "nan", "0", "-1", "soon"])
+def test_a_timeout_no_socket_can_honour_is_refused_naming_the_option(value: str) -> None:
+    """Before: timeout=1e10 was taken, and the first read leaked socket.settimeout's
+    OverflowError (the native reader's conversion of it was undefined)."""
+    with pytest.raises(
+        ValidationError, match=r"timeout must be a positive number of seconds, at most 86400"
+    ) as info:
+        parse_url(f"redis://127.0.0.1:6379/0?timeout={value}")
+    assert info.value.argument == "remote_url"
+    assert parse_url("redis://127.0.0.1:6379/0?timeout=86400").timeout == 86400
+    with socket.socket() as sock:  # the longest taken is one a socket honours
+        sock.settimeout(parse_url("redis://127.0.0.1:6379/0?timeout=86400").timeout)

@@ -28,10 +28,19 @@ static int by_value(const void *a, const void *b) {
     return x < y ? -1 : (x > y);
 }
 
+/* An 8-byte integer format in native order ("q", "l", "<q", ...): a float64 or big-endian
+ * buffer has the right item size too, and would be read as other numbers. */
+static int is_int64_format(const char *format) {
+    if (format == NULL) return 0; /* NULL means "B" */
+    if (*format == '@' || *format == '=' || (*format == '<' && PY_LITTLE_ENDIAN) || (*format == '>' && PY_BIG_ENDIAN))
+        format++;
+    return (format[0] == 'q' || format[0] == 'Q' || format[0] == 'l' || format[0] == 'L') && format[1] == '\0';
+}
+
 static int int64_view(PyObject *obj, Py_buffer *view, int writable, const char *name) {
     int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
     if (PyObject_GetBuffer(obj, view, flags) < 0) return -1;
-    if (view->itemsize != 8) {
+    if (view->itemsize != 8 || !is_int64_format(view->format)) {
         PyErr_Format(PyExc_TypeError, "%s must hold 64-bit integers", name);
         PyBuffer_Release(view);
         return -1;
@@ -98,6 +107,12 @@ fail:
     return NULL;
 }
 
+/* base + index * stride in two's complement, as numpy's int64 arithmetic wraps: a caller's
+ * values that overflow give a wrong number, never undefined behaviour */
+static inline int64_t affine(int64_t base, int64_t index, int64_t stride) {
+    return (int64_t)((uint64_t)base + (uint64_t)index * (uint64_t)stride);
+}
+
 /* descriptors(table, runs, pairs, out_src, out_dst, out_size) -> int
  *
  * table: k rows (src address, src block stride, dst address, dst block stride, length, dense),
@@ -124,7 +139,7 @@ static PyObject *descriptors(PyObject *self, PyObject *args) {
     const int64_t *t = v[0].buf, *runs = v[1].buf, *pairs = v[2].buf;
     int64_t *os = v[3].buf, *od = v[4].buf, *oz = v[5].buf;
     Py_ssize_t need = 0;
-    for (Py_ssize_t f = 0; f < k; f++) need += t[6 * f + 5] ? nruns : n;
+    for (Py_ssize_t f = 0; f < k && need <= room; f++) need += t[6 * f + 5] ? nruns : n; /* no overflow */
     if (need > room) {
         PyErr_Format(PyExc_ValueError, "the outputs hold %zd descriptors, %zd needed", room, need);
         goto release;
@@ -136,14 +151,14 @@ static PyObject *descriptors(PyObject *self, PyObject *args) {
             if ((row[5] != 0) != dense) continue;
             if (dense) {
                 for (Py_ssize_t i = 0; i < nruns; i++, w++) {
-                    os[w] = row[0] + runs[3 * i] * row[1];
-                    od[w] = row[2] + runs[3 * i + 1] * row[3];
-                    oz[w] = row[4] * runs[3 * i + 2];
+                    os[w] = affine(row[0], runs[3 * i], row[1]);
+                    od[w] = affine(row[2], runs[3 * i + 1], row[3]);
+                    oz[w] = affine(0, row[4], runs[3 * i + 2]);
                 }
             } else {
                 for (Py_ssize_t i = 0; i < n; i++, w++) {
-                    os[w] = row[0] + pairs[2 * i] * row[1];
-                    od[w] = row[2] + pairs[2 * i + 1] * row[3];
+                    os[w] = affine(row[0], pairs[2 * i], row[1]);
+                    od[w] = affine(row[2], pairs[2 * i + 1], row[3]);
                     oz[w] = row[4];
                 }
             }

@@ -7,6 +7,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <limits.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -41,9 +42,20 @@ static void copy_streaming(char *dst, const char *src, size_t n) {
 #endif
 }
 
+/* An 8-byte integer format in native order: a float64 buffer has the item size too. */
+static int is_int64_format(const char *format) {
+    if (format == NULL) return 0; /* NULL means "B" */
+    if (*format == '@' || *format == '=' || (*format == '<' && PY_LITTLE_ENDIAN) || (*format == '>' && PY_BIG_ENDIAN))
+        format++;
+    return (format[0] == 'q' || format[0] == 'Q' || format[0] == 'l' || format[0] == 'L') && format[1] == '\0';
+}
+
+/* The most parts a batch is shared into: keeps (total % parts) * part within 64 bits. */
+#define MAX_PARTS 65536
+
 static int get_int64_buffer(PyObject *obj, Py_buffer *view, const char *name) {
     if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return -1;
-    if (view->itemsize != 8) {
+    if (view->itemsize != 8 || !is_int64_format(view->format)) {
         PyErr_Format(PyExc_TypeError, "%s must hold 64-bit integers", name);
         PyBuffer_Release(view);
         return -1;
@@ -55,8 +67,8 @@ static PyObject *copy_batch(PyObject *self, PyObject *args) {
     PyObject *src_obj, *dst_obj, *size_obj;
     Py_ssize_t nt_threshold, part = 0, parts = 1;
     if (!PyArg_ParseTuple(args, "OOOn|nn", &src_obj, &dst_obj, &size_obj, &nt_threshold, &part, &parts)) return NULL;
-    if (parts < 1 || part < 0 || part >= parts) {
-        PyErr_SetString(PyExc_ValueError, "part must lie in [0, parts)");
+    if (parts < 1 || parts > MAX_PARTS || part < 0 || part >= parts) {
+        PyErr_SetString(PyExc_ValueError, "part must lie in [0, parts), parts in [1, 65536]");
         return NULL;
     }
     Py_buffer src, dst, sizes;
@@ -74,9 +86,11 @@ static PyObject *copy_batch(PyObject *self, PyObject *args) {
     const int64_t *s = (const int64_t *)src.buf, *d = (const int64_t *)dst.buf, *z = (const int64_t *)sizes.buf;
     unsigned long long total = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (z[i] < 0) {  /* refuse the whole batch before any byte moves */
+        /* refuse the whole batch before any byte moves; a total past 64 bits would wrap the
+           shares' arithmetic into a negative length */
+        if (z[i] < 0 || (unsigned long long)z[i] > ULLONG_MAX - total) {
             PyBuffer_Release(&src); PyBuffer_Release(&dst); PyBuffer_Release(&sizes);
-            PyErr_SetString(PyExc_ValueError, "negative copy size");
+            PyErr_SetString(PyExc_ValueError, z[i] < 0 ? "negative copy size" : "copy sizes overflow 64 bits");
             return NULL;
         }
         total += (unsigned long long)z[i];

@@ -12,8 +12,9 @@
  * returned as the caller's own int objects (``ids``, the slot pool's tuple),
  * so a lookup allocates nothing and every holder shares one int a slot.
  *
- * Keys are bytes (their hash is cached in the object, so probing never
- * rehashes). The pure-Python fallback in kvhal/keyindex.py has the same API.
+ * Keys are exact bytes, never a subclass (their hash is cached in the object,
+ * so probing never rehashes, and no caller's __hash__ or __eq__ runs). The
+ * pure-Python fallback in kvhal/keyindex.py has the same API.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -29,39 +30,54 @@ typedef struct {
     PyObject *ids;   /* tuple: ids[slot] is the int object returned for slot */
 } KeyIndex;
 
-/* The bucket holding ``key`` (found) or the empty bucket ending its probe. */
-static int find(KeyIndex *self, PyObject *key, Py_hash_t hash, size_t *bucket, int32_t *slot) {
+/*
+ * No Python code runs while the index is probed or changed: keys are exact bytes (their
+ * hash is cached and their comparison is bytes_richcompare's, so no __hash__ or __eq__ of a
+ * caller's), and every argument that may run Python code (an iterable, a slot's __index__)
+ * is turned into a tuple or C ints first, so nothing borrowed can be freed under us.
+ */
+
+/* Whether __init__ ran to its end (and tp_clear did not undo it); else a RuntimeError. */
+static int ready(KeyIndex *self) {
+    if (self->table != NULL && self->keys != NULL && self->ids != NULL) return 1;
+    PyErr_SetString(PyExc_RuntimeError, "KeyIndex is not initialized: create it as KeyIndex(ids)");
+    return 0;
+}
+
+static int check_key(PyObject *key) {
+    if (PyBytes_CheckExact(key)) return 0;
+    PyErr_Format(PyExc_TypeError, "keys are bytes (not a subclass), got %.60s", Py_TYPE(key)->tp_name);
+    return -1;
+}
+
+static int same_bytes(PyObject *a, PyObject *b) {
+    Py_ssize_t n = PyBytes_GET_SIZE(a);
+    return n == PyBytes_GET_SIZE(b) && memcmp(PyBytes_AS_STRING(a), PyBytes_AS_STRING(b), (size_t)n) == 0;
+}
+
+/* The bucket holding ``key`` (an exact bytes; *slot its slot) or the empty bucket ending its
+ * probe (*slot -1). Runs no Python code: the stored keys are exact bytes too. */
+static size_t find(KeyIndex *self, PyObject *key, Py_hash_t hash, int32_t *slot) {
     size_t i = (size_t)hash & self->mask;
     for (;;) {
         int32_t s = self->table[i];
-        if (s < 0) {
-            *bucket = i;
-            *slot = -1;
-            return 0;
-        }
+        if (s < 0) break;
         PyObject *k = self->keys[s];
-        if (k == key) goto found;
-        if (PyObject_Hash(k) == hash) {
-            int eq = PyObject_RichCompareBool(k, key, Py_EQ);
-            if (eq < 0) return -1;
-            if (eq) goto found;
+        if (k == key || (PyObject_Hash(k) == hash && same_bytes(k, key))) {
+            *slot = s;
+            return i;
         }
         i = (i + 1) & self->mask;
-        continue;
-    found:
-        *bucket = i;
-        *slot = s;
-        return 0;
     }
+    *slot = -1;
+    return i;
 }
 
-/* Slot of ``key`` or -1; -2 with an exception set. */
+/* Slot of ``key`` or -1; -2 with an exception set (the index not ready, or not a bytes). */
 static int32_t slot_of(KeyIndex *self, PyObject *key) {
-    Py_hash_t hash = PyObject_Hash(key);
-    if (hash == -1) return -2;
-    size_t bucket;
+    if (!ready(self) || check_key(key) < 0) return -2;
     int32_t slot;
-    if (find(self, key, hash, &bucket, &slot) < 0) return -2;
+    find(self, key, PyObject_Hash(key), &slot); /* an exact bytes' hash cannot fail */
     return slot;
 }
 
@@ -82,8 +98,13 @@ static void delete_bucket(KeyIndex *self, size_t hole) {
 }
 
 static int check_slot(KeyIndex *self, PyObject *obj, int32_t *out) {
-    Py_ssize_t slot = PyLong_AsSsize_t(obj);
-    if (slot == -1 && PyErr_Occurred()) return -1;
+    Py_ssize_t slot = PyLong_AsSsize_t(obj); /* may run obj's __index__: call before using anything */
+    if (slot == -1 && PyErr_Occurred()) {
+        if (!PyErr_ExceptionMatches(PyExc_OverflowError)) return -1;
+        PyErr_Clear(); /* beyond any C int: out of range, as the Python index says */
+        PyErr_Format(PyExc_ValueError, "slot %R is not in [0, %zd)", obj, self->num_slots);
+        return -1;
+    }
     if (slot < 0 || slot >= self->num_slots) {
         PyErr_Format(PyExc_ValueError, "slot %zd is not in [0, %zd)", slot, self->num_slots);
         return -1;
@@ -92,42 +113,43 @@ static int check_slot(KeyIndex *self, PyObject *obj, int32_t *out) {
     return 0;
 }
 
-/* Remove the entry in ``slot``; returns its key (new reference) or NULL if empty. */
+/* Every slot of the tuple ``slots`` as a C int (into a PyMem block the caller frees), before
+ * the index is touched: a slot's __index__ may run Python code. NULL with an exception set. */
+static int32_t *slot_array(KeyIndex *self, PyObject *slots) {
+    Py_ssize_t n = PyTuple_GET_SIZE(slots);
+    int32_t *out = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(int32_t));
+    if (out == NULL) return (int32_t *)PyErr_NoMemory();
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (check_slot(self, PyTuple_GET_ITEM(slots, i), &out[i]) < 0) {
+            PyMem_Free(out);
+            return NULL;
+        }
+    }
+    return out;
+}
+
+/* Remove the entry in ``slot``; returns its key (the index's reference) or NULL if empty. */
 static PyObject *remove_slot(KeyIndex *self, int32_t slot) {
     PyObject *key = self->keys[slot];
     if (key == NULL) return NULL;
-    size_t bucket;
     int32_t found;
-    find(self, key, PyObject_Hash(key), &bucket, &found); /* identity match: cannot fail */
-    delete_bucket(self, bucket);
+    delete_bucket(self, find(self, key, PyObject_Hash(key), &found)); /* identity match */
     self->keys[slot] = NULL;
     self->count--;
     return key;
 }
 
-static int add_one(KeyIndex *self, PyObject *key, int32_t slot) {
-    if (!PyBytes_Check(key)) {
-        PyErr_Format(PyExc_TypeError, "keys are bytes, got %.60s", Py_TYPE(key)->tp_name);
-        return -1;
-    }
-    if (self->keys[slot] != NULL) {
-        PyErr_Format(PyExc_ValueError, "slot %d is taken", (int)slot);
-        return -1;
-    }
-    Py_hash_t hash = PyObject_Hash(key);
-    if (hash == -1) return -1;
-    size_t bucket;
-    int32_t found;
-    if (find(self, key, hash, &bucket, &found) < 0) return -1;
-    if (found >= 0) {
-        PyErr_Format(PyExc_KeyError, "key is already in slot %d", (int)found);
-        return -1;
-    }
-    Py_INCREF(key);
-    self->keys[slot] = key;
+/* Add an exact bytes ``key`` to the empty ``slot``: 0, else what refused it (no exception set,
+ * so that the caller can undo its earlier adds before raising). */
+enum { ADDED, SLOT_TAKEN, KEY_PRESENT };
+static int add_one(KeyIndex *self, PyObject *key, int32_t slot, int32_t *found) {
+    if (self->keys[slot] != NULL) return SLOT_TAKEN;
+    size_t bucket = find(self, key, PyObject_Hash(key), found);
+    if (*found >= 0) return KEY_PRESENT;
+    self->keys[slot] = Py_NewRef(key);
     self->table[bucket] = slot;
     self->count++;
-    return 0;
+    return ADDED;
 }
 
 static int KeyIndex_init(KeyIndex *self, PyObject *args, PyObject *kwds) {
@@ -147,23 +169,27 @@ static int KeyIndex_init(KeyIndex *self, PyObject *args, PyObject *kwds) {
             return -1;
         }
     }
-    if (self->table != NULL) {
+    if (self->table != NULL || self->keys != NULL) {
         PyErr_SetString(PyExc_RuntimeError, "KeyIndex is already initialized");
         return -1;
     }
     size_t size = 8;
     while (size < (size_t)n * 2) size <<= 1;
-    self->table = PyMem_Malloc(size * sizeof(int32_t));
-    self->keys = PyMem_Calloc((size_t)n, sizeof(PyObject *));
-    if (self->table == NULL || self->keys == NULL) {
+    int32_t *table = PyMem_Malloc(size * sizeof(int32_t));
+    PyObject **keys = PyMem_Calloc((size_t)n, sizeof(PyObject *));
+    if (table == NULL || keys == NULL) { /* all or nothing: a half-made index stays unready */
+        PyMem_Free(table);
+        PyMem_Free(keys);
         PyErr_NoMemory();
         return -1;
     }
-    memset(self->table, 0xff, size * sizeof(int32_t)); /* -1 everywhere */
-    self->ids = Py_NewRef(ids);
+    memset(table, 0xff, size * sizeof(int32_t)); /* -1 everywhere */
     self->num_slots = n;
     self->mask = size - 1;
     self->count = 0;
+    self->table = table;
+    self->keys = keys;
+    Py_XSETREF(self->ids, Py_NewRef(ids));
     return 0;
 }
 
@@ -202,12 +228,20 @@ static PyObject *KeyIndex_get(KeyIndex *self, PyObject *key) {
 }
 
 static PyObject *KeyIndex_slots(KeyIndex *self, PyObject *keys) {
+    if (!ready(self)) return NULL;
+    /* A list is borrowed, not copied (the hot path): its size and items are read after the
+     * last call that may run Python code (PyList_New may collect garbage: a __del__), and
+     * the loop runs none, so no caller's code can shrink it under us. */
     PyObject *seq = PySequence_Fast(keys, "keys must be iterable");
     if (seq == NULL) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject **items = PySequence_Fast_ITEMS(seq);
-    PyObject *out = PyList_New(n);
+    PyObject *out = PyList_New(PySequence_Fast_GET_SIZE(seq));
     if (out == NULL) goto fail;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (n != PyList_GET_SIZE(out)) {
+        PyErr_SetString(PyExc_RuntimeError, "keys changed size during the call");
+        goto fail;
+    }
+    PyObject **items = PySequence_Fast_ITEMS(seq);
     for (Py_ssize_t i = 0; i < n; i++) {
         int32_t slot = slot_of(self, items[i]);
         if (slot == -2) goto fail;
@@ -222,72 +256,78 @@ fail:
 }
 
 static PyObject *KeyIndex_add(KeyIndex *self, PyObject *args) {
-    PyObject *keys, *slots;
+    PyObject *keys, *slots, *kt = NULL, *st = NULL;
+    int32_t *ss = NULL;
     if (!PyArg_ParseTuple(args, "OO", &keys, &slots)) return NULL;
-    PyObject *kseq = PySequence_Fast(keys, "keys must be iterable");
-    if (kseq == NULL) return NULL;
-    PyObject *sseq = PySequence_Fast(slots, "slots must be iterable");
-    if (sseq == NULL) {
-        Py_DECREF(kseq);
-        return NULL;
-    }
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(kseq), done = 0;
-    PyObject **ks = PySequence_Fast_ITEMS(kseq), **ss = PySequence_Fast_ITEMS(sseq);
-    int32_t slot = 0;
-    if (PySequence_Fast_GET_SIZE(sseq) != n) {
+    if (!ready(self)) return NULL;
+    /* Python code (iterators, __index__) runs here, before the index is touched. */
+    if ((kt = PySequence_Tuple(keys)) == NULL || (st = PySequence_Tuple(slots)) == NULL) goto fail;
+    Py_ssize_t n = PyTuple_GET_SIZE(kt), done = 0;
+    if (PyTuple_GET_SIZE(st) != n) {
         PyErr_SetString(PyExc_ValueError, "keys and slots differ in length");
         goto fail;
     }
+    if ((ss = slot_array(self, st)) == NULL) goto fail;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (check_key(PyTuple_GET_ITEM(kt, i)) < 0) goto fail;
+    /* From here to the end no Python code runs. */
+    int why = ADDED;
+    int32_t found = -1;
     for (; done < n; done++) {
-        if (check_slot(self, ss[done], &slot) < 0 || add_one(self, ks[done], slot) < 0) goto fail;
+        why = add_one(self, PyTuple_GET_ITEM(kt, done), ss[done], &found);
+        if (why != ADDED) break;
     }
-    Py_DECREF(kseq);
-    Py_DECREF(sseq);
+    if (why != ADDED) {
+        /* All or nothing: undo the keys added by this call, then raise. */
+        for (Py_ssize_t i = 0; i < done; i++) Py_DECREF(remove_slot(self, ss[i]));
+        if (why == SLOT_TAKEN)
+            PyErr_Format(PyExc_ValueError, "slot %d is taken", (int)ss[done]);
+        else
+            PyErr_Format(PyExc_KeyError, "key is already in slot %d", (int)found);
+        goto fail;
+    }
+    PyMem_Free(ss);
+    Py_DECREF(kt);
+    Py_DECREF(st);
     Py_RETURN_NONE;
 fail:
-    /* All or nothing: undo the keys added by this call. */
-    for (Py_ssize_t i = 0; i < done; i++) {
-        check_slot(self, ss[i], &slot);
-        Py_XDECREF(remove_slot(self, slot));
-    }
-    Py_DECREF(kseq);
-    Py_DECREF(sseq);
+    PyMem_Free(ss);
+    Py_XDECREF(kt);
+    Py_XDECREF(st);
     return NULL;
 }
 
 static PyObject *KeyIndex_remove(KeyIndex *self, PyObject *slots) {
-    PyObject *seq = PySequence_Fast(slots, "slots must be iterable");
-    if (seq == NULL) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject **items = PySequence_Fast_ITEMS(seq);
-    int32_t slot;
+    if (!ready(self)) return NULL;
+    PyObject *st = PySequence_Tuple(slots), *out = NULL;
+    if (st == NULL) return NULL;
+    Py_ssize_t n = PyTuple_GET_SIZE(st);
+    int32_t *ss = NULL;
+    /* the list first, then the slots as C ints: both may run Python code */
+    if ((out = PyList_New(n)) == NULL || (ss = slot_array(self, st)) == NULL) goto fail;
     for (Py_ssize_t i = 0; i < n; i++) { /* check all before removing any */
-        if (check_slot(self, items[i], &slot) < 0) goto fail;
-        if (self->keys[slot] == NULL) {
-            PyErr_Format(PyExc_KeyError, "slot %d is empty", (int)slot);
+        if (self->keys[ss[i]] == NULL) {
+            PyErr_Format(PyExc_KeyError, "slot %d is empty", (int)ss[i]);
             goto fail;
         }
     }
-    PyObject *out = PyList_New(n);
-    if (out == NULL) goto fail;
     for (Py_ssize_t i = 0; i < n; i++) {
-        check_slot(self, items[i], &slot);
-        PyObject *key = remove_slot(self, slot);
-        if (key == NULL) { /* the same slot listed twice */
-            key = Py_NewRef(Py_None);
-        }
-        PyList_SET_ITEM(out, i, key);
+        PyObject *key = remove_slot(self, ss[i]);
+        PyList_SET_ITEM(out, i, key ? key : Py_NewRef(Py_None)); /* None: the same slot twice */
     }
-    Py_DECREF(seq);
+    PyMem_Free(ss);
+    Py_DECREF(st);
     return out;
 fail:
-    Py_DECREF(seq);
+    PyMem_Free(ss);
+    Py_XDECREF(out);
+    Py_DECREF(st);
     return NULL;
 }
 
 static PyObject *KeyIndex_key(KeyIndex *self, PyObject *arg) {
     int32_t slot;
-    if (check_slot(self, arg, &slot) < 0) return NULL;
+    if (!ready(self) || check_slot(self, arg, &slot) < 0) return NULL;
     PyObject *key = self->keys[slot];
     return Py_NewRef(key ? key : Py_None);
 }

@@ -8,6 +8,10 @@ keys``, ``key(slot)``, ``len()``, ``in``. The native one (``_keyindex.c``)
 costs 16-24 bytes a slot; this fallback, a dict plus a list, 62-113 (dict
 tables grow to 3-6x their entries under churn) -- :data:`NATIVE` says which
 one runs.
+
+Keys are exact ``bytes`` in every call, lookups included: a subclass (whose
+``__hash__`` or ``__eq__`` could run anything, the index's own calls among it,
+in the middle of a probe) or any other type is a TypeError.
 """
 
 from __future__ import annotations
@@ -31,9 +35,13 @@ class PyKeyIndex:
         self._key_of: list[bytes | None] = [None] * num_slots
 
     def get(self, key: bytes) -> int | None:
+        _check_key(key)
         return self._slot_of.get(key)
 
     def slots(self, keys: Iterable[bytes]) -> list[int | None]:
+        keys = list(keys)
+        for key in keys:
+            _check_key(key)
         return list(map(self._slot_of.get, keys))
 
     def _check(self, slot: int) -> int:
@@ -47,8 +55,7 @@ class PyKeyIndex:
         done = []
         try:
             for key, slot in zip(keys, slots, strict=True):
-                if not isinstance(key, bytes):
-                    raise TypeError(f"keys are bytes, got {type(key).__name__}")
+                _check_key(key)
                 if self._key_of[self._check(slot)] is not None:
                     raise ValueError(f"slot {slot} is taken")
                 if key in self._slot_of:
@@ -80,7 +87,13 @@ class PyKeyIndex:
         return len(self._slot_of)
 
     def __contains__(self, key: object) -> bool:
+        _check_key(key)
         return key in self._slot_of
+
+
+def _check_key(key: object) -> None:
+    if type(key) is not bytes:
+        raise TypeError(f"keys are bytes (not a subclass), got {type(key).__name__}")
 
 
 try:

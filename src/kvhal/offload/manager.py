@@ -118,7 +118,10 @@ class OffloadingManager(SlotStates):
 
     def slot(self, key: bytes) -> int | None:
         """The host slot holding ``key``, or ``None``."""
-        return self._index.get(key)
+        try:
+            return self._index.get(key)
+        except TypeError:
+            raise ValidationError("key", _not_bytes(key)) from None
 
     # -- the key index (what SlotStates asks of a tier) -------------------------
 
@@ -127,17 +130,18 @@ class OffloadingManager(SlotStates):
         _refuse_one_key(keys)
         try:
             return self._index.slots(keys)
-        except TypeError as exc:  # an unhashable key, or keys not iterable
+        except TypeError as exc:  # a key not exactly bytes (the index refuses it), or keys not iterable
+            if isinstance(keys, list | tuple):
+                bad = next((key for key in keys if type(key) is not bytes), None)
+                if bad is not None:
+                    raise ValidationError("keys", _not_bytes(bad)) from None
             raise ValidationError("keys", f"must be an iterable of bytes keys: {exc}") from None
 
     def _new_keys(self, keys: list[bytes]) -> tuple[list[int | None], list[bytes], list[bytes]]:
         present = self._slots(keys)
         new = [key for key, slot in zip(keys, present, strict=True) if slot is None]
         if len(new) > 1:
-            new = list(dict.fromkeys(new))
-        if not all(map(bytes.__instancecheck__, new)):
-            bad = next(key for key in new if not isinstance(key, bytes))
-            raise ValidationError("keys", f"keys are bytes; got {type(bad).__name__} {bad!r:.40}")
+            new = list(dict.fromkeys(new))  # exact bytes (the index refused others): no caller's __eq__
         return present, new, new
 
     def _allocate(self, n: int) -> list[int]:
@@ -176,3 +180,8 @@ class OffloadingManager(SlotStates):
             return []
         events, self._events = self._events, []
         return events
+
+
+def _not_bytes(key: object) -> str:
+    """Keys are exact bytes: a subclass's __hash__ or __eq__ would run inside the index."""
+    return f"keys are bytes; got {type(key).__name__} {key!r:.40} (a bytes subclass: pass bytes(key))"

@@ -15,6 +15,7 @@
 #include <Python.h>
 #include <errno.h>
 #include <limits.h>
+#include <math.h>
 #include <poll.h>
 #include <stdint.h>
 #include <string.h>
@@ -23,6 +24,9 @@
 
 #define BUF_SIZE (64 * 1024)
 #define MAX_LINE 4096
+/* the longest wait honoured (a year: "never" in practice); inf and anything longer are clamped
+ * to it, since a double beyond int64 nanoseconds (~292 years) has no defined conversion */
+#define MAX_TIMEOUT_S (365.0 * 24 * 3600)
 
 /* per reply: the value's length, 0 (an empty value: no block), or FAILED (refused, or
  * longer than its buffers) */
@@ -169,7 +173,11 @@ static long long read_reply(Reader *r, Part *parts, size_t nparts, size_t cap) {
         fail(r, "unexpected reply type", 0);
         return -2;
     }
-    if (len < 0) return 0; /* a nil string: nothing there */
+    if (line[1] == '-') { /* RESP has one negative length: $-1, a nil string (nothing there) */
+        if (n == 3 && line[2] == '1') return 0;
+        fail(r, "a negative length other than $-1", 0); /* $-2, $-0, $-01 */
+        return -2;
+    }
     if ((unsigned long long)len > (unsigned long long)cap + 1) {
         fail(r, "a reply longer than its GETRANGE asked for", 0);
         return -2;
@@ -197,6 +205,12 @@ static PyObject *read_getrange(PyObject *self, PyObject *args) {
     PyObject *buffers;
     double timeout;
     if (!PyArg_ParseTuple(args, "iOd", &fd, &buffers, &timeout)) return NULL;
+    if (isnan(timeout)) {
+        PyErr_SetString(PyExc_ValueError, "timeout must be a number of seconds, got nan");
+        return NULL;
+    }
+    /* a deadline already past: read what is there; beyond MAX_TIMEOUT_S (inf included): that */
+    timeout = timeout < 0 ? 0 : timeout > MAX_TIMEOUT_S ? MAX_TIMEOUT_S : timeout;
     /* tuples: their lengths cannot change between counting the parts and taking them */
     PyObject *seq = PySequence_Tuple(buffers);
     if (seq == NULL) return NULL;
@@ -270,9 +284,11 @@ static PyMethodDef methods[] = {
     {"read_getrange", read_getrange, METH_VARARGS,
      "read_getrange(fd, buffers, timeout) -> list[int]\n\n"
      "Read len(buffers) GETRANGE replies from the socket fd, each into its buffers (writable,\n"
-     "contiguous, in order), within timeout seconds, the GIL released. Per reply: the value's\n"
+     "contiguous, in order), within timeout seconds (below 0: 0; above a year, inf included: a\n"
+     "year; nan: ValueError), the GIL released. Per reply: the value's\n"
      "length, 0 (empty), or -1 (refused, or longer than its buffers). Raises ConnectionError\n"
-     "on a timeout, a closed connection or a malformed or over-long reply: drop the connection."},
+     "on a timeout, a closed connection or a malformed or over-long reply (a negative length\n"
+     "other than $-1 among them): drop the connection."},
     {NULL, NULL, 0, NULL},
 };
 

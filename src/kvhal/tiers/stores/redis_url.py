@@ -9,7 +9,7 @@ URL forms (``remote_url``)::
     rediss+cluster://...                            a cluster over TLS
 
 Query options read here: ``ttl=SECONDS`` (values expire after that long; default never) and
-``timeout=SECONDS`` (connect and read timeout, default 2.0). Passed on to redis-py:
+``timeout=SECONDS`` (connect and read timeout, default 2.0, at most 86400). Passed on to redis-py:
 ``ssl_ca_certs``, ``ssl_ca_path``, ``ssl_certfile``, ``ssl_keyfile``, ``ssl_cert_reqs``
 (``none``/``optional``/``required``), ``ssl_check_hostname``, ``max_connections``,
 ``health_check_interval``, ``socket_keepalive``; the ``ssl_*`` ones need ``rediss``.
@@ -35,6 +35,8 @@ SCHEMES = {"redis": (False, False), "rediss": (True, False), "redis+cluster": (F
 SCHEMES["rediss+cluster"] = (True, True)
 DEFAULT_PORT = 6379
 DEFAULT_TIMEOUT = 2.0
+#: The longest ``timeout=`` taken (a day), in seconds.
+MAX_TIMEOUT = 86400.0
 
 
 def _to_bool(text: str) -> bool:
@@ -158,9 +160,12 @@ def parse_url(url: str) -> RedisTarget:
                 timeout = float(value)
             except ValueError:
                 timeout = -1.0
-            if not 0 < timeout < float("inf"):
+            # at most a day: sockets and the native reader take no more (1e10 s overflowed
+            # socket.settimeout); nan and inf fail the comparison too
+            if not 0 < timeout <= MAX_TIMEOUT:
                 raise ValidationError(
-                    ARGUMENT, f"timeout must be a positive number of seconds, got {value!r}"
+                    ARGUMENT,
+                    f"timeout must be a positive number of seconds, at most {MAX_TIMEOUT:.0f}, got {value!r}",
                 )
         elif name in _PASSED_ON:
             if name.startswith("ssl_") and not tls:
