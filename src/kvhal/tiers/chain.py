@@ -40,6 +40,13 @@ under pressure. Write-back writes less, which suits a tier with costly writes.
 A failed read forgets the blocks it was promoting from a local tier (the engine
 recomputes them, and a later store writes them again); a failed write leaves
 nothing loadable.
+
+With ``events=True`` the chain tells what each tier below came to hold and lost
+(:meth:`TierChain.take_tier_events`, as the host tier's manager does with
+``enable_events``): a write that ended well stored its blocks, an eviction from a local
+tier or a failed read's forgetting removed them. A store never says what it evicts, so a
+store's blocks are only ever stored. The index keeps hashes, not keys: to name what a
+local tier evicts, the chain then keeps each of its slots' keys (a dict entry a block).
 """
 
 from __future__ import annotations
@@ -152,11 +159,22 @@ class WritePlan:
     pinned: bool = False  # the chain pinned the host slots for it
 
 
+@dataclass(frozen=True, slots=True)
+class TierEvent:
+    """Blocks that became ready in a tier below (``removed``: left it)."""
+
+    tier: str
+    keys: list[bytes]
+    removed: bool = False
+
+
 class TierChain:
     """A host tier's :class:`~kvhal.offload.manager.OffloadingManager` over an ordered list
     of :class:`ChainTier` (none: the host tier alone)."""
 
-    def __init__(self, host: OffloadingManager, tiers: Sequence[ChainTier] = ()) -> None:
+    def __init__(
+        self, host: OffloadingManager, tiers: Sequence[ChainTier] = (), events: bool = False
+    ) -> None:
         names = [tier.name for tier in tiers]
         if len(set(names)) != len(names):
             raise ValidationError("tiers", f"tier names must be unique, got {names}")
@@ -164,6 +182,9 @@ class TierChain:
         self.tiers = list(tiers)
         self._by_name = {tier.name: tier for tier in self.tiers}
         self._writes: list[WritePlan] = []
+        self.events = events
+        self._events: list[TierEvent] = []
+        self._keys_at: dict[str, dict[int, bytes]] = {tier.name: {} for tier in self.local}  # slot -> key
 
     def tier(self, name: str) -> ChainTier:
         return self._by_name[name]
@@ -279,7 +300,9 @@ class TierChain:
             if index is not None:
                 index.complete_load(keys)
                 if not success:
+                    slots = [index.slot(key) for key in keys]
                     index.forget(keys)
+                    self._removed(name, slots)
 
     # -- stores --------------------------------------------------------------------
 
@@ -334,6 +357,9 @@ class TierChain:
             tier.skipped_writes += len(keys)
             return None
         tier.evictions += len(plan.evicted)
+        if self.events:
+            self._removed(tier.name, plan.evicted)  # type: ignore[arg-type] - a TierIndex's are slots
+            self._keys_at[tier.name].update(zip(plan.slots, plan.keys, strict=True))
         return (plan.keys, plan.slots) if plan.keys else None
 
     def complete_store(
@@ -361,8 +387,31 @@ class TierChain:
         host slots a write-through pinned are released. A write-through whose store
         failed ends here too, as failed: the worker never ran it."""
         index = self._by_name[plan.tier].index
+        ok = success and (plan.snapshot or plan.pinned)  # else the worker never wrote it
         if index is not None:
-            index.complete_store(plan.keys, success=success and (plan.snapshot or plan.pinned))
+            index.complete_store(plan.keys, success=ok)
+        if self.events and plan.keys:
+            if ok:
+                self._events.append(TierEvent(plan.tier, list(plan.keys)))
+            elif index is not None:  # never announced: the slots are free again
+                for slot in plan.slots:
+                    self._keys_at[plan.tier].pop(slot, None)
         if plan.pinned:
             self.host.complete_load(plan.keys)
             plan.pinned = False
+
+    # -- events --------------------------------------------------------------------
+
+    def _removed(self, tier: str, slots: Iterable[int | None]) -> None:
+        """The blocks of ``slots`` left local ``tier`` (the keys its writes announced)."""
+        if not self.events:
+            return
+        keys_at = self._keys_at[tier]
+        keys = [key for slot in slots if slot is not None and (key := keys_at.pop(slot, None)) is not None]
+        if keys:
+            self._events.append(TierEvent(tier, keys, removed=True))
+
+    def take_tier_events(self) -> list[TierEvent]:
+        """What the tiers below stored and removed since the last call, in order."""
+        events, self._events = self._events, []
+        return events

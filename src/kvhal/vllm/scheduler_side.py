@@ -27,7 +27,7 @@ it has read them, so: a finished request with stores in flight keeps its blocks
 (``request_finished`` returns True) until every worker reports it in
 ``finished_sending``; and each step's metadata names the stores whose blocks vLLM may
 rewrite in that step for the workers to fence (:mod:`kvhal.vllm.fences`). The host tier's
-changes reach vLLM as KV events (:mod:`kvhal.vllm.kv_events`).
+changes, and the tiers below's, reach vLLM as KV events (:mod:`kvhal.vllm.kv_events`).
 
 What it keeps per request is a :class:`~kvhal.vllm.request_state.RequestState`.
 """
@@ -53,7 +53,7 @@ from kvhal.vllm.config import ConnectorConfig
 from kvhal.vllm.fences import StoreFences
 from kvhal.vllm.job_table import JobTable, Pending
 from kvhal.vllm.keys import offload_key
-from kvhal.vllm.kv_events import kv_events
+from kvhal.vllm.kv_events import kv_events, tier_kv_events
 from kvhal.vllm.metadata import KVHALMetadata, KVHALWorkerMetadata, LoadJob, ReadJob, StoreJob, WriteJob
 from kvhal.vllm.prefetch import Prefetcher, Started
 from kvhal.vllm.request_state import RequestState
@@ -107,7 +107,7 @@ class SchedulerSide:
     def _new_chain(self) -> tuple[OffloadingManager, TierChain]:
         """The host tier's manager and the chain over it and the tiers below."""
         manager = OffloadingManager(self.config.num_slots, self.config.eviction_policy, enable_events=True)
-        return manager, TierChain(manager, [tier.chain for tier in self.tiers])
+        return manager, TierChain(manager, [tier.chain for tier in self.tiers], events=True)
 
     def track(self, request: Request) -> RequestState:
         state = self._requests.get(request.request_id)
@@ -366,8 +366,11 @@ class SchedulerSide:
         return hold, {LOADED_TOKENS: state.loaded_tokens if state else 0}
 
     def take_events(self) -> list[KVCacheEvent]:
-        """What the host tier stored and evicted since the last call, as vLLM's KV events."""
-        return kv_events(self.manager.take_events(), self.config.block_size)
+        """What every tier stored and evicted since the last call, as vLLM's KV events."""
+        bs, stores = self.config.block_size, [tier.name for tier in self.stores]
+        return kv_events(self.manager.take_events(), bs) + tier_kv_events(
+            self.chain.take_tier_events(), stores, bs
+        )
 
     def take_stats(self) -> KVHALStats | None:
         """This step's counters for vLLM, or None to carry them into the next step: where vLLM

@@ -12,7 +12,8 @@ finished requests' blocks wait for their stores, unless ``drain`` is false),
 control), ``settle`` (step until kvhal has nothing in flight), ``write_file``, ``kvhal_state`` (what kvhal
 holds and has in flight; both single-process engines only), ``metrics`` (``LLM.get_metrics()``),
 ``kv_events`` (KV events received from vLLM's ZMQ publisher, by type and
-medium; needs ``kv_events_port`` in the spec), ``sleep`` (``seconds``) and
+medium; needs ``kv_events_port`` in the spec), ``tier_events`` (those events' view of every
+tier against kvhal's own index), ``sleep`` (``seconds``) and
 ``kill`` (SIGKILL of the engine's own process: a crash), ``threads`` (page faults and CPU
 time per thread of the engine's process, so far), ``chat`` (a multi-turn workload:
 each round's prompt is the conversation so far plus a new turn, served round-robin with a
@@ -44,6 +45,7 @@ from kvhal.vllm.testing.steps import (
     serve_jobs,
     settle,
     threads,
+    tier_events,
     write_file,
 )
 from kvhal.vllm.versions import none_hash_is_random
@@ -166,6 +168,9 @@ def _step(llm: Any, listener: EventListener | None, step: dict) -> dict:
     if op == "kv_events":
         assert listener is not None, "kv_events needs kv_events_port in the spec"
         return listener.summary(step.get("settle", 1.0))
+    if op == "tier_events":  # the events' view of every tier against kvhal's index
+        assert listener is not None, "tier_events needs kv_events_port in the spec"
+        return tier_events(llm, listener, step)
     raise ValueError(f"unknown step op {op!r}")
 
 

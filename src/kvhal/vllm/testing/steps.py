@@ -183,6 +183,60 @@ class EventListener:
         return {"events": counts}
 
 
+def decode_kv_batch(payload: bytes) -> list[dict]:
+    """The events of one published ``KVEventBatch``, decoded with msgpack alone, as a router
+    (llm-d's indexer) decodes them: a batch is an array ``[ts, events, dp_rank?]``, an event a
+    map whose ``type`` names its class (0.32 and 0.27.1; older vLLMs sent arrays, tag first)."""
+    import msgpack
+
+    batch = msgpack.unpackb(payload, raw=False)
+    return [event if isinstance(event, dict) else {"type": event[0]} for event in batch[1]]
+
+
+def tier_events(llm: Any, listener: EventListener, step: dict) -> dict:
+    """The subscriber's view (the KV events received: which tier holds which block, by
+    ``medium/locality/ownership``) against kvhal's own index: the host tier's manager, each
+    local tier's index, each store asked. Needs ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``
+    (a key is the block hash's bytes). Per tier: the blocks in the view, those kvhal holds
+    of them, kvhal's count, and the blocks removed."""
+    from kvhal.vllm.keys import offload_key
+
+    time.sleep(step.get("settle", 1.0))  # the publisher sends from its own thread
+    held: dict[str, set[bytes]] = {}
+    removed: dict[str, int] = {}
+    for payload in list(listener.batches):
+        for event in decode_kv_batch(payload):
+            if event["type"] not in ("BlockStored", "BlockRemoved"):
+                continue
+            where = "/".join(str(event.get(f)) for f in ("medium", "locality", "ownership"))
+            keys = {offload_key(h, event.get("group_idx") or 0) for h in event["block_hashes"]}
+            if event["type"] == "BlockStored":
+                held.setdefault(where, set()).update(keys)
+            else:
+                held.setdefault(where, set()).difference_update(keys)
+                removed[where] = removed.get(where, 0) + len(keys)
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler_side
+    out: dict[str, dict] = {}
+    for where, keys in held.items():
+        medium, locality, ownership = where.split("/")
+        if medium not in ("CPU", "STORAGE"):  # vLLM's own GPU blocks
+            continue
+        if medium == "CPU":
+            manager = scheduler.manager
+            holds = [manager.state(k).name == "READY" for k in keys]
+            count = len(manager)
+        else:
+            tiers = [t for t in scheduler.tiers if (t.shared == (locality == "REMOTE"))]
+            tier = next((t for t in tiers if t.name == ownership), tiers[0])  # 0.27.1: no ownership
+            if tier.shared:  # a store: asked; what it holds is what engines wrote
+                holds, count = tier.store.exist(sorted(keys)).result(timeout=30), None
+            else:
+                holds = [tier.chain.index.state(k).name == "READY" for k in keys]
+                count = len(tier.chain.index)
+        out[where] = {"view": len(keys), "held": sum(holds), "index": count, "removed": removed.get(where, 0)}
+    return {"tiers": out}
+
+
 def handshake(step: dict) -> dict:
     """Create ``step["signal"]``, then wait until ``step["wait"]`` exists (the test's answer)."""
     from pathlib import Path
