@@ -7,24 +7,42 @@ plugin and a real disk tier, driven as vLLM drives them."""
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 
 pytest.importorskip("vllm")
+from vllm.config import KVTransferConfig
+from vllm.distributed.kv_transfer import kv_transfer_state
+from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.outputs import KVConnectorOutput
 
-from kvhal.vllm import local
+from kvhal.vllm import KVHALConnector
 from kvhal.vllm.config import LowerTierConfig
+from kvhal.vllm.keys import offload_key
+from kvhal.vllm.local import in_process_worker
 from kvhal.vllm.metadata import KVHALMetadata
 from kvhal.vllm.scheduler_side import SchedulerSide
 from kvhal.vllm.worker_side import WorkerSide
 from tests.test_scheduler_side import output, prefill, request
-from tests.test_worker_side import block, connector_config, kv_caches, same, settle
+from tests.test_worker_side import (
+    HEAD,
+    LAYERS,
+    PAGE,
+    TOKENS,
+    block,
+    connector_config,
+    kv_caches,
+    same,
+    settle,
+)
 
 
-def engine(tmp_path, engine_id: str | None = "engine-1") -> tuple[SchedulerSide, WorkerSide, dict]:
+def engine(tmp_path, in_process: bool = True) -> tuple[SchedulerSide, WorkerSide, dict]:
+    """The scheduler side is handed the worker where it runs ``in_process`` (as the connector
+    does: :func:`kvhal.vllm.local.in_process_worker`, tested below)."""
     base = connector_config(slots=4)
     # the timeout policy: these tests wait for their reads (the auto policy's probes: below)
     lower = LowerTierConfig(
@@ -34,11 +52,11 @@ def engine(tmp_path, engine_id: str | None = "engine-1") -> tuple[SchedulerSide,
         "clock",
         wait_policy="timeout",
     )
-    config = dataclasses.replace(base, lower_tier=lower, fingerprint={"model": "local"}, engine_id=engine_id)
+    config = dataclasses.replace(base, lower_tier=lower, fingerprint={"model": "local"})
     worker = WorkerSide(config)
     caches = kv_caches(split=False, seed=3)
     worker.register(caches)
-    return SchedulerSide(config), worker, caches
+    return SchedulerSide(config, local=worker if in_process else None), worker, caches
 
 
 def run(scheduler: SchedulerSide, worker: WorkerSide, meta: KVHALMetadata) -> None:
@@ -61,8 +79,8 @@ def only_on_disk(scheduler: SchedulerSide, worker: WorkerSide) -> None:
         req = request(name, list(tokens)) if tokens else request(name)
         run(scheduler, worker, prefill(scheduler, req, blocks))
         scheduler.request_finished(req)
-    keys = scheduler._keys(request("a").block_hashes[:2], 0)
-    assert scheduler.manager.lookup(keys) == 0 and scheduler.chain.lower.lookup(keys) == 2
+    keys = [offload_key(h, 0) for h in request("a").block_hashes[:2]]
+    assert scheduler.manager.lookup(keys) == 0 and scheduler.chain.tier("disk").index.lookup(keys) == 2
 
 
 def loaded_in_its_step(scheduler: SchedulerSide, worker: WorkerSide, caches: dict, req, source: dict) -> None:
@@ -110,8 +128,7 @@ def test_a_corrupt_block_on_disk_is_recomputed_not_served(tmp_path):
 
 
 def test_without_a_worker_in_the_process_the_read_goes_to_the_workers(tmp_path):
-    scheduler, worker, _ = engine(tmp_path, engine_id=None)
-    assert local.find(None) is None
+    scheduler, worker, _ = engine(tmp_path, in_process=False)
     only_on_disk(scheduler, worker)
     b = request("b")
     scheduler.track(b)
@@ -119,3 +136,78 @@ def test_without_a_worker_in_the_process_the_read_goes_to_the_workers(tmp_path):
     assert len(scheduler.build_meta(output()).prefetches) == 1
     worker.shutdown()
     scheduler.close()
+
+
+# -- finding the in-process worker: vLLM's KV-transfer agent --------------------------
+
+
+def connector(role: KVConnectorRole, engine_id: str) -> KVHALConnector:
+    """A real KVHALConnector of engine ``engine_id`` (one worker), as vLLM builds it, on a
+    config without a model; the worker's registers its KV caches."""
+    kv = KVTransferConfig(
+        kv_connector="KVHALConnector",
+        kv_connector_module_path="kvhal.vllm",
+        kv_role="kv_both",
+        kv_load_failure_policy="recompute",
+        kv_connector_extra_config={"cpu_bytes_to_use": 8 * len(LAYERS) * PAGE},
+        engine_id=engine_id,
+    )
+    vllm_config = SimpleNamespace(
+        kv_transfer_config=kv,
+        cache_config=SimpleNamespace(block_size=TOKENS),
+        parallel_config=SimpleNamespace(pipeline_parallel_size=1, world_size=1),
+    )
+    spec = SimpleNamespace(page_size_bytes=PAGE, head_size=HEAD)
+    kv_cache_config = SimpleNamespace(
+        prefix_cacheable_group_ids=[0],
+        kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec, layer_names=list(LAYERS))],
+        kv_cache_layout=None,
+    )
+    built = KVHALConnector(vllm_config, role, kv_cache_config)
+    if role is KVConnectorRole.WORKER:
+        built.register_kv_caches(kv_caches(split=False))
+    return built
+
+
+@pytest.fixture
+def agent(monkeypatch) -> KVHALConnector:
+    """Engine "engine-1"'s worker connector as this process's KV-transfer agent (what vLLM's
+    ensure_kv_transfer_initialized sets); the global is restored after the test."""
+    worker = connector(KVConnectorRole.WORKER, "engine-1")
+    monkeypatch.setattr(kv_transfer_state, "_KV_CONNECTOR_AGENT", worker)
+    yield worker
+    worker.shutdown()
+
+
+def test_the_in_process_worker_is_the_agents_worker_of_the_same_engine(agent):
+    config = agent.worker_side.config
+    assert config.engine_id == "engine-1" and config.world_size == 1
+    assert in_process_worker(config) is agent.worker_side
+    # the negative controls: each differs from the match by one thing
+    assert in_process_worker(dataclasses.replace(config, world_size=2)) is None
+    assert in_process_worker(dataclasses.replace(config, engine_id="engine-2")) is None
+    assert in_process_worker(dataclasses.replace(config, engine_id=None)) is None
+
+
+def test_without_an_agent_there_is_no_in_process_worker(monkeypatch):
+    monkeypatch.setattr(kv_transfer_state, "_KV_CONNECTOR_AGENT", None)
+    assert in_process_worker(dataclasses.replace(connector_config(), engine_id="engine-1")) is None
+
+
+def test_an_agent_without_a_worker_side_is_not_one(monkeypatch):
+    """Another connector as the agent (no ``worker_side``), or kvhal's scheduler-role one."""
+    scheduler = connector(KVConnectorRole.SCHEDULER, "engine-1")
+    config = scheduler.config
+    for other in (SimpleNamespace(), scheduler):
+        monkeypatch.setattr(kv_transfer_state, "_KV_CONNECTOR_AGENT", other)
+        assert in_process_worker(config) is None
+    scheduler.shutdown()
+
+
+@pytest.mark.parametrize("engine_id", ["engine-1", "engine-2"])
+def test_the_scheduler_connector_is_handed_its_engines_worker_only(agent, engine_id):
+    """The connector hands its scheduler side the agent's worker side of its own engine."""
+    scheduler = connector(KVConnectorRole.SCHEDULER, engine_id)
+    handed = scheduler.scheduler_side.local
+    assert handed is (agent.worker_side if engine_id == "engine-1" else None)
+    scheduler.shutdown()

@@ -40,7 +40,7 @@ def engine(url: str, engine_id: str, seed: int) -> tuple[SchedulerSide, WorkerSi
     worker = WorkerSide(config)
     caches = kv_caches(split=False, seed=seed)
     worker.register(caches)
-    return SchedulerSide(config), worker, caches
+    return SchedulerSide(config, local=worker), worker, caches  # as the connector hands it over
 
 
 def stored(url: str) -> dict:
