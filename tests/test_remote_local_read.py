@@ -1,26 +1,31 @@
 """One worker in the scheduler's process, and a shared store: a lookup whose hit continues in
 the store reads it into host slots through the worker's own remote tier, and the request
 then loads a host hit in the step that schedules it (no parked step); the device blocks get
-the very bytes another engine stored. Both engines are kvhal's real sides on the CPU plugin,
-over a real Redis server on loopback."""
+the very bytes another engine stored; with a disk tier above the store, one lookup reads each
+block from the first tier holding it, both tiers at once. Both engines are kvhal's real sides
+on the CPU plugin, over a real Redis server on loopback."""
 
 from __future__ import annotations
 
 import dataclasses
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 pytest.importorskip("vllm")
 
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
 from kvhal.testing.redis_servers import RedisServer
-from kvhal.vllm.config import RemoteTierConfig
+from kvhal.vllm.config import LowerTierConfig, RemoteTierConfig
 from kvhal.vllm.scheduler_side import SchedulerSide
 from kvhal.vllm.worker_side import WorkerSide
 from tests.test_local_read import loaded_in_its_step, run
 from tests.test_scheduler_side import output, prefill, request
-from tests.test_worker_side import connector_config, kv_caches
+from tests.test_worker_side import block, connector_config, kv_caches, same
 
 
 @pytest.fixture
@@ -29,11 +34,19 @@ def server() -> Iterator[RedisServer]:
         yield running
 
 
-def engine(url: str, engine_id: str, seed: int) -> tuple[SchedulerSide, WorkerSide, dict]:
+def engine(
+    url: str | None, engine_id: str, seed: int, disk: Path | None = None
+) -> tuple[SchedulerSide, WorkerSide, dict]:
+    """An engine over the store at ``url`` (``None``: none), below a disk tier at ``disk``."""
+    lower = None
+    if disk is not None:
+        options = {"path": str(disk), "bytes_to_use": 1 << 20}
+        lower = LowerTierConfig("disk", options, "through", "clock", wait_policy="timeout")
     config = dataclasses.replace(
         connector_config(slots=8),
+        lower_tier=lower,
         # the timeout policy: these tests wait for their reads, not for the store's speed
-        remote_tier=RemoteTierConfig(url, wait_policy="timeout", auth="none"),
+        remote_tier=RemoteTierConfig(url, wait_policy="timeout", auth="none") if url else None,
         fingerprint={"model": "remote-local"},
         engine_id=engine_id,
     )
@@ -108,5 +121,46 @@ def test_a_corrupt_value_in_the_store_is_recomputed_not_served(server):
     assert answer == (0, False), "a corrupt block was offered"
     assert scheduler.stats.data["tier_corrupt_blocks{tier=redis}"] >= 1
     assert scheduler.stats.data["tier_failed_loads{tier=redis}"] == 1
+    worker.shutdown()
+    scheduler.close()
+
+
+def test_a_hit_on_the_disk_then_in_the_store_is_read_from_both_in_one_lookup(server, tmp_path):
+    """Engine "b" has a disk tier above the store. Its disk holds the first block of "a"'s
+    prompt (from a prompt of its own sharing that block, before a restart), the store all of
+    "a"'s blocks (engine "a" stored them). One lookup reads the first block from the disk (the
+    first tier of the list holding it, though the store holds it too) and the second from the
+    store, at once, into host slots: a host hit loaded in its step, each block with the bytes
+    of the tier that served it."""
+    scheduler, worker, caches_b = engine(None, "b", seed=3, disk=tmp_path / "disk")
+    p = request("p", request("a").prompt_token_ids[:4] + list(range(500, 508)))
+    assert p.block_hashes[0] == request("a").block_hashes[0] != p.block_hashes[1]
+    run(scheduler, worker, prefill(scheduler, p, [1, 2, 3]))  # written through to the disk
+    worker.shutdown()
+    scheduler.close()
+    caches_a = stored(server.url)
+    scheduler, worker, caches = engine(server.url, "b", seed=2, disk=tmp_path / "disk")  # restarted
+    assert [tier.chain.name for tier in scheduler.tiers] == ["disk", "redis"]
+    a = request("a")
+    scheduler.track(a)
+    answer, _ = lookup(scheduler, a)
+    assert answer == (8, False), "a host hit, loaded in the step that schedules it"
+    assert not scheduler.prefetcher.local_reads
+    assert scheduler.stats.data["tier_loaded_blocks{tier=disk}"] == 1
+    assert scheduler.stats.data["tier_loaded_blocks{tier=redis}"] == 1
+    before = [block(caches, i) for i in (7, 8)]
+    scheduler.after_alloc(a, KVCacheBlocks(([KVCacheBlock(7), KVCacheBlock(8)],)), 8)
+    meta = scheduler.build_meta(output())
+    assert meta.prefetches == [] and [(job.sync, job.reads) for job in meta.loads] == [(True, [])]
+    run(scheduler, worker, meta)
+    assert worker.take_load_errors() == set()
+    assert all(same(block(caches, 7), block(caches_b, 1))), "block 7 is not what the disk held"
+    assert all(same(block(caches, 8), block(caches_a, 2))), "block 8 is not what the store held"
+    # the controls: the store's first block (engine "a"'s) differs from the disk's, and the
+    # device blocks held neither before
+    assert not any(same(block(caches_a, 1), block(caches_b, 1)))
+    assert not any(same(before[0], block(caches_b, 1))) and not any(same(before[1], block(caches_a, 2)))
+    assert scheduler.stats.data["tier_hit_tokens{tier=disk}"] == 4
+    assert scheduler.stats.data["tier_hit_tokens{tier=redis}"] == 4
     worker.shutdown()
     scheduler.close()
