@@ -211,3 +211,33 @@ def test_the_scheduler_connector_is_handed_its_engines_worker_only(agent, engine
     handed = scheduler.scheduler_side.local
     assert handed is (agent.worker_side if engine_id == "engine-1" else None)
     scheduler.shutdown()
+
+
+def test_a_tier_refusing_the_read_at_once_costs_a_recompute_not_the_lookup(tmp_path):
+    # a plugin's backend may raise instead of returning a future: the lookup must not raise
+    # into vLLM, and the promotion's host slots and the disk's index must end as a failed read
+    scheduler, worker, _ = engine(tmp_path)
+    only_on_disk(scheduler, worker)
+    disk = worker.tiers["disk"]
+
+    class Refusing:
+        def read(self, keys, slots, host_slots):
+            raise OSError("the medium refused the read")
+
+        def write(self, *args):
+            return disk.write(*args)
+
+        def close(self):
+            disk.close()
+
+    worker.tiers["disk"] = Refusing()
+    b = request("b")
+    scheduler.track(b)
+    assert scheduler.lookup(b, 0) == (0, False), "recomputed: its blocks were not read"
+    assert scheduler.stats.data["tier_io_errors{tier=disk}"] == 2
+    assert scheduler.stats.data["tier_failed_loads{tier=disk}"] == 1
+    assert not scheduler.prefetcher.local_reads and scheduler.prefetcher.reading == 0
+    assert scheduler.manager.num_storing == 0, "the promotion's host slots were given back"
+    worker.tiers["disk"] = disk
+    worker.shutdown()
+    scheduler.close()

@@ -162,7 +162,7 @@ class Prefetcher:
         now = time.monotonic()
         deadline = now + max(wait for wait in waits.values() if wait is not None)
         if worker is not None:  # the worker is in this process: read now, wait a little
-            reads = {read.tier: worker.read_tier(read) for read in plan.reads}
+            reads = {read.tier: _started(worker, read) for read in plan.reads}
             local = LocalRead(plan, reads, state, now)
             self.local_reads.append(local)
             wait = 0.0 if probe else min(deadline - now, LOCAL_READ_WAIT_S)
@@ -263,6 +263,8 @@ class Prefetcher:
         self.reading -= len(plan.read_keys)
         chain.complete_load(plan, success=all(ok.values()))
         for read in plan.reads:
+            if read.tier in seconds:
+                self.stats.observe("tier_read_seconds", read.tier, seconds[read.tier])
             if not ok.get(read.tier, False):
                 self.stats.add_tier("tier_failed_loads", read.tier, 1)
                 continue
@@ -273,3 +275,14 @@ class Prefetcher:
         waiting = state.prefetch if state is not None else None
         if waiting is not None and waiting.job_id == job_id:
             waiting.done = True
+
+
+def _started(worker: WorkerSide, read: TierRead) -> Future[list[ReadOutcome]]:
+    """``read`` started through the in-process worker; a tier that refuses it at once gives
+    a failed future (its read is an I/O error, ended as any other with the reads started)."""
+    try:
+        return worker.read_tier(read)
+    except Exception as exc:
+        refused: Future[list[ReadOutcome]] = Future()
+        refused.set_exception(exc)
+        return refused
