@@ -19,8 +19,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from kvhal.tiers.backend import ReadOutcome
 from kvhal.vllm.stats import (
     COUNTERS,
+    GAUGES,
+    HISTOGRAMS,
     READ_FAILURE_COUNTERS,
     TIER_COUNTERS,
+    TIER_GAUGES,
     KVHALPromMetrics,
     KVHALStats,
     split_key,
@@ -104,9 +107,9 @@ def prom_metrics(registry: CollectorRegistry, engines: int = 1) -> KVHALPromMetr
     """As vLLM's ``KVConnectorProm`` builds it: prometheus_client's classes, vLLM's labels
     (on a registry of the test's own, not the process's)."""
     metric_types = {
-        Gauge: Gauge,
+        Gauge: functools.partial(Gauge, registry=registry),
         Counter: functools.partial(Counter, registry=registry),
-        Histogram: Histogram,
+        Histogram: functools.partial(Histogram, registry=registry),
     }
     per_engine = {e: ["tiny-model", str(e)] for e in range(engines)}
     vllm_config = SimpleNamespace(kv_transfer_config=None)
@@ -144,7 +147,8 @@ def test_prometheus_has_one_counter_per_family_and_one_child_per_tier():
     hits = families["vllm:kvhal_tier_hit_tokens"]
     assert {s.labels["tier"] for s in hits.samples if s.name.endswith("_total")} == {"disk", "redis"}
     assert not any(name.startswith("vllm:kvhal_tier_hit_tokens{") for name in families)
-    assert set(families) == {f"vllm:kvhal_{name}" for name in (*COUNTERS, *TIER_COUNTERS)}
+    every = (*COUNTERS, *TIER_COUNTERS, *HISTOGRAMS, *GAUGES, *TIER_GAUGES)
+    assert set(families) == {f"vllm:kvhal_{name}" for name in every}
 
 
 def test_prometheus_skips_what_it_does_not_know():

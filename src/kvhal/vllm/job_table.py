@@ -8,6 +8,8 @@ then ends it.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from kvhal.tiers.chain import LoadPlan, WritePlan
@@ -24,7 +26,8 @@ class Pending:
     :param plan: a load's or a read's plan in the tier chain (``None``: a load the chain
         refused), or a write's.
     :param blocks: a store's source block ids, every group's (what a fence protects).
-    :param started: when a read (a prefetch) started: its time, to the step that reports it.
+    :param started: when the job started (a prefetch: its read): its time, to the step that
+        reports it (one ``time.monotonic()`` per job, for the latency histograms).
     """
 
     job: Job
@@ -56,6 +59,10 @@ class JobTable:
     def __bool__(self) -> bool:
         return bool(self._jobs)
 
+    def pending(self) -> Iterable[Pending]:
+        """The jobs in flight."""
+        return self._jobs.values()
+
     def _id(self) -> int:
         job_id = self._next_job
         self._next_job += 1
@@ -64,14 +71,14 @@ class JobTable:
     def load(self, req_id: str, keys: list[bytes], groups: Groups, plan: LoadPlan | None) -> LoadJob:
         """A load of ``req_id``'s ``keys`` (per group, device blocks and host slots)."""
         job = LoadJob(self._id(), req_id, groups, reads=list(plan.reads) if plan is not None else [])
-        self._jobs[job.job_id] = Pending(job, keys, plan)
+        self._jobs[job.job_id] = Pending(job, keys, plan, started=time.monotonic())
         return job
 
     def store(self, req_id: str, keys: list[bytes], groups: Groups) -> StoreJob:
         """A store of ``req_id``'s ``keys`` (per group, device blocks and host slots)."""
         job = StoreJob(self._id(), req_id, groups)
         blocks = frozenset(b for ids, _ in groups.values() for b in ids)
-        self._jobs[job.job_id] = Pending(job, keys, blocks=blocks)
+        self._jobs[job.job_id] = Pending(job, keys, blocks=blocks, started=time.monotonic())
         return job
 
     def read(self, req_id: str, plan: LoadPlan, started: float) -> ReadJob:
@@ -83,7 +90,7 @@ class JobTable:
     def write(self, plan: WritePlan) -> WriteJob:
         """A write of ``plan``'s blocks to its tier."""
         job = WriteJob(self._id(), plan.tier, plan.keys, plan.host_slots, plan.slots, plan.snapshot)
-        self._jobs[job.job_id] = Pending(job, plan.keys, plan)
+        self._jobs[job.job_id] = Pending(job, plan.keys, plan, started=time.monotonic())
         return job
 
     def report(self, job_id: int, count: int, ok: bool) -> Pending | None:

@@ -58,7 +58,7 @@ from kvhal.vllm.metadata import KVHALMetadata, KVHALWorkerMetadata, LoadJob, Rea
 from kvhal.vllm.prefetch import Prefetcher, Started
 from kvhal.vllm.request_state import RequestState
 from kvhal.vllm.scheduler_stores import StorePlanner
-from kvhal.vllm.stats import KVHALStats
+from kvhal.vllm.stats import RECORD_ALL, KVHALStats, tier_key
 from kvhal.vllm.store_lookup import lookup_stores
 from kvhal.vllm.tier_list import SchedulerTier, open_scheduler_tiers
 from kvhal.vllm.versions import STATS_NEED_REQUEST_OUTPUTS, failed_recving
@@ -103,6 +103,7 @@ class SchedulerSide:
         self._last_step: tuple[float, int] | None = None  # the last step's start, its tokens
         self._held: list[str] = []  # finished requests to announce to the workers
         self._holding: set[str] = set()  # held requests not yet reported in finished_sending
+        self._gauges_sent: dict[str, int] = {}  # each gauge's last reported value
 
     def _new_chain(self) -> tuple[OffloadingManager, TierChain]:
         """The host tier's manager and the chain over it and the tiers below."""
@@ -132,6 +133,9 @@ class SchedulerSide:
             if not state.prefetch.done:  # past the wait: what is in host memory now is the hit
                 for name in state.read_from:
                     self.stats.add_tier("tier_prefetch_timeouts", name, 1)
+            waited = time.monotonic() - state.prefetch.started
+            for name in state.read_from:
+                self.stats.observe("lookup_wait_seconds", name, waited)
             state.prefetch = None
         bs = self.config.block_size
         start = num_computed_tokens // bs
@@ -300,23 +304,27 @@ class SchedulerSide:
     def _ended(self, pending: Pending) -> None:
         """A job every worker reported: one place per kind of job."""
         job = pending.job
+        # timed to the step that reports it: an upper bound, the same for each tier
+        seconds = time.monotonic() - pending.started
         if isinstance(job, WriteJob):
+            self.stats.observe("tier_write_seconds", job.tier, seconds)
             self.planner.write_ended(pending, self.chain)
         elif isinstance(job, StoreJob):
+            self.stats.observe("tier_write_seconds", "host", seconds)
             state = self._requests.get(job.req_id)
             if state is not None:
                 state.store_jobs.discard(job.job_id)
             self.planner.store_ended(pending, self.chain)
         elif isinstance(job, ReadJob):
             assert isinstance(pending.plan, LoadPlan)
-            # timed to the step that reports it: an upper bound, the same for each tier
-            seconds = time.monotonic() - pending.started
             ok = {read.tier: pending.ok for read in job.reads}
             state = self._requests.get(job.req_id)
             self.prefetcher.end_read(
                 self.chain, state, job.job_id, pending.plan, ok, dict.fromkeys(ok, seconds)
             )
         else:
+            assert isinstance(job, LoadJob)
+            self.stats.observe("device_load_seconds", job.reads[0].tier if job.reads else "host", seconds)
             self._load_ended(pending)
 
     def _load_ended(self, pending: Pending) -> None:
@@ -381,7 +389,40 @@ class SchedulerSide:
             self._hold_stats = False
             if hold:
                 return None
+        if RECORD_ALL:
+            self._gauges()
         return self.stats.take()
+
+    def _gauges(self) -> None:
+        """Occupancy and health now, set where changed since the last report (the scheduler
+        side alone reports gauges: once, whatever the workers)."""
+        manager, slot = self.manager, self.config.slot_bytes
+        used = len(manager)
+        now = {"host_used_slots": used, "host_slots": manager.num_slots}
+        now["host_pinned_slots"] = used - manager.num_storing - manager.num_evictable
+        inflight = dict.fromkeys(["host", *(tier.name for tier in self.tiers)], 0)
+        for pending in self.jobs.pending():  # a job's blocks, not per block: a few jobs a step
+            job = pending.job
+            if isinstance(job, WriteJob):
+                inflight[job.tier] += len(job.keys)
+                continue
+            if not isinstance(job, ReadJob):
+                inflight["host"] += len(pending.keys)
+            for read in getattr(job, "reads", ()):
+                inflight[read.tier] += len(read.keys)
+        for name, blocks in inflight.items():
+            now[tier_key("tier_inflight_bytes", name)] = blocks * slot
+        for tier in self.tiers:
+            index = tier.chain.index
+            if index is not None:
+                now[tier_key("tier_used_bytes", tier.name)] = len(index) * slot
+                now[tier_key("tier_budget_bytes", tier.name)] = index.num_slots * slot
+            if tier.store is not None:
+                now[tier_key("tier_up", tier.name)] = int(tier.store.up)
+        for key, value in now.items():
+            if self._gauges_sent.get(key) != value:
+                self.stats.set_gauge(key, value)
+                self._gauges_sent[key] = value
 
     def has_jobs_in_flight(self) -> bool:
         self.prefetcher.poll_local_reads(self.chain)

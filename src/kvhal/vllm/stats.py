@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,6 +61,7 @@ TIER_COUNTERS = {
     "tier_foreign_blocks": "Blocks this tier refused: stored for other KV (fingerprint or name mismatch).",
     "tier_missing_blocks": "Blocks this tier did not hold where expected (evicted, another key, none).",
     "tier_unauthenticated_blocks": "Blocks this store refused: no valid HMAC of KVHAL_REMOTE_SECRET.",
+    "tier_previous_secret_blocks": "Blocks this store served signed with a previous secret (a rotation).",
     "tier_io_errors": "Blocks this tier could not read: its medium failed or the store was unreachable.",
     "tier_unreachable": "Times this store became unreachable.",
 }
@@ -71,6 +73,34 @@ READ_FAILURE_COUNTERS = {
     "unauthenticated": "tier_unauthenticated_blocks",
     "io_error": "tier_io_errors",
 }
+
+
+#: Histogram families (seconds, one observation per job or per request), labelled by tier.
+#: The scheduler side times each from the job's start to the step that reports it, so a
+#: time is an upper bound to one engine step.
+HISTOGRAMS = {
+    "lookup_wait_seconds": "Time a request waited at lookup: a store's answer, or its prefetch from it.",
+    "tier_read_seconds": "Time a prefetch's read from this tier took, to the step that reported it.",
+    "tier_write_seconds": "Time a write to this tier took (tier=host: a store from the KV cache).",
+    "device_load_seconds": "Time a load into the KV cache took, by the tier it read from (host: a host hit).",
+}
+#: Bucket bounds (seconds) from 10 us to 10 s: a host hit's copy on a GPU to a slow store's read.
+BUCKETS = (1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+#: Engine-wide gauges: the scheduler side's host tier now.
+GAUGES = {
+    "host_used_slots": "Host tier slots holding a block (stored or being stored).",
+    "host_pinned_slots": "Host tier slots a load in flight pins (not evictable).",
+    "host_slots": "Host tier slots in all.",
+}
+#: Per-tier gauges, labelled by tier, set by the scheduler side (reported once, not summed).
+TIER_GAUGES = {
+    "tier_inflight_bytes": "Bytes being read from or written to this tier now (tier=host: KV cache copies).",
+    "tier_used_bytes": "Bytes a local tier holds (its slots used x the slot size).",
+    "tier_budget_bytes": "Bytes a local tier may hold (its slots x the slot size).",
+    "tier_up": "Whether this store is up now (1) or down (0): reachable at its last call.",
+}
+#: ``KVHAL_METRICS=counters`` records counters only (no histogram, no gauge): to compare.
+RECORD_ALL = os.environ.get("KVHAL_METRICS", "all") != "counters"
 
 
 def tier_key(family: str, tier: str) -> str:
@@ -110,19 +140,50 @@ class KVHALStats(KVConnectorStats):
             key = tier_key(family, tier)
             self.data[key] = self.data.get(key, 0) + value
 
+    def observe(self, family: str, tier: str, seconds: float) -> None:
+        """One observation of histogram ``family`` for ``tier`` (kept as a list: lists
+        aggregate by concatenation, across workers and steps, and stay exact)."""
+        if RECORD_ALL:
+            key = tier_key(family, tier)
+            values = self.data.get(key)
+            if values is None:
+                self.data[key] = [seconds]
+            else:
+                values.append(seconds)
+
+    def set_gauge(self, key: str, value: int) -> None:
+        """Gauge ``key`` (a name of :data:`GAUGES` or a :func:`tier_key` of
+        :data:`TIER_GAUGES`) is ``value`` now: the last value wins, never a sum."""
+        self.data[key] = value
+
     def reset(self) -> None:
         self.data = {}
 
     def aggregate(self, other: KVConnectorStats) -> KVHALStats:
         for name, value in other.data.items():
-            self.add(name, value)
+            kind = _kind(name)
+            if kind == "histogram":
+                self.data[name] = self.data.get(name, []) + list(value)
+            elif kind == "gauge":  # the newer report's value (one reporter: the scheduler side)
+                self.data[name] = value
+            else:
+                self.add(name, value)
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        return dict(self.data)
+        """For vLLM's log line: a histogram as its count and mean (ms)."""
+        reduced: dict[str, int | float] = {}
+        for name, value in self.data.items():
+            if isinstance(value, list):
+                reduced[f"{name}_count"] = len(value)
+                reduced[f"{name}_mean_ms"] = round(1e3 * sum(value) / len(value), 3) if value else 0.0
+            else:
+                reduced[name] = value
+        return reduced
 
     def is_empty(self) -> bool:
-        return not any(self.data.values())
+        # a gauge back to 0 is news
+        return not any(value or _kind(name) == "gauge" for name, value in self.data.items())
 
     def take(self) -> KVHALStats | None:
         """This interval's stats (or None), leaving this object empty."""
@@ -134,13 +195,24 @@ class KVHALStats(KVConnectorStats):
 
 
 def _known(key: str) -> bool:
+    return _kind(key) is not None
+
+
+def _kind(key: str) -> str | None:
+    """``"counter"``, ``"histogram"``, ``"gauge"`` or None (not a kvhal statistic)."""
     family, tier = split_key(key)
-    return family in TIER_COUNTERS if tier is not None else key in COUNTERS
+    if tier is None:
+        return "counter" if key in COUNTERS else "gauge" if key in GAUGES else None
+    if family in TIER_COUNTERS:
+        return "counter"
+    return "histogram" if family in HISTOGRAMS else "gauge" if family in TIER_GAUGES else None
 
 
 class KVHALPromMetrics(KVConnectorPromMetrics):
-    """One Prometheus counter per :data:`COUNTERS` entry, named ``vllm:kvhal_<name>``, and one
-    per :data:`TIER_COUNTERS` family with a ``tier`` label besides vLLM's."""
+    """One Prometheus counter per :data:`COUNTERS` entry, named ``vllm:kvhal_<name>``, one
+    per :data:`TIER_COUNTERS` family with a ``tier`` label besides vLLM's, a histogram per
+    :data:`HISTOGRAMS` family and a gauge per :data:`GAUGES` and :data:`TIER_GAUGES` entry
+    (a vLLM without a metric class of a kind: that kind is left out)."""
 
     def __init__(
         self,
@@ -150,36 +222,65 @@ class KVHALPromMetrics(KVConnectorPromMetrics):
         per_engine_labelvalues: dict[int, list[object]],
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        self._counters: dict[tuple[str, int], Any] = {}
+        self._counters: dict[tuple[str, int], Any] = {}  # (key, engine) -> a labelled child
+        self._labelvalues = per_engine_labelvalues
+        tiered = [*labelnames, "tier"]
+        gauge_cls = getattr(self, "_gauge_cls", None)
+        histogram_cls = getattr(self, "_histogram_cls", None) if RECORD_ALL else None
+        self._families: dict[str, Any] = {}  # name -> metric (children made per engine, tier)
         for name, help_text in COUNTERS.items():
-            counter = self._counter_cls(
+            self._families[name] = self._counter_cls(
                 name=f"vllm:kvhal_{name}", documentation=help_text, labelnames=labelnames
             )
-            for engine, values in per_engine_labelvalues.items():
-                self._counters[(name, engine)] = counter.labels(*values)
-        self._labelvalues = per_engine_labelvalues
-        self._families = {
-            family: self._counter_cls(
-                name=f"vllm:kvhal_{family}", documentation=help_text, labelnames=[*labelnames, "tier"]
+        for family, help_text in TIER_COUNTERS.items():
+            self._families[family] = self._counter_cls(
+                name=f"vllm:kvhal_{family}", documentation=help_text, labelnames=tiered
             )
-            for family, help_text in TIER_COUNTERS.items()
-        }
+        if histogram_cls is not None:
+            for family, help_text in HISTOGRAMS.items():
+                self._families[family] = histogram_cls(
+                    name=f"vllm:kvhal_{family}",
+                    documentation=help_text,
+                    labelnames=tiered,
+                    buckets=list(BUCKETS),
+                )
+        if gauge_cls is not None and RECORD_ALL:
+            for name, help_text in [*GAUGES.items(), *TIER_GAUGES.items()]:
+                self._families[name] = gauge_cls(
+                    name=f"vllm:kvhal_{name}",
+                    documentation=help_text,
+                    labelnames=tiered if name in TIER_GAUGES else labelnames,
+                    multiprocess_mode="mostrecent",
+                )
+        for name in COUNTERS:  # engine-wide counters show 0 before their first count
+            for engine, values in per_engine_labelvalues.items():
+                self._counters[(name, engine)] = self._families[name].labels(*values)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-        for name, value in transfer_stats_data.items():
-            if not value:
+        for key, value in transfer_stats_data.items():
+            kind = _kind(key)
+            if not value and kind != "gauge":
                 continue
-            counter = self._counters.get((name, engine_idx))
-            if counter is None:
-                counter = self._tier_counter(name, engine_idx)
-            if counter is not None:
-                counter.inc(value)
+            metric = self._counters.get((key, engine_idx))
+            if metric is None:
+                metric = self._child(key, engine_idx)
+                if metric is None:
+                    continue
+            if kind == "histogram":
+                for seconds in value:
+                    metric.observe(seconds)
+            elif kind == "gauge":
+                metric.set(value)
+            else:
+                metric.inc(value)
 
-    def _tier_counter(self, key: str, engine_idx: int) -> Any:
-        """A tier's child of its family's counter, made the first time the tier counts."""
+    def _child(self, key: str, engine_idx: int) -> Any:
+        """A key's child of its family, made the first time it reports."""
         family, tier = split_key(key)
         values = self._labelvalues.get(engine_idx)
-        if tier is None or family not in self._families or values is None:
+        metric = self._families.get(family)
+        if metric is None or values is None:
             return None
-        counter = self._counters[(key, engine_idx)] = self._families[family].labels(*values, tier)
-        return counter
+        child = metric.labels(*values) if tier is None else metric.labels(*values, tier)
+        self._counters[(key, engine_idx)] = child
+        return child

@@ -77,6 +77,8 @@ def lookup_stores(
             else:
                 found, n = probe.future.result(), len(groups)
                 probe.found = [all(found[i * n : (i + 1) * n]) for i in range(len(probe.hashes))]
+            asked_at = probe.deadline - (tier.lookup_timeout_s or 0.0)
+            stats.observe("lookup_wait_seconds", tier.name, time.monotonic() - asked_at)
         offset = first - probe.first
         held = probe.found[offset : offset + len(wanted)]
         state.held[tier.name] = {
