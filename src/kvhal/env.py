@@ -73,6 +73,13 @@ _TABLE = (
         "kvhal (remote tier)",
     ),
     Setting(
+        "KVHAL_REMOTE_PREVIOUS_SECRETS",
+        "none",
+        "comma-separated secrets of a rotation in progress (at most 4): values carrying an HMAC of "
+        "one are served, new values carry `KVHAL_REMOTE_SECRET`'s (docs/tiers.md, rotating the secret)",
+        "kvhal (remote tier)",
+    ),
+    Setting(
         "KVHAL_REDIS_USERNAME",
         "none (`default`)",
         "the Redis ACL user, when `remote_url` names none",

@@ -16,8 +16,11 @@ from kvhal.vllm.versions import seed_advice
 
 logger = init_logger("vllm." + __name__)  # under "vllm": its handlers and level
 SECRET_VARIABLE = "KVHAL_REMOTE_SECRET"
+PREVIOUS_VARIABLE = "KVHAL_REMOTE_PREVIOUS_SECRETS"
 #: The most bytes a secret file may hold.
 SECRET_FILE_MAX_BYTES = 4096
+#: The most previous secrets (each one more HMAC per refused value, and a key still trusted).
+MAX_PREVIOUS_SECRETS = 4
 
 
 def read_secret(remote: RemoteTierConfig) -> bytes | None:
@@ -25,11 +28,50 @@ def read_secret(remote: RemoteTierConfig) -> bytes | None:
 
     :raises ValidationError: the file cannot be read, is too large, or holds no secret.
     """
+    return read_secrets(remote)[0]
+
+
+def read_secrets(remote: RemoteTierConfig) -> tuple[bytes | None, list[bytes]]:
+    """The fleet's secret and its previous ones (a rotation): values are signed with the first,
+    and a value signed with any is served.
+
+    The secret is ``KVHAL_REMOTE_SECRET``, else ``remote_secret_file``'s first line; the previous
+    ones are ``KVHAL_REMOTE_PREVIOUS_SECRETS`` (comma-separated) where it is set, else the file's
+    later lines (where the secret came from the file). At most :data:`MAX_PREVIOUS_SECRETS`.
+
+    :raises ValidationError: the file cannot be read, is too large, or holds no secret; previous
+        secrets without a current one, or too many.
+    """
     secret = env.read(SECRET_VARIABLE)
+    listed = env.read(PREVIOUS_VARIABLE)
+    previous = [p.strip().encode() for p in listed.split(",")] if listed else []
     if secret:
-        return secret.encode()
-    if remote.secret_file is None:
-        return None
+        current: bytes | None = secret.encode()
+    elif remote.secret_file is None:
+        current = None
+    else:
+        lines = _secret_file_lines(remote)
+        current = lines[0]
+        if not listed:
+            previous = lines[1:]
+    previous = [p for p in dict.fromkeys(previous) if p and p != current]
+    if previous and current is None:
+        raise ValidationError(
+            PREVIOUS_VARIABLE,
+            f"previous secrets are only read beside a current one ({SECRET_VARIABLE} or remote_secret_file)",
+        )
+    if len(previous) > MAX_PREVIOUS_SECRETS:
+        where = PREVIOUS_VARIABLE if listed else remote.key("secret_file")
+        raise ValidationError(
+            where,
+            f"{len(previous)} previous secrets; at most {MAX_PREVIOUS_SECRETS} (finish a rotation first)",
+        )
+    return current, previous
+
+
+def _secret_file_lines(remote: RemoteTierConfig) -> list[bytes]:
+    """``remote_secret_file``'s non-empty lines, stripped: the secret first."""
+    assert remote.secret_file is not None
     try:
         with open(remote.secret_file, "rb") as f:
             text = f.read(SECRET_FILE_MAX_BYTES + 1)
@@ -41,12 +83,12 @@ def read_secret(remote: RemoteTierConfig) -> bytes | None:
         raise ValidationError(
             remote.key("secret_file"), f"{remote.secret_file!r} has more than {SECRET_FILE_MAX_BYTES} bytes"
         )
-    line = text.split(b"\n", 1)[0].strip()
-    if not line:
+    lines = [line.strip() for line in text.split(b"\n")]
+    if not lines[0]:
         raise ValidationError(
             remote.key("secret_file"), f"{remote.secret_file!r} holds no secret (its first line is empty)"
         )
-    return line
+    return [line for line in lines if line]
 
 
 def open_remote_tier(
@@ -76,7 +118,7 @@ def open_remote_tier(
             HASH_SEED_VARIABLE,
             seed_advice(),
         )
-    secret = read_secret(remote)
+    secret, previous = read_secrets(remote)
     if secret is None and remote.auth != "none":
         raise ValidationError(
             remote.key("auth"),
@@ -112,6 +154,10 @@ def open_remote_tier(
             spec,
             host=host,
             secret=secret,
+            previous_secrets=previous,
+            on_previous_secret=lambda count: stats.add_tier(
+                "tier_previous_secret_blocks", remote.name, count
+            ),
             strict=remote.strict,
             on_health=on_health,
         )
@@ -128,7 +174,9 @@ def open_remote_tier(
         logger.info(
             "kvhal: remote tier %s (HMAC: %s, lookups %d ms, loads %d ms, at most %d blocks written at once)",
             url,
-            "on" if secret else 'off, remote_auth "none"',
+            ("on" + (f", {len(previous)} previous secret(s) accepted" if previous else ""))
+            if secret
+            else 'off, remote_auth "none"',
             remote.lookup_timeout_ms,
             remote.load_timeout_ms,
             remote.max_inflight_blocks,

@@ -221,7 +221,8 @@ class StoreTierSettings(_Keys):
     )
     secret_file: str | None = key(
         None,
-        doc="A file whose first line is the secret (where `KVHAL_REMOTE_SECRET` is unset).",
+        doc="A file whose first line is the secret (where `KVHAL_REMOTE_SECRET` is unset); later "
+        "lines are previous secrets, still accepted during a rotation.",
         expects="a file path",
         min_length=1,
     )
