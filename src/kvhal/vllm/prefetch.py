@@ -267,6 +267,8 @@ class Prefetcher:
                 self.stats.observe("tier_read_seconds", read.tier, seconds[read.tier])
             if not ok.get(read.tier, False):
                 self.stats.add_tier("tier_failed_loads", read.tier, 1)
+                if state is not None:
+                    state.forget_read(read.tier, read.keys)
                 continue
             self.stats.add_tier("tier_loaded_blocks", read.tier, len(read.keys))
             policy = self.waits.get(read.tier)

@@ -54,3 +54,9 @@ class RequestState:
     prefetched: bool = False
     recompute_below: bool = False  # the wait policy chose to recompute what is below the host tier
     read_from: dict[str, set[bytes]] = field(default_factory=dict)  # keys its prefetch read, by tier
+
+    def forget_read(self, tier: str, keys: list[bytes]) -> None:
+        """A read of ``keys`` from ``tier`` failed: the store may hold refused values there, so
+        the recomputed blocks are written to it after all (over what it refused)."""
+        self.held.get(tier, set()).difference_update(keys)
+        self.read_from.get(tier, set()).difference_update(keys)

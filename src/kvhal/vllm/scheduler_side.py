@@ -340,6 +340,8 @@ class SchedulerSide:
                     self.stats.add_tier("tier_loaded_blocks", read.tier, len(read.keys))
                 else:
                     self.stats.add_tier("tier_failed_loads", read.tier, 1)
+                    if state is not None:
+                        state.forget_read(read.tier, read.keys)
         if not pending.ok:
             self.stats.add("failed_loads", 1)
             # its request may be this step's only one, and skipped: no request outputs
