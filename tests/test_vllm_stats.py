@@ -145,7 +145,11 @@ def test_prometheus_has_one_counter_per_family_and_one_child_per_tier():
     families = {m.name: m for m in registry.collect()}
     # one family per name, its children told apart by the tier label
     hits = families["vllm:kvhal_tier_hit_tokens"]
-    assert {s.labels["tier"] for s in hits.samples if s.name.endswith("_total")} == {"disk", "redis"}
+    totals = {
+        (s.labels["engine"], s.labels["tier"]): s.value for s in hits.samples if s.name.endswith("_total")
+    }
+    # redis+cluster's from 0 since its first report, of another family (issue 37)
+    assert totals == {("0", "disk"): 40, ("0", "redis"): 16, ("0", "redis+cluster"): 0, ("1", "disk"): 5}
     assert not any(name.startswith("vllm:kvhal_tier_hit_tokens{") for name in families)
     every = (*COUNTERS, *TIER_COUNTERS, *HISTOGRAMS, *GAUGES, *TIER_GAUGES)
     assert set(families) == {f"vllm:kvhal_{name}" for name in every}

@@ -80,3 +80,14 @@ def test_a_vllm_without_gauges_or_histograms_keeps_the_counters():
     metrics.observe(stats.data)
     assert value(registry, "hit_tokens_total") == 5
     assert value(registry, "tier_up", tier="redis") is None
+
+
+def test_a_tiers_first_report_shows_each_of_its_counters_at_zero():
+    """A failure's rate is 0, not absent, before its first failure (a dashboard's panel)."""
+    registry = CollectorRegistry()
+    metrics = prom_metrics(registry)
+    stats = KVHALStats()
+    stats.observe("tier_write_seconds", "disk", 0.01)
+    metrics.observe(stats.data)
+    assert value(registry, "tier_corrupt_blocks_total", tier="disk") == 0
+    assert value(registry, "tier_corrupt_blocks_total", tier="redis") is None  # never reported

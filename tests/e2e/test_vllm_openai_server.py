@@ -6,12 +6,23 @@ and ``VLLM_SERVER_DEV_MODE=1`` for ``POST /reset_prefix_cache``. After that
 reset vLLM's own prefix cache is empty, so cached prompt tokens can only come
 from kvhal: the response's ``kv_transfer_params``, ``usage`` and the
 ``vllm:kvhal_*`` counters on ``/metrics`` all say so.
+
+The server also has a disk tier and a Redis store below a host tier of 10 blocks, so that
+its workload writes to both, asks the store and reads back from the disk: every latency
+histogram and occupancy gauge of issue 37 shows on ``/metrics``. The metric names the scrape
+saw are ``tests/data/metrics_seen.txt`` (the dashboard's test checks its queries against
+them); ``KVHAL_UPDATE_METRICS_SEEN=1`` rewrites it, else a test fails when it is stale.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
 import pytest
 
+from kvhal.vllm.stats import GAUGES, HISTOGRAMS, TIER_GAUGES
 from tests.e2e.common import fault_env, prompts
 from tests.e2e.openai_server import OpenAIServer
 
@@ -22,6 +33,21 @@ LENGTH, SERVED = 200, 192
 BLOCK_BYTES = 16 << 10
 BATCH = prompts(2, LENGTH, seed=31)
 KVHAL = {"cpu_bytes_to_use": 64 << 20}
+#: A host tier of 10 blocks (a batch's 12 do not fit), a disk tier, then a Redis store; the
+#: timeout policies: every hit below is read (auto would recompute on this tiny model).
+TIERED = {
+    "cpu_bytes_to_use": 10 * BLOCK_BYTES,
+    "disk_bytes_to_use": 8 << 20,
+    "lower_tier_wait_policy": "timeout",
+    "remote_lookup_timeout_ms": 2000,
+    "remote_wait_policy": "timeout",
+    "remote_auth": "none",
+}
+SEEN = Path(__file__).resolve().parents[1] / "data" / "metrics_seen.txt"
+#: Gauges at 0 once the workload's jobs ended (nothing in flight, nothing pinned).
+AT_REST = {"host_pinned_slots", "tier_inflight_bytes"}
+#: The sample names of the last scrape (for the check of ``SEEN``).
+scraped: set[str] = set()
 
 
 def round_trip(server: OpenAIServer, batch: list[list[int]]) -> tuple[list[dict], list[dict]]:
@@ -44,10 +70,14 @@ def cached(responses: list[dict]) -> list[int]:
 
 
 @pytest.fixture
-def server(model):
+def server(model, tmp_path) -> Iterator[OpenAIServer]:
+    from kvhal.testing.redis_servers import RedisServer
+
     # --enable-prompt-tokens-details: usage.prompt_tokens_details.cached_tokens in responses
-    with OpenAIServer(model, kvhal=KVHAL, engine={"enable_prompt_tokens_details": True}) as running:
-        yield running
+    with RedisServer() as redis:
+        kvhal = {**TIERED, "disk_path": str(tmp_path / "disk"), "remote_url": redis.url}
+        with OpenAIServer(model, kvhal=kvhal, engine={"enable_prompt_tokens_details": True}) as running:
+            yield running
 
 
 def test_completions_served_from_kvhal_after_reset_prefix_cache(server):
@@ -66,6 +96,34 @@ def test_completions_served_from_kvhal_after_reset_prefix_cache(server):
     assert grew["vllm:kvhal_loaded_bytes_total"] == 2 * SERVED // BLOCK * BLOCK_BYTES
     assert grew["vllm:kvhal_stored_blocks_total"] >= 2 * SERVED // BLOCK
     assert grew["vllm:kvhal_failed_loads_total"] == 0
+    assert_latency_and_occupancy(server)
+
+
+def assert_latency_and_occupancy(server: OpenAIServer) -> None:
+    """Every histogram observed, every gauge present (non-zero but those at rest), and the
+    scrape's sample names kept for the dashboard's test."""
+    samples = server.metrics(prefix="")
+    scraped.clear()
+    scraped.update(samples)
+    for family in HISTOGRAMS:
+        assert samples.get(f"vllm:kvhal_{family}_count", 0) > 0, f"{family} never observed"
+    for name in (*GAUGES, *TIER_GAUGES):
+        assert f"vllm:kvhal_{name}" in samples, f"no gauge {name} on /metrics"
+        assert name in AT_REST or samples[f"vllm:kvhal_{name}"] > 0, f"{name} is 0"
+    if os.environ.get("KVHAL_UPDATE_METRICS_SEEN") == "1":
+        SEEN.parent.mkdir(exist_ok=True)
+        SEEN.write_text("".join(f"{name}\n" for name in sorted(scraped)))
+
+
+def test_metrics_seen_file_is_current():
+    """The names the dashboard's test checks against are this server's (run after the test
+    above, in the same session; rewrite with KVHAL_UPDATE_METRICS_SEEN=1)."""
+    if not scraped:
+        pytest.skip("the server test did not scrape in this session")
+    kept = set(SEEN.read_text().split()) if SEEN.exists() else set()
+    assert kept == scraped, (
+        f"{SEEN} is stale: missing {sorted(scraped - kept)}, gone {sorted(kept - scraped)}"
+    )
 
 
 def test_negative_control_corrupted_loads_change_server_outputs(model):

@@ -224,6 +224,7 @@ class KVHALPromMetrics(KVConnectorPromMetrics):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._counters: dict[tuple[str, int], Any] = {}  # (key, engine) -> a labelled child
         self._labelvalues = per_engine_labelvalues
+        self._tiers: set[tuple[str, int]] = set()  # (tier, engine) whose counters exist
         tiered = [*labelnames, "tier"]
         gauge_cls = getattr(self, "_gauge_cls", None)
         histogram_cls = getattr(self, "_histogram_cls", None) if RECORD_ALL else None
@@ -281,6 +282,14 @@ class KVHALPromMetrics(KVConnectorPromMetrics):
         metric = self._families.get(family)
         if metric is None or values is None:
             return None
-        child = metric.labels(*values) if tier is None else metric.labels(*values, tier)
-        self._counters[(key, engine_idx)] = child
+        if tier is not None and (tier, engine_idx) not in self._tiers:
+            # a new tier: each of its counters from 0, so a rate() of a failure is 0, not absent
+            self._tiers.add((tier, engine_idx))
+            for family in TIER_COUNTERS:
+                key_of = tier_key(family, tier)
+                self._counters[(key_of, engine_idx)] = self._families[family].labels(*values, tier)
+        child = self._counters.get((key, engine_idx))
+        if child is None:
+            child = metric.labels(*values) if tier is None else metric.labels(*values, tier)
+            self._counters[(key, engine_idx)] = child
         return child
