@@ -87,7 +87,10 @@ def test_a_tiers_first_report_shows_each_of_its_counters_at_zero():
     registry = CollectorRegistry()
     metrics = prom_metrics(registry)
     stats = KVHALStats()
-    stats.observe("tier_write_seconds", "disk", 0.01)
+    stats.observe("tier_write_seconds", "host", 0.01)
+    stats.add_tier("tier_written_blocks", "disk", 3)
     metrics.observe(stats.data)
+    assert value(registry, "tier_written_blocks_total", tier="disk") == 3
     assert value(registry, "tier_corrupt_blocks_total", tier="disk") == 0
     assert value(registry, "tier_corrupt_blocks_total", tier="redis") is None  # never reported
+    assert value(registry, "tier_corrupt_blocks_total", tier="host") is None  # counts nothing

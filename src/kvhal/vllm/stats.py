@@ -282,12 +282,14 @@ class KVHALPromMetrics(KVConnectorPromMetrics):
         metric = self._families.get(family)
         if metric is None or values is None:
             return None
-        if tier is not None and (tier, engine_idx) not in self._tiers:
-            # a new tier: each of its counters from 0, so a rate() of a failure is 0, not absent
+        if tier is not None and family in TIER_COUNTERS and (tier, engine_idx) not in self._tiers:
+            # a tier's first count: each of its counters from 0, so a failure's rate() is 0,
+            # not absent (not on a histogram's or gauge's report: tier="host" counts nothing)
             self._tiers.add((tier, engine_idx))
-            for family in TIER_COUNTERS:
-                key_of = tier_key(family, tier)
-                self._counters[(key_of, engine_idx)] = self._families[family].labels(*values, tier)
+            for name in TIER_COUNTERS:
+                self._counters[(tier_key(name, tier), engine_idx)] = self._families[name].labels(
+                    *values, tier
+                )
         child = self._counters.get((key, engine_idx))
         if child is None:
             child = metric.labels(*values) if tier is None else metric.labels(*values, tier)

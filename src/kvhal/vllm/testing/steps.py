@@ -138,6 +138,8 @@ def metrics(llm: Any, step: dict) -> dict:
     found = {}
     for metric in llm.get_metrics():
         if metric.name.startswith(prefixes):
+            if metric.name.startswith("vllm:kvhal_") and type(metric).__name__ != "Counter":
+                continue  # kvhal's histograms and gauges: a step's readers diff counters by tier
             value = getattr(metric, "value", None)
             if value is None:
                 value = getattr(metric, "values", None)
