@@ -145,3 +145,21 @@ def test_the_script_leaves_a_value_of_a_blocks_length_unless_it_is_the_one_refus
     assert server.client().get(name) == held
     assert store.replace([name], [[memoryview(b"n" * 64)]], [hashlib.sha1(held).hexdigest()]) == [True]
     assert server.client().get(name) == b"n" * 64
+
+
+def test_on_a_cluster_a_planted_block_is_replaced_too(host):
+    from kvhal.testing.redis_servers import RedisCluster
+
+    with RedisCluster() as cluster:
+        keys = fresh_keys(3)  # names over the cluster's slots
+        engine = open_tier(cluster.url, host, secret=b"fleet")
+        import redis.cluster
+
+        attacker = redis.cluster.RedisCluster(host="127.0.0.1", port=cluster.ports[0])
+        for name in engine.names(keys):
+            attacker.set(name, b"x" * (HEADER_BYTES + SLOT))
+        assert engine.read(keys, [8, 9, 10]).result(10) == [CORRUPT] * 3
+        assert engine.write(keys, [0, 1, 2]).result(10) == [True] * 3
+        assert engine.read(keys, [11, 12, 13]).result(10) == [OK] * 3
+        engine.close()
+        attacker.close()

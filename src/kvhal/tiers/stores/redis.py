@@ -305,9 +305,27 @@ class RedisStore(RemoteStore):
             pipe.eval(REPLACE_SCRIPT, 1, names[i], value, refused[i], ttl)
             return len(value)
 
-        replies = self._pipelined(len(names), add)
+        if self._target.cluster:  # redis-py's cluster pipelines refuse EVAL: one call per name
+            replies = [
+                self._one(
+                    lambda c, i=i: c.eval(REPLACE_SCRIPT, 1, names[i], b"".join(values[i]), refused[i], ttl)
+                )
+                for i in range(len(names))
+            ]
+        else:
+            replies = self._pipelined(len(names), add)
         # 0: the name holds another value of a block's length (another engine's): stored
         return [not isinstance(r, BaseException) for r in replies]
+
+    def _one(self, call: Callable[[Any], object]) -> object:
+        """``call(client)``: its reply, or the error of a refused command."""
+        client = self._current()
+        try:
+            return call(client)
+        except _UNAVAILABLE as exc:
+            raise self._failed(client, exc) from exc
+        except rex.RedisError as exc:
+            return exc
 
     def get(self, names: Sequence[str], buffers: Sequence[Sequence[memoryview]]) -> list[int]:
         if len(names) != len(buffers):
