@@ -80,6 +80,13 @@ _TABLE = (
         "kvhal (remote tier)",
     ),
     Setting(
+        "KVHAL_METRICS",
+        "all",
+        "`counters`: the vLLM connector records its counters only, no latency histogram or "
+        "occupancy gauge (to measure what recording them costs)",
+        "kvhal (vLLM connector)",
+    ),
+    Setting(
         "KVHAL_REDIS_USERNAME",
         "none (`default`)",
         "the Redis ACL user, when `remote_url` names none",

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,6 +12,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetric,
     PromMetricT,
 )
+
+from kvhal import env
 
 #: Counter name -> help text. Scheduler side: lookups and hits; worker side: bytes moved.
 COUNTERS = {
@@ -100,7 +101,7 @@ TIER_GAUGES = {
     "tier_up": "Whether this store is up now (1) or down (0): reachable at its last call.",
 }
 #: ``KVHAL_METRICS=counters`` records counters only (no histogram, no gauge): to compare.
-RECORD_ALL = os.environ.get("KVHAL_METRICS", "all") != "counters"
+RECORD_ALL = (env.read("KVHAL_METRICS") or "all") != "counters"
 
 
 def tier_key(family: str, tier: str) -> str:
