@@ -180,13 +180,7 @@ def _open_checked(path: str, st: os.stat_result) -> int:
 def _open_private(parent: int, path: str, st: os.stat_result) -> tuple[int, str]:
     name = PRIVATE_DIR.format(uid=os.geteuid())
     where = os.path.join(path, name)
-    with contextlib.suppress(FileExistsError):
-        os.mkdir(name, 0o700, dir_fd=parent)
-    try:
-        fd = os.open(name, DIR_FLAGS, dir_fd=parent)
-    except OSError as exc:
-        why = "is a symbolic link" if exc.errno in (errno.ELOOP, errno.ENOTDIR) else exc.strerror
-        raise TierError("disk", where, f"cannot be used: {why}") from exc
+    fd = _make_dir(parent, name, where)
     try:
         mine = os.fstat(fd)
         if mine.st_uid != os.geteuid() or stat.S_IMODE(mine.st_mode) & 0o077:
@@ -219,13 +213,7 @@ _SAID_PRIVATE: set[str] = set()
 def open_dir(parent: int, name: str, where: str) -> int:
     """Open (creating, 0700) kvhal's own directory ``name`` in ``parent``; never through a link."""
     path = os.path.join(where, name)
-    with contextlib.suppress(FileExistsError):
-        os.mkdir(name, 0o700, dir_fd=parent)
-    try:
-        fd = os.open(name, DIR_FLAGS, dir_fd=parent)
-    except OSError as exc:
-        why = "is a symbolic link" if exc.errno in (errno.ELOOP, errno.ENOTDIR) else exc.strerror
-        raise TierError("disk", path, f"cannot be used: {why}") from exc
+    fd = _make_dir(parent, name, path)
     try:
         st = os.fstat(fd)
         if st.st_uid != os.geteuid():
@@ -236,6 +224,18 @@ def open_dir(parent: int, name: str, where: str) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def _make_dir(parent: int, name: str, path: str) -> int:
+    """Make directory ``name`` in ``parent`` (0700) unless it is there, and open it; never
+    through a link (``path`` names it in errors)."""
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(name, 0o700, dir_fd=parent)
+    try:
+        return os.open(name, DIR_FLAGS, dir_fd=parent)
+    except OSError as exc:
+        why = "is a symbolic link" if exc.errno in (errno.ELOOP, errno.ENOTDIR) else exc.strerror
+        raise TierError("disk", path, f"cannot be used: {why}") from exc
 
 
 def open_file(dir_fd: int, name: str, flags: int, where: str) -> int:
