@@ -87,6 +87,14 @@ _TABLE = (
         "kvhal (vLLM connector)",
     ),
     Setting(
+        "KVHAL_CACHE_DIR",
+        "`$XDG_CACHE_HOME/kvhal` (`~/.cache/kvhal`)",
+        "where kvhal keeps what it computed once: the digests of a model's weight files (the KV "
+        "fingerprint's model), so a restart does not read them again; a directory of this user's "
+        "that others cannot write, or none is kept",
+        "kvhal (vLLM connector)",
+    ),
+    Setting(
         "KVHAL_REDIS_USERNAME",
         "none (`default`)",
         "the Redis ACL user, when `remote_url` names none",
