@@ -2,16 +2,20 @@
 extensions, and which tiers of what size.
 
 One line, logged once by the scheduler-side connector, and a warning for each C extension
-that was not built (:mod:`kvhal.build_info`: what it costs and the fix). Formatting imports
-no vLLM, so it is tested without an engine.
+that was not built (:mod:`kvhal.build_info`: what it costs and the fix), and one when the
+device plugin cannot pin (page-lock) host memory here (:func:`pinning_warning`: a container
+without ``CAP_IPC_LOCK`` or an unlimited ``RLIMIT_MEMLOCK``). Formatting imports no vLLM, so
+it is tested without an engine.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvhal import build_info
+from kvhal import build_info, env
+from kvhal.descriptor import Capability, DeviceDescriptor
 from kvhal.registry import PluginRegistry
 from kvhal.tiers.remote.urls import redact
 from kvhal.vllm.extra_config import RemoteTierConfig
@@ -19,7 +23,19 @@ from kvhal.vllm.extra_config import RemoteTierConfig
 if TYPE_CHECKING:
     from kvhal.vllm.config import ConnectorConfig
 
-__all__ = ["device_plugin", "log_start", "size", "start_line", "tiers_text"]
+__all__ = [
+    "HostMemory",
+    "device_plugin",
+    "host_memory",
+    "log_start",
+    "pinning_warning",
+    "size",
+    "start_line",
+    "tiers_text",
+]
+
+#: The settings that turn pinning off on purpose (then pageable memory is no surprise: no warning).
+PINNING_OFF = {"KVHAL_PIN_HOST": "off", "KVHAL_CPU_MLOCK": "0"}
 
 
 def size(nbytes: int) -> str:
@@ -58,17 +74,79 @@ def tiers_text(config: ConnectorConfig) -> str:
     return " > ".join(parts)
 
 
-def device_plugin(config: ConnectorConfig, device_type: str | None) -> str:
-    """The device plugin the workers will select (they select it again, and their selection is
-    the one that counts: a failure here is reported, never raised)."""
+@dataclass(frozen=True)
+class HostMemory:
+    """Whether the selected device plugin pins (page-locks) host memory in this process.
+
+    The scheduler decides as its workers will: they are its children, with its limits and
+    capabilities, and select the same plugin.
+    """
+
+    #: None: no plugin was selected (the workers' selection will say why)
+    pinned: bool | None
+    #: the plugin's own words on its host memory (``kvhal devices``' ``host_memory``), if any
+    reason: str = ""
+    #: the setting that turned pinning off on purpose (``KVHAL_PIN_HOST=off``), if one did
+    turned_off: str | None = None
+
+    def text(self) -> str:
+        """The start line's field."""
+        if self.pinned is None:
+            return "host memory not known"
+        if self.pinned:
+            return "host memory pinned"
+        return f"host memory pageable ({self.turned_off or 'see the warning'})"
+
+
+def host_memory(descriptor: DeviceDescriptor | None) -> HostMemory:
+    """What the selected plugin's probe (``descriptor``) says of host memory here."""
+    if descriptor is None:
+        return HostMemory(None)
+    reason = descriptor.details.get("host_memory", "")
+    if descriptor.supports(Capability.PINNED_HOST):
+        return HostMemory(True, reason)
+    for name, off in PINNING_OFF.items():
+        # a setting counts where the plugin names it, or gives no reason of its own
+        if (env.read(name) or "").strip().lower() == off and (name in reason or not reason):
+            return HostMemory(False, reason, f"{name}={off}")
+    return HostMemory(False, reason)
+
+
+def pinning_warning(plugin: str, memory: HostMemory) -> str:
+    """The warning for host memory that cannot be pinned here: what kvhal does instead, what
+    it costs, and the fix (docs/deploy.md's "Pinned memory" says the same)."""
+    said = f" ({memory.reason})" if memory.reason else ""
+    return (
+        f"kvhal: host memory cannot be pinned here: the device plugin {plugin} does not declare "
+        f"host.pinned{said}. kvhal runs the host tier on pageable host memory instead; nothing "
+        "is refused and every block stays correct, but copies between the KV cache and the host "
+        "tier are slower (a GPU copies pageable memory through the driver's staging buffer, not "
+        "by DMA), and under memory pressure the kernel may swap host-tier pages out, so a hit "
+        "can wait for page faults. Fix: give the engine CAP_IPC_LOCK (Kubernetes: the vLLM "
+        'container\'s securityContext.capabilities.add: ["IPC_LOCK"], as deploy/base does; '
+        "Docker: --cap-add IPC_LOCK) or an unlimited RLIMIT_MEMLOCK (`ulimit -l unlimited`; "
+        "Docker: --ulimit memlock=-1), or set KVHAL_PIN_HOST=off / KVHAL_CPU_MLOCK=0 to choose "
+        "pageable memory without this warning (docs/deploy.md, Pinned memory)"
+    )
+
+
+def _select(config: ConnectorConfig, device_type: str | None) -> tuple[str, DeviceDescriptor | None]:
+    """The device plugin the workers will select, in words, and its probe's descriptor (they
+    select it again, and their selection is the one that counts: a failure here is
+    reported, never raised)."""
     try:
         selection = PluginRegistry().explain(config.device, device_type=device_type)
     except Exception as exc:  # the log line must not be what stops an engine
-        return f"not known ({type(exc).__name__}: {exc})"
+        return f"not known ({type(exc).__name__}: {exc})", None
     if selection.device is None:
-        return f"none ({selection.error})"
+        return f"none ({selection.error})", None
     device = selection.device
-    return f"{device.plugin_name!r} ({device.distribution or 'distribution unknown'})"
+    return f"{device.plugin_name!r} ({device.distribution or 'distribution unknown'})", device.descriptor
+
+
+def device_plugin(config: ConnectorConfig, device_type: str | None) -> str:
+    """The device plugin the workers will select, in words (see :func:`_select`)."""
+    return _select(config, device_type)[0]
 
 
 def start_line(
@@ -76,9 +154,11 @@ def start_line(
     device: str,
     versions: dict[str, str],
     extensions: dict[str, str | None],
+    memory: HostMemory | None = None,
 ) -> str:
     """The one line: kvhal's version and its plugins', the device plugin, the C extensions
-    (which are missing), the tiers with their sizes."""
+    (which are missing), whether host memory is pinned (``memory``, where known), the tiers
+    with their sizes."""
     kvhal = versions.get("kvhal", "unknown")
     others = ", ".join(f"{name} {version}" for name, version in versions.items() if name != "kvhal")
     missing = [module for module, reason in extensions.items() if reason is not None]
@@ -86,20 +166,25 @@ def start_line(
     native = f"C extensions {built} of {len(extensions)} built"
     if missing:
         native += f" (missing: {', '.join(missing)}; slower paths run, see the warnings)"
+    pinned = f"{memory.text()}; " if memory is not None else ""
     return (
         f"kvhal {kvhal}{f' ({others})' if others else ''}: device plugin {device}; {native}; "
-        f"tiers: {tiers_text(config)}"
+        f"{pinned}tiers: {tiers_text(config)}"
     )
 
 
 def log_start(logger: logging.Logger, config: ConnectorConfig, vllm_config: Any) -> None:
-    """Log the start line once, and a warning per C extension that was not built."""
+    """Log the start line once, a warning per C extension that was not built, and one if
+    host memory cannot be pinned (unless a setting turned pinning off)."""
     device_config = getattr(vllm_config, "device_config", None)
     device_type = getattr(device_config, "device_type", None)
     extensions = build_info.extension_status()
-    device = device_plugin(config, device_type)
-    logger.info("%s", start_line(config, device, build_info.distribution_versions(), extensions))
+    device, descriptor = _select(config, device_type)
+    memory = host_memory(descriptor)
+    logger.info("%s", start_line(config, device, build_info.distribution_versions(), extensions, memory))
     by_module = {ext.module: ext for ext in build_info.EXTENSIONS}
     for module, reason in extensions.items():
         if reason is not None:
             logger.warning("%s", build_info.missing_extension_warning(by_module[module], reason))
+    if memory.pinned is False and memory.turned_off is None:
+        logger.warning("%s", pinning_warning(device, memory))
