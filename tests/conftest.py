@@ -63,3 +63,17 @@ def registry() -> PluginRegistry:
 @pytest.fixture
 def cpu(registry):
     return registry.select("cpu")
+
+
+@pytest.fixture(scope="session")
+def seaweedfs():
+    """SeaweedFS's S3 gateway on loopback (:class:`kvhal.testing.seaweedfs_servers.SeaweedS3`,
+    about 4 s to start), once per test run (per xdist worker) for every module that asks; its
+    bucket ``kvhal`` exists, its ``credentials`` sign requests (a test puts them in the AWS
+    variables). A test that stops it starts it again before it ends."""
+    from kvhal.testing.seaweedfs_servers import SeaweedS3
+
+    if why := SeaweedS3.missing():
+        pytest.skip(why)
+    with SeaweedS3() as s3:
+        yield s3

@@ -6,9 +6,10 @@
   configuration) run on a real vLLM engine in its own process, with a JSON result;
 - :mod:`kvhal.testing.accel`: a CPU stand-in for a torch stream module
   (``torch.cuda``, ``torch.npu``), so an accelerator plugin's logic is tested without its device;
-- :mod:`kvhal.testing.redis_servers`, :mod:`kvhal.testing.mooncake_servers`: real
-  ``redis-server`` processes (standalone, TLS, a cluster) and a real Mooncake master with a
-  store node, on loopback ports, for the remote tier's tests and ``kvhal bench shared``.
+- :mod:`kvhal.testing.redis_servers`, :mod:`kvhal.testing.mooncake_servers`,
+  :mod:`kvhal.testing.seaweedfs_servers`: real ``redis-server`` processes (standalone, TLS, a
+  cluster), a real Mooncake master with a store node, and SeaweedFS's S3 gateway, on loopback
+  ports, for the remote tier's tests and ``kvhal bench shared``.
 
 The parts that import vLLM live in :mod:`kvhal.vllm.testing` (every vLLM import stays
 inside :mod:`kvhal.vllm`): the engine runner a scenario starts, and vLLM's own offloading
