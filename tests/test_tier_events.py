@@ -4,14 +4,20 @@ how it reaches vLLM's publisher (medium, locality, ownership as vLLM defines the
 from __future__ import annotations
 
 import msgspec
+import pytest
+from vllm.config import KVEventsConfig
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
 
 from kvhal.offload.manager import BlockState, OffloadingManager
 from kvhal.tiers.chain import ChainTier, TierChain, TierEvent
 from kvhal.tiers.index import TierIndex
+from kvhal.vllm.config import LowerTierConfig
 from kvhal.vllm.keys import offload_key
-from kvhal.vllm.kv_events import HAS_OWNERSHIP, tier_kv_events
+from kvhal.vllm.kv_events import HAS_OWNERSHIP, kv_events_enabled, tier_kv_events
+from kvhal.vllm.scheduler_side import SchedulerSide
 from kvhal.vllm.testing.steps import decode_kv_batch
+from tests.test_scheduler_prefetch import finish_stores
+from tests.test_scheduler_side import prefill, request, scheduler_config
 
 DISK, REDIS = "disk", "redis"
 
@@ -103,3 +109,42 @@ def test_published_as_vllm_publishes_them():
         assert [e["ownership"] for e in decoded] == [DISK, REDIS, DISK]
     else:
         assert "ownership" not in decoded[0]
+
+
+def test_events_are_on_where_vllm_publishes_them():
+    assert not kv_events_enabled(None)  # vLLM's default: no kv_events_config
+    assert not kv_events_enabled(KVEventsConfig())  # set, but enable_kv_cache_events False
+    assert kv_events_enabled(KVEventsConfig(enable_kv_cache_events=True, publisher="zmq"))
+
+
+DISK_SLOT = 4160  # what a slot of PAGE bytes takes on disk (its header, 4 KiB-aligned)
+
+
+@pytest.mark.parametrize("on", [False, True], ids=["events-off", "events-on"])
+def test_the_scheduler_side_keeps_keys_for_events_only_when_they_are_published(tmp_path, on):
+    """Over a real disk tier of 4 slots that evicts: without KV events the chain keeps no
+    slot's key (about 150 B a block) and no event; with them, one key per block the disk
+    holds, and the events say what it stored and evicted."""
+    options = {"path": str(tmp_path / "disk"), "bytes_to_use": 4 * DISK_SLOT}
+    disk = LowerTierConfig("disk", options, "through", "clock")
+    scheduler = SchedulerSide(scheduler_config(slots=4, lower_tier=disk), kv_events=on)
+    try:
+        for i in range(3):  # three prompts' blocks through a disk of 4 slots
+            req = request(f"p{i}", list(range(100 * i, 100 * i + 12)))
+            finish_stores(scheduler, prefill(scheduler, req, [1 + 3 * i, 2 + 3 * i, 3 + 3 * i]))
+            scheduler.request_finished(req)
+        index = scheduler.chain.tier("disk").index
+        evicted = scheduler.stats.data["tier_evicted_blocks{tier=disk}"]
+        assert len(index) == 4 and evicted == 5  # nine blocks written to the disk, five evicted
+        events = scheduler.take_events()
+        keys_at = scheduler.chain._keys_at["disk"]  # the slot -> key map events need
+        if not on:
+            assert events == [] and keys_at == {}
+            assert scheduler.manager.take_events() == [] and scheduler.chain.take_tier_events() == []
+            return
+        assert len(keys_at) == len(index) == 4
+        removed = [e for e in events if isinstance(e, BlockRemoved) and e.medium == "STORAGE"]
+        assert len(removed) == evicted
+        assert any(isinstance(e, BlockStored) and e.medium == "CPU" for e in events)
+    finally:
+        scheduler.close()

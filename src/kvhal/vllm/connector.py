@@ -37,6 +37,7 @@ from vllm.logger import init_logger
 
 from kvhal.vllm.config import ConnectorConfig
 from kvhal.vllm.config_check import refuse_early
+from kvhal.vllm.kv_events import kv_events_enabled
 from kvhal.vllm.local import in_process_worker
 from kvhal.vllm.metadata import KVHALMetadata, KVHALWorkerMetadata
 from kvhal.vllm.scheduler_side import SchedulerSide
@@ -74,7 +75,11 @@ class KVHALConnector(KVConnectorBase_V1, SupportsHMA):
         if role is KVConnectorRole.SCHEDULER:  # once an engine: kvhal's version, device, extensions, tiers
             log_start(logger, self.config, vllm_config)
         self.scheduler_side = (
-            SchedulerSide(self.config, local=in_process_worker(self.config))
+            SchedulerSide(
+                self.config,
+                local=in_process_worker(self.config),
+                kv_events=kv_events_enabled(vllm_config.kv_events_config),
+            )
             if role is KVConnectorRole.SCHEDULER
             else None
         )

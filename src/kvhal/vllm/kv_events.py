@@ -9,11 +9,16 @@ it), and, where vLLM's events have the field (0.32; not 0.27.1), ``ownership`` t
 name (``"disk"``, ``"redis"``). A block hash is published as vLLM publishes its own
 (``maybe_convert_block_hash``: a 64-bit int unless ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``),
 so a router matches kvhal's blocks to the GPU's.
+
+The tiers track what they would tell only where vLLM publishes events
+(:func:`kv_events_enabled` of its ``kv_events_config``, read by the connector): a local
+tier's slot keys cost about 150 bytes a block, kept for nothing otherwise.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
@@ -29,6 +34,12 @@ STORAGE_MEDIUM = "STORAGE"
 LOCAL, REMOTE = "LOCAL", "REMOTE"
 #: Whether this vLLM's events carry ``ownership`` (0.32 does, 0.27.1 not).
 HAS_OWNERSHIP = "ownership" in BlockStored.__struct_fields__
+
+
+def kv_events_enabled(kv_events_config: Any) -> bool:
+    """Whether vLLM publishes KV events: as its scheduler decides (``kv_events_config`` set
+    with ``enable_kv_cache_events``; the same on 0.27.1 and 0.32)."""
+    return kv_events_config is not None and bool(getattr(kv_events_config, "enable_kv_cache_events", False))
 
 
 def kv_events(events: list[OffloadEvent], block_size: int) -> list[KVCacheEvent]:

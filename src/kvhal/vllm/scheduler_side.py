@@ -80,11 +80,14 @@ class SchedulerSide:
     :param local: the engine's one worker side where it runs in this process
         (:mod:`kvhal.vllm.local`): the tiers below are read at lookup through it; ``None``:
         by the workers' jobs.
+    :param kv_events: whether vLLM publishes KV events (its ``kv_events_config``): without,
+        the tiers keep nothing to tell (no event lists, no local tier's slot keys).
     """
 
     config: ConnectorConfig
     stats: KVHALStats = field(default_factory=KVHALStats)
     local: WorkerSide | None = None
+    kv_events: bool = False
 
     def __post_init__(self) -> None:
         self._step_times = StepTimes()  # the engine's compute rate, one for every tier's policy
@@ -107,8 +110,9 @@ class SchedulerSide:
 
     def _new_chain(self) -> tuple[OffloadingManager, TierChain]:
         """The host tier's manager and the chain over it and the tiers below."""
-        manager = OffloadingManager(self.config.num_slots, self.config.eviction_policy, enable_events=True)
-        return manager, TierChain(manager, [tier.chain for tier in self.tiers], events=True)
+        events = self.kv_events
+        manager = OffloadingManager(self.config.num_slots, self.config.eviction_policy, enable_events=events)
+        return manager, TierChain(manager, [tier.chain for tier in self.tiers], events=events)
 
     def track(self, request: Request) -> RequestState:
         state = self._requests.get(request.request_id)
