@@ -6,7 +6,9 @@ never reads, overwrites or deletes another model's blocks:
 
 - ``namespace.json``: the bytes the namespace was given when it was made, the
   ``bytes_to_use`` asked then, and, for people, the fingerprint. Every opener (the
-  scheduler, each worker) takes the size from it, so all agree on the slots.
+  scheduler, each worker) takes the size from it, so all agree on the slots. A size that no
+  rank there was made with (neither a rank's ``meta.json`` nor its preallocated files agree:
+  a flipped digit) is damage: the namespace starts empty, with one warning.
 - ``LOCK``: the engine using the namespace (a second engine of the same model is refused).
 - ``rank{r}of{n}/``: each rank's files (:mod:`kvhal.tiers.disk.directory`).
 
@@ -50,6 +52,7 @@ from kvhal.tiers.disk.directory import (
     write_meta,
 )
 from kvhal.tiers.disk.format import RECORD_BYTES, Geometry, meta_mismatches
+from kvhal.tiers.disk.ranks import rank_files
 
 __all__ = ["NAMESPACE_FILE", "budget_lock", "namespace_name", "recorded_size", "size_namespace"]
 
@@ -115,6 +118,7 @@ def size_namespace(
         meta = read_meta(ns_fd, where, NAMESPACE_FILE)
         if meta is not None:
             size = _recorded_size(meta, spec)
+            _check_against_ranks(spec, ns_fd, size)
     except DamagedMeta as exc:
         log.warning("kvhal: disk tier %s: %s; this model's blocks there are dropped", where, exc)
         meta = None
@@ -177,7 +181,11 @@ def recorded_size(spec: TierSpec, ns_fd: int, where: str) -> int | None:
     it); ``None`` where it has none kvhal wrote."""
     try:
         meta = read_meta(ns_fd, where, NAMESPACE_FILE)
-        return None if meta is None else _recorded_size(meta, spec)
+        if meta is None:
+            return None
+        size = _recorded_size(meta, spec)
+        _check_against_ranks(spec, ns_fd, size)
+        return size
     except DamagedMeta:
         return None
 
@@ -188,7 +196,67 @@ def _recorded_size(meta: dict[str, Any], spec: TierSpec) -> int:
         raise DamagedMeta(f"{NAMESPACE_FILE} holds no size kvhal wrote")
     if meta.get("world_size") != spec.world_size or meta.get("slot_bytes") != spec.slot_bytes:
         raise DamagedMeta(f"{NAMESPACE_FILE} names another tensor-parallel or slot size")
+    asked = meta.get("bytes_to_use")
+    if type(asked) is int and size > asked:  # kvhal never gives a namespace more than was asked
+        raise DamagedMeta(
+            f"{NAMESPACE_FILE} gives {size} bytes, more than the bytes_to_use={asked} it was made with"
+        )
     return size
+
+
+def _check_against_ranks(spec: TierSpec, ns_fd: int, size: int) -> None:
+    """The ranks' own records of the geometry are ``namespace.json``'s witnesses: where a rank
+    directory holds one (a ``meta.json`` with a geometry, or an index) and none agrees with
+    ``size`` (by its ``meta.json`` or by its preallocated files' sizes), ``size`` is damaged.
+
+    One damaged ``meta.json`` is outvoted by its own files, so only that rank starts empty
+    (:func:`~kvhal.tiers.disk.ranks.ensure_ranks`); a ``namespace.json`` whose size changed has
+    every rank against it.
+
+    :raises DamagedMeta: no rank was made with ``size``.
+    """
+    geometry = Geometry.plan(spec.slot_bytes, size // spec.world_size)
+    witnesses = 0
+    for rank in range(spec.world_size):
+        name = f"rank{rank}of{spec.world_size}"
+        try:
+            fd = os.open(name, DIR_FLAGS, dir_fd=ns_fd)
+        except OSError:
+            continue  # none yet (or not a directory: ensure_ranks says so)
+        try:
+            try:
+                meta = read_meta(fd, name)
+            except DamagedMeta:
+                meta = None
+            if meta is not None and not all(field in meta for field in geometry.fields()):
+                meta = None
+            sizes = _sizes(fd, [file for file, _ in rank_files(geometry)])  # the index among them
+        finally:
+            os.close(fd)
+        if meta is None and sizes.get("index.bin") is None:
+            continue  # nothing of its geometry recorded: no witness
+        witnesses += 1
+        if (meta is not None and not meta_mismatches(meta, geometry)) or all(
+            sizes.get(file) == want for file, want in rank_files(geometry)
+        ):
+            return
+    if witnesses:
+        raise DamagedMeta(
+            f"{NAMESPACE_FILE} gives {size} bytes ({geometry.num_slots} slots a rank), which no rank "
+            "there was made with (their meta.json and files disagree)"
+        )
+
+
+def _sizes(dir_fd: int, names: Sequence[str]) -> dict[str, int | None]:
+    """Each of ``names``' size, ``None`` where it is missing or not a regular file."""
+    found: dict[str, int | None] = {}
+    for name in names:
+        try:
+            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            found[name] = st.st_size if stat.S_ISREG(st.st_mode) else None
+        except OSError:
+            found[name] = None
+    return found
 
 
 def _clear_namespace(ns_fd: int, where: str) -> None:

@@ -2,8 +2,12 @@
 
 A rank's directory (``rank{r}of{n}/``: :mod:`kvhal.tiers.disk.directory` lists its files)
 whose ``meta.json`` matches the tier's geometry is used as it is; a damaged one is cleared
-(one warning) and made again; one of another geometry is refused. New ones are made only
-once the free space for all of them is known to be there.
+(one warning) and made again. A ``meta.json`` of another geometry is damaged too: the
+geometry follows from the namespace's name (slot and tensor-parallel size) and its recorded
+size, which :mod:`kvhal.tiers.disk.namespaces` has checked against the ranks' files, so no
+configuration can make a rank disagree with it (a ``bytes_to_use`` too small for the cache
+is refused there, before a rank is opened). New ones are made only once the free space for
+all of them is known to be there.
 """
 
 from __future__ import annotations
@@ -12,7 +16,6 @@ import logging
 import os
 from collections.abc import Sequence
 
-from kvhal.errors import TierError
 from kvhal.tiers.backend import TierSpec
 from kvhal.tiers.disk.directory import (
     DamagedMeta,
@@ -64,7 +67,6 @@ def ensure_ranks(
     Each descriptor goes into ``rank_fds`` as it is opened, so the caller closes them all
     whatever is raised.
 
-    :raises TierError: a rank holds slots of another geometry.
     :raises ValidationError: the disk has too little free space for the new ranks' files.
     :raises OSError: the file system failed.
     """
@@ -75,14 +77,16 @@ def ensure_ranks(
         fd = rank_fds[rank] = open_dir(ns_fd, os.path.basename(where), namespace)
         try:
             meta = read_meta(fd, where)
-            lacking = [n for n in geometry.fields() if meta is not None and n not in meta]
-            if lacking:
-                raise DamagedMeta(f"meta.json lacks {', '.join(lacking)}")
-            broken = None
-            if meta is not None and not meta_mismatches(meta, geometry):
+            if meta is not None:
+                lacking = [n for n in geometry.fields() if n not in meta]
+                if lacking:
+                    raise DamagedMeta(f"meta.json lacks {', '.join(lacking)}")
+                wrong = meta_mismatches(meta, geometry)
+                if wrong:  # a flipped digit, say: the namespace's size and the files say otherwise
+                    raise DamagedMeta(f"meta.json disagrees with the namespace's size ({'; '.join(wrong)})")
                 broken = damaged_files(fd, files)
-            if broken is not None:
-                raise DamagedMeta(broken)
+                if broken is not None:
+                    raise DamagedMeta(broken)
         except DamagedMeta as exc:
             # a cache, not a record: what it held cannot be trusted, and an empty tier serves
             log.warning(
@@ -95,15 +99,6 @@ def ensure_ranks(
         if meta is None:
             new.append(rank)
             continue
-        wrong = meta_mismatches(meta, geometry)
-        if wrong:
-            raise TierError(
-                "disk",
-                where,
-                f"holds slots of another geometry ({'; '.join(wrong)}; "
-                f"bytes_to_use={bytes_to_use} and the slot size decide it); "
-                f"nothing was changed: use another path or remove {where}",
-            )
         if spec.role == "index" and meta.get("digest") != spec.digest(rank).hex():
             write_rank_meta(fd, spec, geometry, rank)  # another KV from now on: say so for people
     if not new:
