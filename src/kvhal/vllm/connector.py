@@ -37,6 +37,7 @@ from vllm.logger import init_logger
 
 from kvhal.vllm.config import ConnectorConfig
 from kvhal.vllm.config_check import refuse_early
+from kvhal.vllm.hit_sources import vllm_sources
 from kvhal.vllm.kv_events import kv_events_enabled
 from kvhal.vllm.local import in_process_worker
 from kvhal.vllm.metadata import KVHALMetadata, KVHALWorkerMetadata
@@ -190,6 +191,11 @@ class KVHALConnector(KVConnectorBase_V1, SupportsHMA):
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         self._scheduler().after_alloc(request, blocks, num_external_tokens)
+
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[Any, int]:
+        # vLLM 0.32 asks right after update_state_after_alloc: the hit by the kind of tier
+        # that served it (vllm:prompt_tokens_cached_by_source); 0.27.1 never asks
+        return vllm_sources(self._scheduler().hit_sources(request, num_external_tokens))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return self._scheduler().build_meta(scheduler_output)

@@ -54,6 +54,7 @@ class RequestState:
     prefetched: bool = False
     recompute_below: bool = False  # the wait policy chose to recompute what is below the host tier
     read_from: dict[str, set[bytes]] = field(default_factory=dict)  # keys its prefetch read, by tier
+    hit_split: dict[str, int] = field(default_factory=dict)  # its last hit's tokens by serving tier
 
     def forget_read(self, tier: str, keys: list[bytes]) -> None:
         """A read of ``keys`` from ``tier`` failed: the store may hold refused values there, so

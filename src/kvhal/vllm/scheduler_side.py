@@ -51,6 +51,7 @@ from kvhal.offload.wait_policy import StepTimes
 from kvhal.tiers.chain import LoadPlan, TierChain
 from kvhal.vllm.config import ConnectorConfig
 from kvhal.vllm.fences import StoreFences
+from kvhal.vllm.hit_sources import by_kind, split_hit
 from kvhal.vllm.job_table import JobTable, Pending
 from kvhal.vllm.keys import offload_key
 from kvhal.vllm.kv_events import kv_events, tier_kv_events
@@ -217,6 +218,7 @@ class SchedulerSide:
             self.fences.load_blocks.update(ids)
         held = {} if state.prefetched else state.held
         plan = self.chain.prepare_load(keys, held)
+        state.hit_split = {}  # by the tier that served each block, where a load is planned
         if plan is None:
             # the host tier had no room left for the promotion since the lookup:
             # the job fails on the workers without copying, and vLLM recomputes
@@ -232,6 +234,7 @@ class SchedulerSide:
             for name, read in read_from.items():
                 tokens = len({block_of[k] for k in keys if k in read}) * bs
                 self.stats.add_tier("tier_hit_tokens", name, tokens)
+            state.hit_split = split_hit(count, bs, block_of, read_from, [t.name for t in self.tiers])
             state.read_from = {}
         job = self.jobs.load(request.request_id, keys, groups, plan)
         job.sync, job.doomed = state.hit_sync, plan is None
@@ -242,6 +245,13 @@ class SchedulerSide:
         state.loaded_tokens = num_external_tokens
         self.stats.add("hit_tokens", num_external_tokens)
         self.stats.add("lookup_tokens", (len(request.block_hashes) - state.hit_start) * bs)
+
+    def hit_sources(self, request: Request, num_external_tokens: int) -> dict[str, int]:
+        """``request``'s hit by the kind of tier that served it (``host``, ``local``,
+        ``shared``), for vLLM's hit sources (:mod:`kvhal.vllm.hit_sources`)."""
+        state = self._requests.get(request.request_id)
+        split = state.hit_split if state is not None else {}
+        return by_kind(split, {tier.name for tier in self.stores}, num_external_tokens)
 
     # -- each step -------------------------------------------------------------
 

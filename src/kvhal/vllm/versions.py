@@ -15,7 +15,8 @@ has the file:line facts).
 - Block hashes without ``PYTHONHASHSEED``: 0.32 seeds them at random per process only for
   its non-cryptographic algorithms (xxhash); 0.27.1 for every algorithm, so there a restarted
   or another engine computes other hashes unless ``PYTHONHASHSEED`` is set.
-- ``CacheHitSource`` (which tier a hit came from, on ``/metrics``) exists on 0.32 only.
+- ``CacheHitSource`` (which tier a hit came from, on ``/metrics``: kvhal splits each hit by
+  kind of tier, :mod:`kvhal.vllm.hit_sources`) exists on 0.32 only.
 - Which KV cache groups a connector stores: 0.32 says (``prefix_cacheable_group_ids``);
   on 0.27.1 every group but Mamba state. The layout of the KV cache: 0.32 says
   (``kv_cache_layout``); 0.27.1 does not (the standard layout).
@@ -52,10 +53,18 @@ REQUEST_LEVEL_LOAD_FAILURES: bool = KVConnectorTransferResults is not None
 try:
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-    #: the label vLLM's ``prompt_tokens_cached_by_source`` counter gives kvhal's hits
+    #: the label vLLM's ``prompt_tokens_cached_by_source`` counter gives a kvhal hit by default
     HIT_SOURCE: Any = CacheHitSource.HOST
+    #: kvhal's kinds of tier -> vLLM's sources (:mod:`kvhal.vllm.hit_sources`): a store is
+    #: vLLM's "remote store" source, ``external_unspecified``
+    HIT_SOURCES: dict[str, Any] | None = {
+        "host": CacheHitSource.HOST,
+        "local": CacheHitSource.DISK,
+        "shared": CacheHitSource.EXTERNAL_UNSPECIFIED,
+    }
 except ImportError:  # 0.27.1: no hit sources
     HIT_SOURCE = None
+    HIT_SOURCES = None
 
 
 def prefix_cacheable_group_ids(kv_cache_config: Any) -> tuple[int, ...]:
