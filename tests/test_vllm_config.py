@@ -113,6 +113,7 @@ def test_groups_with_unequal_bytes_per_block_are_refused() -> None:
 
 def with_model(vllm_config: SimpleNamespace, algo: str = "sha256") -> SimpleNamespace:
     vllm_config.model_config = SimpleNamespace(model="/m", revision=None, dtype="bfloat16", quantization=None)
+    vllm_config.load_config = SimpleNamespace(download_dir=None)  # where vLLM fetched a hub model
     vllm_config.cache_config.cache_dtype = "auto"
     vllm_config.cache_config.prefix_caching_hash_algo = algo
     return vllm_config

@@ -242,8 +242,9 @@ def kv_fingerprint(
 ) -> dict[str, Any]:
     """What the offloaded KV is: blocks stored under another fingerprint are never loaded.
 
-    The model by what it is (:mod:`kvhal.vllm.model_identity`: a digest of its config and
-    weights, or the operator's ``model_version``), not where it lies; dtypes and
+    The model by what it is (:mod:`kvhal.vllm.model_identity`: a digest of every byte of its
+    config and weights, a hub model's commit, or the operator's ``model_version``), not where
+    it lies; dtypes and
     quantization, layout and block geometry, the KV cache groups, the tensor-parallel size
     (each rank's share is told apart by the tier), and vLLM's block-hash algorithm and seed
     (the seed only as a digest: vLLM keeps a non-cryptographic one secret).
@@ -260,7 +261,13 @@ def kv_fingerprint(
     else:
         seed_id = "vllm-default"
     return {
-        "model": model_identity(str(model.model), model.revision, model_version),
+        "model": model_identity(
+            str(model.model),
+            model.revision,
+            model_version,
+            download_dir=vllm_config.load_config.download_dir,
+            weights_at=getattr(model, "model_weights", None),
+        ),
         "dtype": str(model.dtype),
         "kv_cache_dtype": str(cache.cache_dtype),
         "quantization": model.quantization,
