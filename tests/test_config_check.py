@@ -100,9 +100,9 @@ BAD: dict[str, tuple[Any, str, str]] = {
         "'memcached'",
     ),
     "unknown store scheme in tiers": (
-        transfer({"tiers": [{"url": "s3://bucket/kv"}]}),
+        transfer({"tiers": [{"url": "gs://bucket/kv"}]}),  # (s3:// is a built-in store)
         f"{EXTRA}.tiers[0].url",
-        "'s3'",
+        "'gs'",
     ),
     "unknown tier backend": (
         transfer({"tier_backend": "nvme", "tier_options": {}}),

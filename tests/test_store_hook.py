@@ -75,7 +75,7 @@ def registry() -> PluginRegistry:
 
 
 def test_the_built_in_schemes_are_offered():
-    assert {"mooncake", "redis", "rediss", "redis+cluster", "rediss+cluster"} <= set(
+    assert {"mooncake", "redis", "rediss", "redis+cluster", "rediss+cluster", "s3"} <= set(
         available_stores(PluginRegistry(autoload=False))
     )
 

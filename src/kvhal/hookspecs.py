@@ -641,7 +641,7 @@ def kvhal_remote_stores() -> Mapping[str, Callable[[str], Any]]:
 
     Not a device hook: kvhal calls it on every registered plugin and merges
     the answers; the built-in ``mooncake``, ``redis``, ``rediss``,
-    ``redis+cluster`` and ``rediss+cluster`` come from a built-in plugin
+    ``redis+cluster``, ``rediss+cluster`` and ``s3`` come from a built-in plugin
     through this same hook. The connector's ``remote_url`` picks a store by
     its scheme (:func:`kvhal.tiers.media.open_store`); an unknown scheme is an
     error listing the known ones.

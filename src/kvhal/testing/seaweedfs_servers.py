@@ -204,14 +204,15 @@ class SeaweedS3:
         """Environment variables that sign as an identity allowed to read and list only."""
         return {"AWS_ACCESS_KEY_ID": READER_KEY, "AWS_SECRET_ACCESS_KEY": READER_SECRET}
 
-    def objects(self, bucket: str | None = None) -> Any:
+    def objects(self, bucket: str | None = None, endpoint: str | None = None) -> Any:
         """An obstore ``S3Store`` of ``bucket`` signing as :attr:`credentials` (for checks:
-        ``obstore.get/put/delete``), kvhal's store not involved."""
+        ``obstore.get/put/delete``), kvhal's store not involved; ``endpoint``: another way to
+        this server (a proxy's)."""
         from obstore.store import S3Store
 
         return S3Store(
             bucket or self.buckets[0],
-            endpoint=self.endpoint,
+            endpoint=endpoint or self.endpoint,
             region=REGION,
             access_key_id=ACCESS_KEY,
             secret_access_key=SECRET_KEY,

@@ -3,9 +3,10 @@
 Tier backends come through the ``kvhal_tier_backends`` hook, by name: the
 built-in ``disk`` (:mod:`kvhal.tiers.disk`). Remote stores come through the
 ``kvhal_remote_stores`` hook, by URL scheme: the built-in ``mooncake``
-(:mod:`kvhal.tiers.stores.mooncake`) and ``redis``
+(:mod:`kvhal.tiers.stores.mooncake`), ``redis``
 (:mod:`kvhal.tiers.stores.redis`, with ``rediss``, ``redis+cluster`` and
-``rediss+cluster``). :class:`BuiltinTiers` and :class:`BuiltinStores` offer the
+``rediss+cluster``) and ``s3`` (:mod:`kvhal.tiers.stores.s3`, any server of the S3
+API). :class:`BuiltinTiers` and :class:`BuiltinStores` offer the
 built-in ones (the registry reads them from its table of built-in plugins); any
 plugin can add more. :func:`open_tier` opens a backend by name,
 :func:`open_store` connects to the store a URL names.
@@ -101,13 +102,19 @@ def _open_redis(url: str) -> RemoteStore:
     return RedisStore.from_url(url)
 
 
+def _open_s3(url: str) -> RemoteStore:
+    from kvhal.tiers.stores.s3 import S3Store  # imported when used: it loads obstore
+
+    return S3Store.from_url(url)
+
+
 class BuiltinStores:
-    """The built-in plugin offering Mooncake Store and Redis through the remote-store hook."""
+    """The built-in plugin offering Mooncake Store, Redis and S3 through the remote-store hook."""
 
     @hookimpl
     def kvhal_remote_stores(self) -> Mapping[str, StoreFactory]:
         redis = dict.fromkeys(("redis", "rediss", "redis+cluster", "rediss+cluster"), _open_redis)
-        return {"mooncake": _open_mooncake, **redis}
+        return {"mooncake": _open_mooncake, **redis, "s3": _open_s3}
 
 
 def url_scheme(url: str, argument: str = "remote_url") -> str:

@@ -4,8 +4,8 @@ It sits at the contract level beside :mod:`kvhal.tiers.backend` and depends on
 nothing else in kvhal. Where a :class:`~kvhal.tiers.backend.TierBackend` is a
 medium of slots that one engine owns and indexes, a remote store is shared:
 no engine can index it, so kvhal asks it whether keys exist, and every value
-names what it holds. The built-in stores are ``mooncake`` (Mooncake Store)
-and ``redis`` (:mod:`kvhal.tiers.stores`); a plugin offers more through the
+names what it holds. The built-in stores are ``mooncake`` (Mooncake Store),
+``redis`` and ``s3`` (:mod:`kvhal.tiers.stores`); a plugin offers more through the
 ``kvhal_remote_stores`` hook, keyed by the URL scheme it serves.
 
 A store only moves bytes. kvhal's :class:`~kvhal.tiers.remote.tier.RemoteTier` does
