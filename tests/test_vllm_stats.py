@@ -22,11 +22,13 @@ from kvhal.vllm.stats import (
     GAUGES,
     HISTOGRAMS,
     READ_FAILURE_COUNTERS,
+    TENANT_COUNTERS,
     TIER_COUNTERS,
     TIER_GAUGES,
     KVHALPromMetrics,
     KVHALStats,
     split_key,
+    tenant_key,
     tier_key,
 )
 
@@ -151,8 +153,29 @@ def test_prometheus_has_one_counter_per_family_and_one_child_per_tier():
     # redis+cluster's from 0 since its first report, of another family (issue 37)
     assert totals == {("0", "disk"): 40, ("0", "redis"): 16, ("0", "redis+cluster"): 0, ("1", "disk"): 5}
     assert not any(name.startswith("vllm:kvhal_tier_hit_tokens{") for name in families)
-    every = (*COUNTERS, *TIER_COUNTERS, *HISTOGRAMS, *GAUGES, *TIER_GAUGES)
+    every = (*COUNTERS, *TIER_COUNTERS, *TENANT_COUNTERS, *HISTOGRAMS, *GAUGES, *TIER_GAUGES)
     assert set(families) == {f"vllm:kvhal_{name}" for name in every}
+
+
+def test_prometheus_has_a_child_per_tenant_and_none_for_a_tenant_not_counted():
+    registry = CollectorRegistry()
+    metrics = prom_metrics(registry)
+    stats = KVHALStats()
+    stats.add_tenant("tenant_hit_tokens", "1f2e3d4c", 32)
+    stats.add_tenant("tenant_hit_tokens", "other", 8)
+    stats.add_tenant("tenant_stored_bytes", "1f2e3d4c", 4096)
+    stats.add("hit_tokens", 48)
+    metrics.observe(stats.reduce(), engine_idx=0)
+    metrics.observe({tenant_key("tenant_hit_tokens", "1f2e3d4c"): 4}, engine_idx=0)
+    assert sample(registry, "tenant_hit_tokens", tenant="1f2e3d4c") == 36
+    assert sample(registry, "tenant_hit_tokens", tenant="other") == 8
+    assert sample(registry, "tenant_stored_bytes", tenant="1f2e3d4c") == 4096
+    assert sample(registry, "tenant_lookup_tokens", tenant="1f2e3d4c") is None  # never counted
+    assert sample(registry, "hit_tokens") == 48
+    families = {m.name: m for m in registry.collect()}
+    samples = families["vllm:kvhal_tenant_hit_tokens"].samples
+    assert {s.labels["tenant"] for s in samples} == {"1f2e3d4c", "other"}
+    assert all("tier" not in s.labels for s in samples)
 
 
 def test_prometheus_skips_what_it_does_not_know():
@@ -160,8 +183,12 @@ def test_prometheus_skips_what_it_does_not_know():
     metrics = prom_metrics(registry)
     metrics.observe({"hit_tokens": 1, "tier_hit_tokens{tier=disk}": 2}, engine_idx=7)  # no such engine
     metrics.observe({"not_kvhals": 3, "tier_bogus{tier=disk}": 4}, engine_idx=0)
+    # a family under the other kind's label is no kvhal statistic: no child made for it
+    metrics.observe({"tier_hit_tokens{tenant=x}": 5, "tenant_hit_tokens{tier=disk}": 6}, engine_idx=0)
     assert sample(registry, "hit_tokens") == 0
     assert sample(registry, "tier_hit_tokens", tier="disk") is None
+    assert sample(registry, "tier_hit_tokens", tier="x") is None
+    assert sample(registry, "tenant_hit_tokens", tenant="disk") is None
 
 
 def counter_tables() -> list[list[str]]:

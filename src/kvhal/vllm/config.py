@@ -24,6 +24,7 @@ from kvhal.vllm.extra_config import (
 )
 from kvhal.vllm.model_identity import model_identity
 from kvhal.vllm.settings import KNOWN_KEYS, ExtraConfigSettings, StoreTierSettings
+from kvhal.vllm.tenants import DEFAULT_TENANT_LABELS
 
 if TYPE_CHECKING:  # annotations only: the names here (LOAD_MODES, ...) import without vLLM
     from vllm.config import VllmConfig
@@ -110,6 +111,8 @@ class ConnectorConfig:
     #: what the KV is, for the tiers below (see :func:`kv_fingerprint`)
     fingerprint: dict[str, Any] = field(default_factory=dict)
     tiers: tuple[TierConfig, ...] = ()
+    #: salts counted apart in the ``tenant_*`` counters (:mod:`kvhal.vllm.tenants`); 0: none
+    tenant_labels: int = DEFAULT_TENANT_LABELS
 
     def __post_init__(self) -> None:
         if not self.tiers:
@@ -220,6 +223,7 @@ class ConnectorConfig:
             engine_id=getattr(vllm_config.kv_transfer_config, "engine_id", None),
             fingerprint=fingerprint,
             tiers=settings.tiers,
+            tenant_labels=settings.tenant_labels,
         )
         if config.num_slots < 1:
             raise ValidationError(

@@ -33,6 +33,7 @@ from kvhal.vllm.settings import (
     StoreTierSettings,
     expects,
 )
+from kvhal.vllm.tenants import DEFAULT_TENANT_LABELS
 
 PREFIX = "kv_connector_extra_config"
 
@@ -133,6 +134,7 @@ class ExtraSettings:
     offload_prompt_only: bool = True
     load_mode: str = "auto"
     model_version: str | None = None
+    tenant_labels: int = DEFAULT_TENANT_LABELS
     #: the tiers below the host tier, in order: the short forms give the local tier, then the store
     tiers: tuple[TierConfig, ...] = ()
 
@@ -172,6 +174,7 @@ def check_extra_config(extra: Mapping[str, Any] | None) -> ExtraSettings:
         offload_prompt_only=settings.offload_prompt_only,
         load_mode=settings.load_mode,
         model_version=settings.model_version,
+        tenant_labels=settings.tenant_labels,
         tiers=tiers,
     )
 

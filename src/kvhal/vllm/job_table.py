@@ -26,6 +26,7 @@ class Pending:
     :param plan: a load's or a read's plan in the tier chain (``None``: a load the chain
         refused), or a write's.
     :param blocks: a store's source block ids, every group's (what a fence protects).
+    :param tenant: a store's request's tenant label (:mod:`kvhal.vllm.tenants`), or None.
     :param started: when the job started (a prefetch: its read): its time, to the step that
         reports it (one ``time.monotonic()`` per job, for the latency histograms).
     """
@@ -34,6 +35,7 @@ class Pending:
     keys: list[bytes]
     plan: LoadPlan | WritePlan | None = None
     blocks: frozenset[int] = frozenset()
+    tenant: str | None = None
     started: float = 0.0
     reports: int = 0
     ok: bool = True
@@ -74,11 +76,12 @@ class JobTable:
         self._jobs[job.job_id] = Pending(job, keys, plan, started=time.monotonic())
         return job
 
-    def store(self, req_id: str, keys: list[bytes], groups: Groups) -> StoreJob:
+    def store(self, req_id: str, keys: list[bytes], groups: Groups, tenant: str | None = None) -> StoreJob:
         """A store of ``req_id``'s ``keys`` (per group, device blocks and host slots)."""
         job = StoreJob(self._id(), req_id, groups)
         blocks = frozenset(b for ids, _ in groups.values() for b in ids)
-        self._jobs[job.job_id] = Pending(job, keys, blocks=blocks, started=time.monotonic())
+        pending = Pending(job, keys, blocks=blocks, tenant=tenant, started=time.monotonic())
+        self._jobs[job.job_id] = pending
         return job
 
     def read(self, req_id: str, plan: LoadPlan, started: float) -> ReadJob:

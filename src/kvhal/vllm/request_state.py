@@ -37,6 +37,7 @@ class RequestState:
     """A request the scheduler side tracks, from its first lookup until it finishes."""
 
     request: Request
+    tenant: str | None = None  # its cache_salt's label (kvhal.vllm.tenants), None: not counted
     stored_upto: int = 0  # blocks [0, stored_upto) were considered for storing
     hit_start: int = 0  # the last lookup's hit, in blocks
     hit_blocks: int = 0

@@ -61,6 +61,7 @@ from kvhal.vllm.request_state import RequestState
 from kvhal.vllm.scheduler_stores import StorePlanner
 from kvhal.vllm.stats import RECORD_ALL, KVHALStats, tier_key
 from kvhal.vllm.store_lookup import lookup_stores
+from kvhal.vllm.tenants import TenantLabels
 from kvhal.vllm.tier_list import SchedulerTier, open_scheduler_tiers
 from kvhal.vllm.versions import STATS_NEED_REQUEST_OUTPUTS, failed_recving
 
@@ -94,6 +95,7 @@ class SchedulerSide:
         self._step_times = StepTimes()  # the engine's compute rate, one for every tier's policy
         self.tiers: list[SchedulerTier] = open_scheduler_tiers(self.config, self.stats, self._step_times)
         self.stores = [tier for tier in self.tiers if tier.shared]
+        self.tenants = TenantLabels(self.config.tenant_labels)  # cache_salt -> a bounded label
         self.manager, self.chain = self._new_chain()
         self._requests: dict[str, RequestState] = {}
         self._hold_stats = False  # keep this step's counters for the next (see take_stats)
@@ -118,7 +120,8 @@ class SchedulerSide:
     def track(self, request: Request) -> RequestState:
         state = self._requests.get(request.request_id)
         if state is None:
-            state = self._requests[request.request_id] = RequestState(request)
+            tenant = self.tenants.label(request.cache_salt)
+            state = self._requests[request.request_id] = RequestState(request, tenant=tenant)
         return state
 
     # -- lookups and loads -----------------------------------------------------
@@ -190,11 +193,16 @@ class SchedulerSide:
         return hit, below
 
     def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        """Plan the load of a hit into the blocks vLLM just allocated."""
-        if num_external_tokens == 0:
-            return
+        """Plan the load of a hit into the blocks vLLM just allocated (vLLM calls it for a miss
+        too, with 0: its tokens were asked about all the same)."""
         state = self.track(request)
         bs = self.config.block_size
+        asked = max(0, len(request.block_hashes) - state.hit_start) * bs
+        self.stats.add("lookup_tokens", asked)
+        if state.tenant is not None:
+            self.stats.add_tenant("tenant_lookup_tokens", state.tenant, asked)
+        if num_external_tokens == 0:
+            return
         count = num_external_tokens // bs
         if state.hit_blocks < count:
             raise ValidationError(
@@ -244,7 +252,8 @@ class SchedulerSide:
         state.loading = job.job_id
         state.loaded_tokens = num_external_tokens
         self.stats.add("hit_tokens", num_external_tokens)
-        self.stats.add("lookup_tokens", (len(request.block_hashes) - state.hit_start) * bs)
+        if state.tenant is not None:
+            self.stats.add_tenant("tenant_hit_tokens", state.tenant, num_external_tokens)
 
     def hit_sources(self, request: Request, num_external_tokens: int) -> dict[str, int]:
         """``request``'s hit by the kind of tier that served it (``host``, ``local``,

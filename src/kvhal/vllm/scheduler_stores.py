@@ -103,7 +103,7 @@ class StorePlanner:
                 ids.append(block_id)
                 slots.append(slot)
             self.storing.update(plan.keys)
-            job = self.jobs.store(req_id, plan.keys, groups)
+            job = self.jobs.store(req_id, plan.keys, groups, state.tenant)
             self.fences.add(job.job_id, self.jobs[job.job_id].blocks)
             for write in writes:
                 write = self._admitted(write, state)
@@ -169,6 +169,9 @@ class StorePlanner:
             self.stats.add("failed_stores", 1)
         elif pending.keys:  # once per block, however many workers copied a share of it
             self.stats.add("stored_blocks", len(pending.keys))
+            if pending.tenant is not None:  # every worker's share: as the workers' stored_bytes
+                shares = len(pending.keys) * self.config.slot_bytes * self.config.world_size
+                self.stats.add_tenant("tenant_stored_bytes", pending.tenant, shares)
 
     def write_ended(self, pending: Pending, chain: TierChain) -> None:
         """Every worker reported the write ``pending``: its blocks are in its tier (or not)."""

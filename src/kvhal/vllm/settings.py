@@ -35,6 +35,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticCustomError, PydanticUndefined
 
 from kvhal.offload.wait_policy import POLICIES as WAIT_POLICIES
+from kvhal.vllm.tenants import DEFAULT_TENANT_LABELS
 
 #: The largest size a key takes: 1 EiB (a typo'd exponent is refused, not allocated).
 MAX_BYTES = 1 << 60
@@ -284,6 +285,14 @@ class ExtraConfigSettings(_Keys):
         expects="a non-empty string",
         shown_default="a digest of its files",
         min_length=1,
+    )
+    tenant_labels: int = key(
+        DEFAULT_TENANT_LABELS,
+        doc="Tenants (`cache_salt`s) counted apart in the `tenant_*` counters, the first seen; "
+        'later ones count as `"other"`. 0: no tenant counters (docs/tenants.md).',
+        expects="a number of tenants from 0 to 1024",
+        ge=0,
+        le=1024,
     )
     # lax: a tuple from Python is a list; each entry's keys are as strict as the rest
     tiers: Annotated[list[TierEntry], Field(strict=False)] | None = key(

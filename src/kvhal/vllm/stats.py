@@ -66,6 +66,14 @@ TIER_COUNTERS = {
     "tier_io_errors": "Blocks this tier could not read: its medium failed or the store was unreachable.",
     "tier_unreachable": "Times this store became unreachable.",
 }
+#: Per-tenant counter families -> help text, labelled ``tenant``: a request's ``cache_salt`` as
+#: a short digest (:mod:`kvhal.vllm.tenants`; the first ``tenant_labels`` salts, then
+#: ``"other"``). Requests without a salt count in the engine-wide counters only.
+TENANT_COUNTERS = {
+    "tenant_lookup_tokens": "Prompt tokens of this tenant's requests kvhal was asked about.",
+    "tenant_hit_tokens": "Prompt tokens of this tenant's requests kvhal offered to load (any tier).",
+    "tenant_stored_bytes": "Bytes this tenant's requests stored into kvhal's host tier (every worker's).",
+}
 #: A failed read's outcome (:class:`~kvhal.tiers.backend.ReadOutcome`) -> its family.
 READ_FAILURE_COUNTERS = {
     "corrupt": "tier_corrupt_blocks",
@@ -110,6 +118,11 @@ def tier_key(family: str, tier: str) -> str:
     return f"{family}{{tier={tier}}}"
 
 
+def tenant_key(family: str, tenant: str) -> str:
+    """A tenant's counter of ``family`` (``tenant_hit_tokens{tenant=1f2e3d4c}``)."""
+    return f"{family}{{tenant={tenant}}}"
+
+
 def split_key(key: str) -> tuple[str, str | None]:
     """``(family, tier)`` of a :func:`tier_key` (``(name, None)`` for an engine-wide counter)."""
     family, brace, rest = key.partition("{tier=")
@@ -139,6 +152,14 @@ class KVHALStats(KVConnectorStats):
             raise KeyError(family)
         if value:
             key = tier_key(family, tier)
+            self.data[key] = self.data.get(key, 0) + value
+
+    def add_tenant(self, family: str, tenant: str, value: int) -> None:
+        """Add ``value`` to tenant ``tenant``'s counter of ``family`` (:data:`TENANT_COUNTERS`)."""
+        if family not in TENANT_COUNTERS:
+            raise KeyError(family)
+        if value:
+            key = tenant_key(family, tenant)
             self.data[key] = self.data.get(key, 0) + value
 
     def observe(self, family: str, tier: str, seconds: float) -> None:
@@ -195,6 +216,16 @@ class KVHALStats(KVConnectorStats):
         return taken
 
 
+def _split_label(key: str) -> tuple[str, str | None]:
+    """``(family, label value)`` of a tier's or a tenant's key; ``(key, None)`` otherwise."""
+    family, tier = split_key(key)
+    if tier is None:
+        base, brace, rest = key.partition("{tenant=")
+        if brace and rest.endswith("}"):
+            return base, rest[:-1]
+    return family, tier
+
+
 def _known(key: str) -> bool:
     return _kind(key) is not None
 
@@ -203,7 +234,10 @@ def _kind(key: str) -> str | None:
     """``"counter"``, ``"histogram"``, ``"gauge"`` or None (not a kvhal statistic)."""
     family, tier = split_key(key)
     if tier is None:
-        return "counter" if key in COUNTERS else "gauge" if key in GAUGES else None
+        if key in COUNTERS or key in GAUGES:  # the engine-wide names first: add() is per event
+            return "counter" if key in COUNTERS else "gauge"
+        family, tenant = _split_label(key)
+        return "counter" if tenant is not None and family in TENANT_COUNTERS else None
     if family in TIER_COUNTERS:
         return "counter"
     return "histogram" if family in HISTOGRAMS else "gauge" if family in TIER_GAUGES else None
@@ -238,6 +272,10 @@ class KVHALPromMetrics(KVConnectorPromMetrics):
             self._families[family] = self._counter_cls(
                 name=f"vllm:kvhal_{family}", documentation=help_text, labelnames=tiered
             )
+        for family, help_text in TENANT_COUNTERS.items():  # children only for tenants counted
+            self._families[family] = self._counter_cls(
+                name=f"vllm:kvhal_{family}", documentation=help_text, labelnames=[*labelnames, "tenant"]
+            )
         if histogram_cls is not None:
             for family, help_text in HISTOGRAMS.items():
                 self._families[family] = histogram_cls(
@@ -261,7 +299,7 @@ class KVHALPromMetrics(KVConnectorPromMetrics):
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for key, value in transfer_stats_data.items():
             kind = _kind(key)
-            if not value and kind != "gauge":
+            if kind is None or (not value and kind != "gauge"):  # not kvhal's, or nothing counted
                 continue
             metric = self._counters.get((key, engine_idx))
             if metric is None:
@@ -278,7 +316,7 @@ class KVHALPromMetrics(KVConnectorPromMetrics):
 
     def _child(self, key: str, engine_idx: int) -> Any:
         """A key's child of its family, made the first time it reports."""
-        family, tier = split_key(key)
+        family, tier = _split_label(key)  # tier: a tier's name, or a tenant's label
         values = self._labelvalues.get(engine_idx)
         metric = self._families.get(family)
         if metric is None or values is None:
