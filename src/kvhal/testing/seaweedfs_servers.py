@@ -24,12 +24,14 @@ directory, so a restart keeps the buckets and the objects.
 Start-up (``python -m kvhal.testing.seaweedfs_servers`` prints it) is about 3.5 s here until
 the gateway answers a signed PUT: the master, then the volume server's heartbeat, then the
 filer. Every process is killed and the directory removed when the object is closed, leaves its
-``with`` block, is garbage-collected, or at interpreter exit.
+``with`` block, is garbage-collected, or at interpreter exit; and weed dies with the thread
+that started it, should the interpreter be killed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import shutil
@@ -59,6 +61,20 @@ ACCESS_KEY, SECRET_KEY = "kvhal-test-admin", "kvhal-test-admin-secret-3f9a"
 READER_KEY, READER_SECRET = "kvhal-test-reader", "kvhal-test-reader-secret-77c1"
 #: where the object probe that tells readiness lives (in the first bucket)
 _PROBE = ".kvhal-ready"
+
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+try:
+    _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+except OSError:  # pragma: no cover
+    _LIBC = None
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: killed when the process that started it dies, however it
+    dies (a finalizer does not run on SIGKILL or SIGTERM, and weed runs in a session of its own)."""
+    if _LIBC is not None:
+        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
 def weed_binary() -> str | None:
@@ -258,7 +274,7 @@ class SeaweedS3:
         with open(self.log, "ab") as log:
             self._state.proc = subprocess.Popen(
                 self.command_line(), cwd=self.directory, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True,
+                start_new_session=True, preexec_fn=_die_with_parent,
             )  # fmt: skip
         deadline = began + self.ready_timeout
         self._wait(deadline, "its filer did not answer", self._filer_answers)
