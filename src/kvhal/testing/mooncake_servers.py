@@ -33,6 +33,7 @@ import sys
 import tempfile
 import time
 import weakref
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -99,15 +100,24 @@ class MooncakeCluster:
     :param keep_logs: keep the log directory after :meth:`stop` (``.log_dir``).
     :param node: start the store node (``False``: a master alone, where nothing can hold a
         value; start-up then waits for the master's ports only).
+    :param master_args: more ``mooncake_master`` flags (``--put_start_discard_timeout_sec=2``),
+        kept across :meth:`start_master`.
     """
 
     def __init__(
-        self, segment: str = "256MB", *, timeout: float = 60.0, keep_logs: bool = False, node: bool = True
+        self,
+        segment: str = "256MB",
+        *,
+        timeout: float = 60.0,
+        keep_logs: bool = False,
+        node: bool = True,
+        master_args: Sequence[str] = (),
     ) -> None:
         missing = self.missing()
         if missing:
             raise FileNotFoundError(missing)
         self.segment = segment
+        self.master_args = list(master_args)
         self.timeout = timeout
         self.rpc_port = free_port()
         self.metadata_port = free_port()
@@ -211,6 +221,7 @@ class MooncakeCluster:
             f"--rpc_address={HOST}",
             f"--metrics_port={self.metrics_port}",
             "--enable_metric_reporting=false",
+            *self.master_args,
         ]
         self._spawn("master", argv)
         self._wait(
