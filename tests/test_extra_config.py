@@ -178,6 +178,17 @@ def test_the_short_forms_are_a_list_of_the_local_tier_then_the_store() -> None:
     assert check_extra_config(HOST).tiers == ()
 
 
+def test_the_disk_lock_wait_s_short_form_reaches_the_disk_tier_s_options() -> None:
+    """It was dropped (every short form of an option but the path and the size was): a
+    rolling update's wait was then always the disk tier's default."""
+    short = {**HOST, "disk_path": "/d", "disk_bytes_to_use": "8GiB", "disk_lock_wait_s": 0}
+    [tier] = check_extra_config(short).tiers
+    assert tier.options["lock_wait_s"] == 0
+    assert tier.config_keys["lock_wait_s"] == "kv_connector_extra_config.disk_lock_wait_s"
+    error = refused({**short, "disk_lock_wait_s": -1})
+    assert error.argument == "kv_connector_extra_config.disk_lock_wait_s"
+
+
 def test_every_tier_has_its_own_name() -> None:
     second = {"backend": "disk", "options": {"path": "/e", "bytes_to_use": 1 << 30}}
     error = refused({**HOST, "tiers": [DISK, {"url": "redis://h"}, second]})

@@ -202,12 +202,14 @@ def _expand(extra: dict[str, Any]) -> tuple[list[Any], list[_ShortForm | None]]:
         if isinstance(options, dict):
             keys |= {f"options.{name}": f"{PREFIX}.tier_options.{name}" for name in options}
             options = dict(options)
-            for short in ("disk_path", "disk_bytes_to_use"):
-                option = LOCAL_SHORT_FORMS[short]
-                if short in extra or option.removeprefix("options.") not in options:
+            for short, option in LOCAL_SHORT_FORMS.items():  # every option's short form
+                name = option.removeprefix("options.")
+                if name == option:
+                    continue
+                if short in extra or (short in LOCAL_OPENERS and name not in options):
                     keys[option] = f"{PREFIX}.{short}"  # a missing option is asked for by its short form
                 if short in extra:
-                    options[option.removeprefix("options.")] = extra[short]
+                    options[name] = extra[short]
         entry["options"] = options
         for short, target in LOCAL_SHORT_FORMS.items():
             if "." not in target and target != "options":
