@@ -3,6 +3,7 @@ and a rolling update's second engine on the same path while the first drains (it
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import os
 import threading
@@ -76,8 +77,9 @@ def test_another_user_s_private_directory_is_refused(tmp_path):
 # ---------------------------------------------------------------- the lock, waited for
 
 
-def index_spec(path: Path, **options) -> TierSpec:
-    return make_spec(path, role="index", options=options)
+def index_spec(path: Path, defer: bool = False, **options) -> TierSpec:
+    """The scheduler's spec (``defer``: as vLLM's scheduler side opens it, serving meanwhile)."""
+    return dataclasses.replace(make_spec(path, role="index", options=options), defer=defer)
 
 
 def test_a_second_engine_waits_for_the_first_to_release_the_lock(tmp_path):
@@ -108,7 +110,7 @@ def test_the_wait_ends_at_lock_wait_s_with_the_holder_named(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("option", "value"), [("lock_wait_s", -1), ("lock_wait_s", 1.5), ("lock_wait_s", True), ("defer_lock", 1)]
+    ("option", "value"), [("lock_wait_s", -1), ("lock_wait_s", 1.5), ("lock_wait_s", True)]
 )
 def test_bad_lock_options_name_the_option(tmp_path, option, value):
     with pytest.raises(ValidationError) as info:
@@ -128,26 +130,48 @@ def test_a_deferred_tier_opens_at_once_and_is_ready_when_the_lock_comes(tmp_path
     store(worker, [5, 6])
     worker.close()
     started = time.monotonic()
-    second = DiskTier(index_spec(path, lock_wait_s=30, defer_lock=True))
+    second = DiskTier(index_spec(path, lock_wait_s=30, defer=True))
     assert time.monotonic() - started < 5, "a deferred tier waited at open"
-    assert not second.ready
+    assert not second.ready and second.ready_error is None, "waiting: not ready, no error"
     assert second.num_slots == first.num_slots, "the slot count is known before the lock"
     with pytest.raises(TierError, match="before the tier is ready"):
         second.recover()
     first.close()
     assert second.lock_waiter is not None and second.lock_waiter.done.wait(10)
-    assert second.ready and second.lock_waiter.error is None
+    assert second.ready and second.lock_waiter.error is None and second.ready_error is None
+    assert second._recovered is not None, "the index is read on the waiter's thread, before ready"
     assert second.recover() == ([5, 6], keys_for([5, 6]))
+    assert second.recover() == ([5, 6], keys_for([5, 6])), "read again from the disk: the same"
+    second.close()
+
+
+class FailingNamespace(DiskTier):
+    """A deferred tier whose namespace cannot be opened once the lock comes (EIO)."""
+
+    def _open_namespace(self, ranks) -> None:
+        if not self.ready:
+            raise OSError(5, "Input/output error")
+        super()._open_namespace(ranks)
+
+
+def test_a_deferred_tier_that_fails_once_the_lock_comes_lets_it_go(tmp_path):
+    path = tmp_path / "d"
+    first = DiskTier(index_spec(path))
+    second = FailingNamespace(index_spec(path, lock_wait_s=30, defer=True))
+    first.close()
+    assert second.lock_waiter is not None and second.lock_waiter.done.wait(10)
+    assert not second.ready and isinstance(second.ready_error, OSError)
+    DiskTier(index_spec(path, lock_wait_s=0)).close()  # the lock is free: the next engine takes it
     second.close()
 
 
 def test_a_deferred_tier_past_its_deadline_stays_unready_and_says_why(tmp_path):
     path = tmp_path / "d"
     first = DiskTier(index_spec(path))
-    second = DiskTier(index_spec(path, lock_wait_s=1, defer_lock=True))
+    second = DiskTier(index_spec(path, lock_wait_s=1, defer=True))
     assert second.lock_waiter is not None and second.lock_waiter.done.wait(10)
     assert not second.ready
-    assert isinstance(second.lock_waiter.error, TierError)
+    assert isinstance(second.lock_waiter.error, TierError) and second.ready_error is second.lock_waiter.error
     assert "lock_wait_s" in str(second.lock_waiter.error)
     first.close()
     time.sleep(0.2)
@@ -159,7 +183,7 @@ def test_a_deferred_tier_past_its_deadline_stays_unready_and_says_why(tmp_path):
 def test_closing_a_deferred_tier_stops_its_wait(tmp_path):
     path = tmp_path / "d"
     first = DiskTier(index_spec(path))
-    second = DiskTier(index_spec(path, lock_wait_s=60, defer_lock=True))
+    second = DiskTier(index_spec(path, lock_wait_s=60, defer=True))
     started = time.monotonic()
     second.close()
     assert time.monotonic() - started < 5
@@ -180,7 +204,7 @@ def test_a_deferred_tier_without_a_recorded_size_waits_at_open(tmp_path):
     fcntl.flock(fd, fcntl.LOCK_EX)
     try:
         with pytest.raises(TierError, match="for 1 s"):
-            DiskTier(index_spec(path, lock_wait_s=1, defer_lock=True))
+            DiskTier(index_spec(path, lock_wait_s=1, defer=True))
     finally:
         os.close(fd)
     tier = DiskTier(TierSpec({"path": str(path), "bytes_to_use": 1 << 20}, SLOT, FP, "index"))

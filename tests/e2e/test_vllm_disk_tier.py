@@ -254,7 +254,9 @@ def test_hits_read_from_disk_are_prefetched_and_loaded_in_their_step(model, tmp_
 
 def test_second_engine_on_the_same_disk_path_is_refused(model, tmp_path):
     """A process holds the model's namespace as a running engine's scheduler does; an engine
-    of that model started on the same path must fail, naming the reason, and leave the tier alone."""
+    of that model started on the same path with ``disk_lock_wait_s`` 0 (no wait: an engine
+    that waits serves without the tier meanwhile, test_disk_rolling_update.py) must fail,
+    naming the reason, and leave the tier alone."""
     populate(model, tmp_path, prompts(1, LENGTH, seed=26))  # makes the model's namespace
     (lock,) = tmp_path.glob("kvhal-tier-v1/m-*/LOCK")
     holder = subprocess.Popen(
@@ -263,7 +265,8 @@ def test_second_engine_on_the_same_disk_path_is_refused(model, tmp_path):
     try:
         assert holder.stdout.readline().strip() == "held"
         with pytest.raises(ScenarioError, match="in use by another engine"):
-            engine(model, disk(tmp_path), [{"op": "generate", "prompts": prompts(1, LENGTH, seed=26)}])
+            steps = [{"op": "generate", "prompts": prompts(1, LENGTH, seed=26)}]
+            engine(model, disk(tmp_path, disk_lock_wait_s=0), steps)
     finally:
         holder.kill()
         holder.wait()

@@ -18,6 +18,13 @@ It is opened twice in a vLLM engine: once by the scheduler with
 ``role="index"`` (recovery, capacity, exclusive ownership of the medium) and
 once per worker with ``role="io"`` (reads and writes of that worker's share
 of each block; ``rank`` tells the shares apart).
+
+A medium may not be this engine's yet when it starts: in a rolling update, the engine being
+replaced still holds it while it drains. A caller that can serve without the tier opens the
+``index`` role with ``TierSpec.defer``; a backend that supports it then opens at once, not
+:attr:`~TierBackend.ready`, and turns ready on a thread of its own once the medium is its
+(:attr:`~TierBackend.ready_error` says why it never will). The chain keeps such a tier out
+(never read, never written, its index empty) until then.
 """
 
 from __future__ import annotations
@@ -81,6 +88,10 @@ class TierSpec:
     :param rank: the worker's tensor-parallel rank; it is part of what the
         KV is, and a worker reads only what its own rank wrote.
     :param world_size: the tensor-parallel size.
+    :param defer: the caller serves without the tier until it is ready (the ``index``
+        role): where the medium is still another engine's, the backend may open at once,
+        not :attr:`TierBackend.ready`, rather than wait for it in the constructor. A
+        backend without that ignores it.
     """
 
     options: Mapping[str, Any]
@@ -89,6 +100,7 @@ class TierSpec:
     role: Literal["index", "io"] = "io"
     rank: int = 0
     world_size: int = 1
+    defer: bool = False
 
     def digest(self, rank: int | None = None) -> bytes:
         """8 bytes naming the fingerprint plus ``rank`` (default: this spec's rank)."""
@@ -115,14 +127,23 @@ class TierBackend(abc.ABC):
     called from one thread; their futures may complete on any.
     """
 
-    #: Slots the medium holds (fixed once opened).
+    #: Slots the medium holds (fixed once opened, ready or not).
     num_slots: int
+    #: Whether the medium is this engine's to recover, read and write. Only an ``index`` role
+    #: opened with ``spec.defer`` may start False; it turns True at most once, on any thread,
+    #: after what :meth:`recover` returns has been read (the caller polls it: one read a step).
+    ready: bool = True
+    #: Why a backend that is not :attr:`ready` never will be (its wait's deadline passed, the
+    #: medium changed meanwhile); ``None`` while it may still become ready, and once it is.
+    ready_error: BaseException | None = None
 
     @abc.abstractmethod
     def recover(self, progress: Callable[[int, int], None] | None = None) -> tuple[list[int], list[bytes]]:
         """What the medium holds for this spec's fingerprint: ``(slots, keys)``.
 
-        Called once, by the ``index`` role, before any write. Blocks that cannot
+        Called once, by the ``index`` role, once :attr:`ready`, before any write; a backend
+        that turned ready late has done the reading by then (this returns at once, on the
+        caller's thread, while the engine serves). Blocks that cannot
         be shown whole here may be listed anyway: :meth:`read` verifies every
         block it delivers. ``progress(done, total)`` is called now and then.
         """

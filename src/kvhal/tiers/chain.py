@@ -37,6 +37,11 @@ or a crash: under write-back, everything that lived only in host memory is
 lost with the process, and writes come in bursts exactly when the host tier is
 under pressure. Write-back writes less, which suits a tier with costly writes.
 
+A local tier whose medium is not this engine's yet (another engine still holds it, in a
+rolling update) is in the list but not :attr:`ChainTier.ready`: nothing is read from it or
+written to it, and its index stays empty, until the adapter recovers that index and sets it
+ready (:class:`~kvhal.tiers.backend.TierBackend`'s ``ready``).
+
 A failed read forgets the blocks it was promoting from a local tier (the engine
 recomputes them, and a later store writes them again); a failed write leaves
 nothing loadable.
@@ -74,11 +79,14 @@ class ChainTier:
         names its values by key: no slots, and what it holds is asked of it).
     :param write: a local tier's write mode (``"through"`` or ``"back"``); a shared
         tier is written through.
+    :param ready: whether the tier serves: False while its medium is not this engine's yet
+        (it is then never read or written, whatever its index says).
     """
 
     name: str
     index: TierIndex | None = None
     write: WriteMode = "through"
+    ready: bool = True
     #: blocks not written since the adapter last looked: no evictable room
     skipped_writes: int = 0
     #: blocks evicted from the tier since the adapter last looked
@@ -96,6 +104,8 @@ class ChainTier:
 
     def holds(self, key: bytes, held: Held) -> bool:
         """Whether a read of ``key`` from this tier can be planned now."""
+        if not self.ready:
+            return False
         if self.index is not None:
             return self.index.state(key) is BlockState.READY
         return key in held.get(self.name, ())
@@ -312,7 +322,7 @@ class TierChain:
         """:meth:`OffloadingManager.prepare_store` on the host tier, and the writes of the
         stored blocks to the tiers named in ``tiers`` that are written through (to run
         once the store's copy is done). The blocks the store evicts are queued for the
-        named tiers written back (:meth:`take_writes`). A tier not named is not written
+        named tiers written back (:meth:`take_writes`). A tier not named, or not ready, is not written
         (the adapter leaves out a tier not worth reading, or a store that is down).
 
         :return: the host plan and its writes, or ``None`` if the host tier has no room.
@@ -326,7 +336,7 @@ class TierChain:
         if plan.keys:
             where = dict(zip(plan.keys, plan.slots, strict=True))
             for tier in self.tiers:
-                if tier.name not in named or tier.write != "through":
+                if tier.name not in named or tier.write != "through" or not tier.ready:
                     continue
                 planned = self._plan_write(tier, plan.keys)
                 if planned is not None:
@@ -341,7 +351,7 @@ class TierChain:
             return
         by_key = dict(zip(plan.evicted, plan.evicted_slots, strict=True))
         for tier in self.tiers:
-            if tier.write != "back" or (named is not None and tier.name not in named):
+            if tier.write != "back" or not tier.ready or (named is not None and tier.name not in named):
                 continue
             planned = self._plan_write(tier, plan.evicted)
             if planned is not None:

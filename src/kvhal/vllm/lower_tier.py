@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Literal
 
 from vllm.logger import init_logger
@@ -17,16 +18,21 @@ logger = init_logger("vllm." + __name__)  # under "vllm": its handlers and level
 
 
 def open_lower_tier(
-    config: ConnectorConfig, lower: LowerTierConfig, role: Literal["index", "io"], rank: int
+    config: ConnectorConfig,
+    lower: LowerTierConfig,
+    role: Literal["index", "io"],
+    rank: int,
+    defer: bool = False,
 ) -> TierBackend:
     """Open ``lower``, a local tier of ``config``, for ``role`` (``"index"``: the scheduler;
-    ``"io"``: worker ``rank``).
+    ``"io"``: worker ``rank``); ``defer``: the caller serves without it until it is ``ready``
+    (``TierSpec.defer``).
 
     :raises ValidationError: a bad option, named by the user's key
         (``kv_connector_extra_config.disk_path``, ...).
     :raises TierError: the medium is owned by another engine, or unsafe.
     """
-    spec = config.tier_spec(role, rank, lower.options)
+    spec = dataclasses.replace(config.tier_spec(role, rank, lower.options), defer=defer)
     if role == "index" and config.fingerprint.get("hash_seed") == "random-per-process":
         logger.warning(
             "kvhal: the %s tier cannot serve a restarted engine: vLLM's %s block hashes take a random "

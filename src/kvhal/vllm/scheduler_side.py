@@ -95,6 +95,7 @@ class SchedulerSide:
         self._step_times = StepTimes()  # the engine's compute rate, one for every tier's policy
         self.tiers: list[SchedulerTier] = open_scheduler_tiers(self.config, self.stats, self._step_times)
         self.stores = [tier for tier in self.tiers if tier.shared]
+        self._waiting = [tier for tier in self.tiers if tier.waiting]  # local tiers not joined yet
         self.tenants = TenantLabels(self.config.tenant_labels)  # cache_salt -> a bounded label
         self.manager, self.chain = self._new_chain()
         self._requests: dict[str, RequestState] = {}
@@ -134,6 +135,7 @@ class SchedulerSide:
         state = self.track(request)
         if state.load_failed:  # offering the same hit again would loop (the load failed)
             return 0, False
+        self._join_tiers()
         self.prefetcher.poll_local_reads(self.chain)
         if state.prefetch is not None:
             if not state.prefetch.done and time.monotonic() < state.prefetch.deadline:
@@ -264,7 +266,16 @@ class SchedulerSide:
 
     # -- each step -------------------------------------------------------------
 
+    def _join_tiers(self) -> None:
+        """Local tiers whose medium was another engine's join once it is this one's (polled at
+        each lookup and step: a list that is empty once they joined)."""
+        if self._waiting:
+            for tier in self._waiting:
+                tier.join(self.stats)
+            self._waiting = [tier for tier in self._waiting if tier.waiting]
+
     def build_meta(self, scheduler_output: SchedulerOutput) -> KVHALMetadata:
+        self._join_tiers()  # before this step's stores: a tier joined now is written by them
         self.prefetcher.poll_local_reads(self.chain)  # an aborted request's read ends here
         self._time_steps(scheduler_output.total_num_scheduled_tokens)
         # fences first: this step's own stores are ordered after its compute anyway
@@ -442,8 +453,9 @@ class SchedulerSide:
             if index is not None:
                 now[tier_key("tier_used_bytes", tier.name)] = len(index) * slot
                 now[tier_key("tier_budget_bytes", tier.name)] = index.num_slots * slot
-            if tier.store is not None:
-                now[tier_key("tier_up", tier.name)] = int(tier.store.up)
+            up = tier.up  # a local tier: 0 while its medium is another engine's (not joined)
+            if up is not None:
+                now[tier_key("tier_up", tier.name)] = int(up)
         for key, value in now.items():
             if self._gauges_sent.get(key) != value:
                 self.stats.set_gauge(key, value)

@@ -7,7 +7,8 @@ Each step, the blocks that became full are stored (:meth:`StorePlanner.plan`): a
 workers, without a round trip here. Which tiers a store writes to:
 
 - a local tier, unless its wait policy says it reads slower than recomputing (a tier not
-  worth reading is not worth writing);
+  worth reading is not worth writing), or it has not joined yet (its medium is still another
+  engine's: :meth:`~kvhal.vllm.tier_list.SchedulerTier.join`);
 - a store the fleet shares, unless it is down or ``max_inflight_blocks`` are being written
   to it already (the blocks are dropped, counted), and never the blocks this request read
   from that store (they are there).
@@ -117,6 +118,8 @@ class StorePlanner:
         """The tiers a store of ``blocks`` may write to now (see the module docstring)."""
         names = []
         for tier in self.tiers.values():
+            if not tier.chain.ready:  # a local tier whose medium is not this engine's yet
+                continue
             if tier.shared or tier.wait is None or not tier.wait.slow:
                 names.append(tier.name)
             else:

@@ -162,8 +162,10 @@ class DiskTierOptions(_Keys):
     )
     lock_wait_s: int = key(
         60,
-        doc="How long an engine waits at start for another engine of the model on `path` (one being "
-        "replaced, draining) to release it; then the start fails naming its pid. 0: fail at once.",
+        doc="How long the tier waits for another engine of the model on `path` (one being replaced, "
+        "draining) to release it; the engine serves without the tier meanwhile (`tier_up` 0), then it "
+        "joins with what the other left, or past the wait stays out. 0: the start fails at once, "
+        "naming its pid.",
         expects="a number of seconds (0 or more)",
         unit="s",
         ge=0,

@@ -106,7 +106,8 @@ TIER_GAUGES = {
     "tier_inflight_bytes": "Bytes being read from or written to this tier now (tier=host: KV cache copies).",
     "tier_used_bytes": "Bytes a local tier holds (its slots used x the slot size).",
     "tier_budget_bytes": "Bytes a local tier may hold (its slots x the slot size).",
-    "tier_up": "Whether this store is up now (1) or down (0): reachable at its last call.",
+    "tier_up": "Whether this tier serves now (1) or not (0): a store reachable at its last call; "
+    "a local tier 0 while another engine holds its medium (a rolling update), or past the wait.",
 }
 #: ``KVHAL_METRICS=counters`` records counters only (no histogram, no gauge): to compare.
 RECORD_ALL = (env.read("KVHAL_METRICS") or "all") != "counters"

@@ -8,6 +8,12 @@ disk tier, a plugin's backend through ``kvhal_tier_backends``) or a store the fl
 - The scheduler side opens each once (:func:`open_scheduler_tiers`): a local tier's
   backend in the ``index`` role (recovery, ownership of the medium) with the chain's index
   of it; a store's client for lookups (``exist``). Each has its wait policy.
+- A local tier's medium may still be another engine's (a rolling update: the engine being
+  replaced drains). Its backend is opened deferred (``TierSpec.defer``): the engine starts and
+  serves without it (out of the chain: never read or written, ``tier_up`` 0), and it joins
+  once its backend is ready, with the index of what the engine before left
+  (:meth:`SchedulerTier.join`, polled each step). A worker never moves a byte of a tier
+  the scheduler side plans nothing for, so the workers' side of it needs no such wait.
 - Each worker opens each for reads and writes of its own share of a block
   (:func:`open_worker_tiers`), behind one interface (:class:`TierReadWrite`).
 """
@@ -60,10 +66,50 @@ class SchedulerTier:
     backend: TierBackend | None = None
     store: RemoteTier | None = None
     writing: int = 0  # a store's blocks being written now
+    gave_up: bool = False  # a local tier whose medium never became this engine's: out for good
 
     @property
     def name(self) -> str:
         return self.chain.name
+
+    @property
+    def up(self) -> bool | None:
+        """Whether it serves now: a store reachable at its last call, a local tier joined
+        (``None``: closed)."""
+        if self.store is not None:
+            return self.store.up
+        return self.chain.ready if self.backend is not None else None
+
+    @property
+    def waiting(self) -> bool:
+        """A local tier whose medium is not this engine's yet, and may still become so."""
+        return not self.chain.ready and not self.gave_up and self.backend is not None
+
+    def join(self, stats: KVHALStats) -> bool:
+        """A waiting local tier joins the chain once its backend is ready: its index is
+        recovered (what the engine before left), and it is read and written from then on.
+        Where the backend says it never will be (its wait's deadline passed), the tier stays
+        out, said once. True: it joined now."""
+        backend = self.backend
+        if not self.waiting or backend is None:
+            return False
+        if not backend.ready:
+            error = backend.ready_error
+            if error is not None:
+                self.gave_up = True
+                logger.warning(
+                    "kvhal: the %s tier stays out: this engine serves without it (tier_up 0) until it "
+                    "restarts: %s",
+                    self.name,
+                    error,
+                )
+            return False
+        recovered = _recover(self, stats)
+        self.chain.ready = True
+        logger.info(
+            "kvhal: the %s tier joins, with %d blocks it holds; it serves from now on", self.name, recovered
+        )
+        return True
 
     @property
     def shared(self) -> bool:
@@ -113,19 +159,39 @@ def open_scheduler_tiers(config: ConnectorConfig, stats: KVHALStats, steps: Step
             wait = WaitPolicy(tier.load_timeout_ms, tier.wait_policy, steps=steps)
             tiers.append(SchedulerTier(tier, ChainTier(tier.name), wait, store=store))
             continue
-        backend = open_lower_tier(config, tier, role="index", rank=0)
+        backend = open_lower_tier(config, tier, role="index", rank=0, defer=True)
         index = TierIndex(backend.num_slots, tier.eviction_policy)
-
-        def progress(done: int, total: int, name: str = tier.name) -> None:
-            logger.info("kvhal: recovering the %s tier's index: %d of %d slots read", name, done, total)
-
-        slots, keys = backend.recover(progress=progress)
-        if keys:  # a key found twice after a crash is indexed once
-            stats.add_tier("tier_recovered_blocks", tier.name, index.recover(slots, keys))
         wait = WaitPolicy(tier.wait_ms, tier.wait_policy, steps=steps) if tier.wait_ms is not None else None
-        chain = ChainTier(tier.name, index, tier.write)  # type: ignore[arg-type]
-        tiers.append(SchedulerTier(tier, chain, wait, backend=backend))
+        chain = ChainTier(tier.name, index, tier.write, ready=False)  # type: ignore[arg-type]
+        local = SchedulerTier(tier, chain, wait, backend=backend)
+        tiers.append(local)
+        if backend.ready:
+            _recover(local, stats)
+            chain.ready = True
+        else:
+            logger.info(
+                "kvhal: the %s tier is not this engine's yet (another engine holds it): the engine "
+                "serves without it, and it joins when it is (tier_up{tier=%s} is 0 meanwhile)",
+                tier.name,
+                tier.name,
+            )
     return tiers
+
+
+def _recover(tier: SchedulerTier, stats: KVHALStats) -> int:
+    """Index what ``tier``'s medium holds (a warm restart, or the engine before's blocks);
+    how many blocks."""
+    assert tier.backend is not None and tier.chain.index is not None
+
+    def progress(done: int, total: int) -> None:
+        logger.info("kvhal: recovering the %s tier's index: %d of %d slots read", tier.name, done, total)
+
+    slots, keys = tier.backend.recover(progress=progress)
+    if not keys:
+        return 0
+    recovered = tier.chain.index.recover(slots, keys)  # a key found twice after a crash is indexed once
+    stats.add_tier("tier_recovered_blocks", tier.name, recovered)
+    return recovered
 
 
 class TierReadWrite(Protocol):

@@ -37,6 +37,14 @@ class SlowTier(TierBackend):
         self._lock = threading.Lock()
         self._free_at = 0.0  # when the bandwidth is free again
 
+    @property
+    def ready(self) -> bool:  # type: ignore[override] - the contract's attribute, the inner tier's
+        return self.inner.ready
+
+    @property
+    def ready_error(self) -> BaseException | None:  # type: ignore[override]
+        return self.inner.ready_error
+
     def recover(self, progress: Callable[[int, int], None] | None = None) -> tuple[list[int], list[bytes]]:
         return self.inner.recover(progress)
 

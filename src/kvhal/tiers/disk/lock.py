@@ -5,7 +5,7 @@ one's ``flock`` is released when it closes its tier or its process ends. The new
 up to ``lock_wait_s`` for it (polling: ``flock`` cannot time out), then fails naming the
 holder's pid, so a second engine configured on the same path by mistake still gets a clear
 error. :class:`LockWaiter` waits on a thread of its own instead, for a caller that serves
-without the tier meanwhile (the tier's ``defer_lock`` option).
+without the tier meanwhile (a tier opened with ``TierSpec.defer``).
 """
 
 from __future__ import annotations
