@@ -61,6 +61,7 @@ from kvhal.vllm.request_state import RequestState
 from kvhal.vllm.scheduler_stores import StorePlanner
 from kvhal.vllm.stats import RECORD_ALL, KVHALStats, tier_key
 from kvhal.vllm.store_lookup import lookup_stores
+from kvhal.vllm.store_state import StoreStates, stats_data
 from kvhal.vllm.tenants import TenantLabels
 from kvhal.vllm.tier_list import SchedulerTier, open_scheduler_tiers
 from kvhal.vllm.versions import STATS_NEED_REQUEST_OUTPUTS, failed_recving
@@ -95,8 +96,9 @@ class SchedulerSide:
         self._step_times = StepTimes()  # the engine's compute rate, one for every tier's policy
         self.tiers: list[SchedulerTier] = open_scheduler_tiers(self.config, self.stats, self._step_times)
         self.stores = [tier for tier in self.tiers if tier.shared]
-        self._waiting = [tier for tier in self.tiers if tier.waiting]  # local tiers not joined yet
+        self.store_states = StoreStates(tier.name for tier in self.stores)  # up, down, refused
         self.tenants = TenantLabels(self.config.tenant_labels)  # cache_salt -> a bounded label
+        self._waiting = [tier for tier in self.tiers if tier.waiting]  # local tiers not joined yet
         self.manager, self.chain = self._new_chain()
         self._requests: dict[str, RequestState] = {}
         self._hold_stats = False  # keep this step's counters for the next (see take_stats)
@@ -319,6 +321,7 @@ class SchedulerSide:
     # -- results -----------------------------------------------------------------
 
     def on_output(self, output: KVConnectorOutput) -> None:
+        self.store_states.count(stats_data(output.kv_connector_stats))  # the workers' reads
         worker_meta = output.kv_connector_worker_meta
         if isinstance(worker_meta, KVHALWorkerMetadata):
             # in job order: a store's write-through (a later job) ends after the store
@@ -456,6 +459,7 @@ class SchedulerSide:
             up = tier.up  # a local tier: 0 while its medium is another engine's (not joined)
             if up is not None:
                 now[tier_key("tier_up", tier.name)] = int(up)
+        now.update(self.store_states.gauges(self.stores, self.stats.data))  # its own reads too
         for key, value in now.items():
             if self._gauges_sent.get(key) != value:
                 self.stats.set_gauge(key, value)

@@ -106,6 +106,8 @@ TIER_GAUGES = {
     "tier_inflight_bytes": "Bytes being read from or written to this tier now (tier=host: KV cache copies).",
     "tier_used_bytes": "Bytes a local tier holds (its slots used x the slot size).",
     "tier_budget_bytes": "Bytes a local tier may hold (its slots x the slot size).",
+    "tier_state": "This store's state now: 1 up, 0 down (unreachable), 2 refused (it answers, but "
+    "kvhal refused every value it last read there: another secret, another KV's, corrupt).",
     "tier_up": "Whether this tier serves now (1) or not (0): a store reachable at its last call; "
     "a local tier 0 while another engine holds its medium (a rolling update), or past the wait.",
 }
