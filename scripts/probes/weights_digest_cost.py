@@ -3,6 +3,7 @@
 Writes a model of ``--files`` weight files of ``--gib`` GiB each (random bytes, no hole) under
 ``--dir``, then times :func:`kvhal.vllm.model_identity.weights_digest`:
 
+- ``read only, from disk``: the files read once, nothing hashed (the disk's pace: the floor);
 - ``cold, from disk``: no kept digest, the files dropped from the page cache first
   (``POSIX_FADV_DONTNEED``, after ``fsync``);
 - ``cold, page cache``: no kept digest, the files in the page cache (as right after vLLM
@@ -126,6 +127,12 @@ def main() -> None:
         time.sleep(model_identity.SETTLE_NS / 1e9 + 0.5)  # old enough to be kept
         rows = []
         drop_from_page_cache(root)
+        start, before = time.perf_counter(), bytes_read()
+        warm_page_cache(root)  # the disk's own pace, one thread, nothing hashed: the floor
+        seconds = time.perf_counter() - start
+        floor = {"run": "read only, from disk", "seconds": seconds, "gib_per_s": size / (1 << 30) / seconds}
+        floor |= {"bytes_read": bytes_read() - before, "threads": 1, "digest": None}
+        drop_from_page_cache(root)
         rows.append(timed("cold, from disk", root, cache, size))
         shutil.rmtree(cache)
         warm_page_cache(root)
@@ -134,6 +141,7 @@ def main() -> None:
         rows.append(timed("cold, page cache", root, cache, size))
         rows.append(timed("warm (digests kept)", root, cache, size))
         assert len({r["digest"] for r in rows}) == 1, "the runs disagree on the digest"
+        rows.insert(0, floor)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     load = os.getloadavg()[0]

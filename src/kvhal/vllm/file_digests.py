@@ -3,9 +3,9 @@
 Each file is cut into pieces of :data:`PIECE_BYTES`; a pool of threads hashes the pieces of
 all the files at once (so one large file is as parallel as many shards), reading
 :data:`READ_BYTES` at a time into a buffer of its own with ``os.preadv``. Both the read and
-the hash release the GIL. The hash is BLAKE3 (kvhal depends on it already): 2.1 GiB/s a core
-here, against SHA-256's 1.0-1.4 (with SHA-NI) and BLAKE2b's 0.4-0.6
-(``scripts/probes/weights_digest_cost.py``). A file's digest is the BLAKE3 of its size and
+the hash release the GIL. The hash is BLAKE3 (kvhal depends on it already): twice SHA-256 (OpenSSL, with
+SHA-NI) and four times BLAKE2b a core on the CI machine, 2.1 GiB/s at best
+(``scripts/probes/weights_digest_cost.py``, BENCHMARKS.md). A file's digest is the BLAKE3 of its size and
 its pieces' digests, in order.
 
 A file whose identity (:class:`~kvhal.vllm.digest_cache.FileId`) changed while it was read

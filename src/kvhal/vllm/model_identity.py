@@ -4,10 +4,11 @@ A path names a place, and a fine-tune redeployed in place would be served the ol
 So a model in a local directory is named by a digest of every byte of its files:
 ``config.json`` and each weight file (``*.safetensors``, ``*.bin``, ... under it), by its path
 in the directory and its bytes; a model given as one file (a GGUF) by its bytes. Any byte
-changed is another model, whichever layers a fine-tune left alone. Reading them costs about a
-second per GiB on first start (:mod:`kvhal.vllm.file_digests`, in parallel); each file's digest
-is then kept under the file's identity (:mod:`kvhal.vllm.digest_cache`), so a restart on the
-same files reads none of them.
+changed is another model, whichever layers a fine-tune left alone. The first start on the
+files reads them all, in parallel (:mod:`kvhal.vllm.file_digests`: at the disk's pace, or the
+cores' where vLLM's load left them in the page cache; BENCHMARKS.md); each file's digest is
+then kept under the file's identity (:mod:`kvhal.vllm.digest_cache`), so a restart on the same
+files reads none of them.
 
 A model vLLM fetched from the Hugging Face Hub is named by the commit its revision resolved to
 (the snapshot vLLM loaded, found in the hub's cache as vLLM finds it, without the network):

@@ -63,7 +63,8 @@ class DiskTier(TierBackend):
         little free space for ``bytes_to_use``.
     :raises TierError: the path is unsafe (a symbolic link; under a world-writable one, a
         ``kvhal-<uid>`` that is not kvhal's), another engine holds it past ``lock_wait_s``
-        (:mod:`kvhal.tiers.disk.lock`), or it holds slots of another geometry.
+        (:mod:`kvhal.tiers.disk.lock`). A ``meta.json`` or ``namespace.json`` that disagrees
+        with the tier's other records is damage: that rank (or namespace) starts empty.
     """
 
     def __init__(self, spec: TierSpec) -> None:
@@ -95,10 +96,9 @@ class DiskTier(TierBackend):
         self._pools: dict[str, ThreadPoolExecutor] = {}  # "read", "write"
         self._local = threading.local()
         #: Whether the tier serves: False while the ``index`` role waits for another engine's
-        #: lock on a thread (``spec.defer``); :attr:`lock_waiter` says how that went.
+        #: lock on a thread (``defer_lock``); :attr:`lock_waiter` says how that went.
         self.ready = True
         self.lock_waiter: LockWaiter | None = None
-        self._recovered: tuple[list[int], list[bytes]] | None = None  # read on the waiter's thread
         try:
             self._root_fd, self.path = open_root(self.path)
             tree = os.path.join(self.path, TREE)
@@ -150,14 +150,12 @@ class DiskTier(TierBackend):
             )
 
     def _defer(self, holder: str) -> bool:
-        """With ``spec.defer``, wait for ``holder``'s lock on a thread: not :attr:`ready` until then.
+        """With ``defer_lock``, wait for ``holder``'s lock on a thread: not :attr:`ready` until then.
 
         Only where the namespace's size is recorded (its slots are then known now, and stay
-        what the waiter opens); else False, and the caller waits here. Once the lock is taken,
-        the waiter opens the namespace and reads its index (what the engine before left) for
-        :meth:`recover`, then sets :attr:`ready`; where that fails, it lets the lock go.
+        what the waiter opens); else False, and the caller waits here.
         """
-        if not self.spec.defer or self.options.lock_wait_s == 0:
+        if not self.options.defer_lock or self.options.lock_wait_s == 0:
             return False
         with budget_lock(self._tree_fd, os.path.dirname(self.namespace)):
             size = recorded_size(self.spec, self._ns_fd, self.namespace)
@@ -174,26 +172,13 @@ class DiskTier(TierBackend):
         def on_taken() -> None:
             if self._closed:
                 return
-            try:
-                self._open_namespace(range(self.spec.world_size))
-                if self.num_slots != announced:  # remade meanwhile: the chain's index has the old count
-                    raise TierError(
-                        "disk", self.namespace, f"now has {self.num_slots} slots, not {announced}"
-                    )
-                self._recovered = self._read_index(None)
-            except BaseException:
-                self._release()  # never ready: the lock goes to whoever waits next
-                raise
-            self.ready = True  # after the index is read: a reader of ready finds it there
+            self._open_namespace(range(self.spec.world_size))
+            if self.num_slots != announced:  # remade meanwhile: the chain's index has the old count
+                raise TierError("disk", self.namespace, f"now has {self.num_slots} slots, not {announced}")
+            self.ready = True
 
         self.lock_waiter = LockWaiter(self._lock_fd, holder, self.path, self.options.lock_wait_s, on_taken)
         return True
-
-    @property
-    def ready_error(self) -> BaseException | None:  # type: ignore[override] - the contract's attribute
-        """Why the tier never becomes :attr:`ready`: its wait for the lock gave up or failed."""
-        waiter = self.lock_waiter
-        return None if self.ready or waiter is None else waiter.error
 
     # ------------------------------------------------------------------ the chain's calls
 
@@ -210,12 +195,6 @@ class DiskTier(TierBackend):
                 self.path,
                 "recover() before the tier is ready: another engine holds its lock (poll ready)",
             )
-        if self._recovered is not None:  # read when the lock came (a deferred tier)
-            found, self._recovered = self._recovered, None
-            return found
-        return self._read_index(progress)
-
-    def _read_index(self, progress: Callable[[int, int], None] | None) -> tuple[list[int], list[bytes]]:
         try:
             return self._recover(progress)
         except OSError as exc:  # a cache: what cannot be read is not offered, and the tier serves
