@@ -24,9 +24,9 @@ Options (``TierSpec.options``):
 - ``lock_wait_s`` (int, default 60): how long the scheduler waits for another engine of the
   model to release ``LOCK`` (an engine being replaced, draining) before failing
   (:mod:`kvhal.tiers.disk.lock`); 0 fails at once.
-- ``defer_lock`` (bool, default False): set by a caller that serves without the tier while it
-  waits (not a user's key): the ``index`` role then opens at once, not :attr:`ready`, and takes
-  the lock on a thread (:class:`~kvhal.tiers.disk.tier.DiskTier`).
+  A caller that serves without the tier while it waits opens it with ``TierSpec.defer`` (not
+  an option: the scheduler side of vLLM does): the ``index`` role then opens at once, not
+  ``ready``, and takes the lock on a thread (:class:`~kvhal.tiers.disk.tier.DiskTier`).
 
 What it writes, under ``<path>/kvhal-tier-v1/`` (directories 0700, files 0600,
 all opened relative to directory descriptors with ``O_NOFOLLOW``; keys never
@@ -86,7 +86,7 @@ __all__ = [
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 #: O_NONBLOCK: a FIFO put in place of a file must not block its open (no effect on regular files)
 FILE_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
-_OPTIONS = ("path", "bytes_to_use", "io_threads", "direct", "lock_wait_s", "defer_lock")
+_OPTIONS = ("path", "bytes_to_use", "io_threads", "direct", "lock_wait_s")
 #: The private directory kvhal keeps under a world-writable path (one per user).
 PRIVATE_DIR = "kvhal-{uid}"
 #: The default of ``lock_wait_s``: more than a pod's default termination grace period (30 s).
@@ -102,7 +102,6 @@ class DiskOptions:
     io_threads: int = 8
     direct: bool | str = "auto"
     lock_wait_s: int = LOCK_WAIT_S
-    defer_lock: bool = False
 
     @classmethod
     def parse(cls, options: Mapping[str, Any]) -> DiskOptions:
@@ -121,16 +120,12 @@ class DiskOptions:
         direct = options.get("direct", "auto")
         if not (isinstance(direct, bool) or direct == "auto"):
             raise ValidationError("direct", f'must be "auto", true or false, got {direct!r}')
-        defer = options.get("defer_lock", False)
-        if not isinstance(defer, bool):
-            raise ValidationError("defer_lock", f"must be true or false, got {defer!r}")
         return cls(
             path=os.path.abspath(os.fspath(path)),
             bytes_to_use=check_int("bytes_to_use", options["bytes_to_use"]),
             io_threads=check_int("io_threads", options.get("io_threads", 8)),
             direct=direct,
             lock_wait_s=check_int("lock_wait_s", options.get("lock_wait_s", LOCK_WAIT_S), minimum=0),
-            defer_lock=defer,
         )
 
 

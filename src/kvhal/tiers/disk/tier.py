@@ -96,9 +96,10 @@ class DiskTier(TierBackend):
         self._pools: dict[str, ThreadPoolExecutor] = {}  # "read", "write"
         self._local = threading.local()
         #: Whether the tier serves: False while the ``index`` role waits for another engine's
-        #: lock on a thread (``defer_lock``); :attr:`lock_waiter` says how that went.
+        #: lock on a thread (``spec.defer``); :attr:`lock_waiter` says how that went.
         self.ready = True
         self.lock_waiter: LockWaiter | None = None
+        self._recovered: tuple[list[int], list[bytes]] | None = None  # read on the waiter's thread
         try:
             self._root_fd, self.path = open_root(self.path)
             tree = os.path.join(self.path, TREE)
@@ -150,12 +151,14 @@ class DiskTier(TierBackend):
             )
 
     def _defer(self, holder: str) -> bool:
-        """With ``defer_lock``, wait for ``holder``'s lock on a thread: not :attr:`ready` until then.
+        """With ``spec.defer``, wait for ``holder``'s lock on a thread: not :attr:`ready` until then.
 
         Only where the namespace's size is recorded (its slots are then known now, and stay
-        what the waiter opens); else False, and the caller waits here.
+        what the waiter opens); else False, and the caller waits here. Once the lock is taken,
+        the waiter opens the namespace and reads its index (what the engine before left) for
+        :meth:`recover`, then sets :attr:`ready`; where that fails, it lets the lock go.
         """
-        if not self.options.defer_lock or self.options.lock_wait_s == 0:
+        if not self.spec.defer or self.options.lock_wait_s == 0:
             return False
         with budget_lock(self._tree_fd, os.path.dirname(self.namespace)):
             size = recorded_size(self.spec, self._ns_fd, self.namespace)
@@ -172,13 +175,26 @@ class DiskTier(TierBackend):
         def on_taken() -> None:
             if self._closed:
                 return
-            self._open_namespace(range(self.spec.world_size))
-            if self.num_slots != announced:  # remade meanwhile: the chain's index has the old count
-                raise TierError("disk", self.namespace, f"now has {self.num_slots} slots, not {announced}")
-            self.ready = True
+            try:
+                self._open_namespace(range(self.spec.world_size))
+                if self.num_slots != announced:  # remade meanwhile: the chain's index has the old count
+                    raise TierError(
+                        "disk", self.namespace, f"now has {self.num_slots} slots, not {announced}"
+                    )
+                self._recovered = self._read_index(None)
+            except BaseException:
+                self._release()  # never ready: the lock goes to whoever waits next
+                raise
+            self.ready = True  # after the index is read: a reader of ready finds it there
 
         self.lock_waiter = LockWaiter(self._lock_fd, holder, self.path, self.options.lock_wait_s, on_taken)
         return True
+
+    @property
+    def ready_error(self) -> BaseException | None:  # type: ignore[override] - the contract's attribute
+        """Why the tier never becomes :attr:`ready`: its wait for the lock gave up or failed."""
+        waiter = self.lock_waiter
+        return None if self.ready or waiter is None else waiter.error
 
     # ------------------------------------------------------------------ the chain's calls
 
@@ -195,6 +211,12 @@ class DiskTier(TierBackend):
                 self.path,
                 "recover() before the tier is ready: another engine holds its lock (poll ready)",
             )
+        if self._recovered is not None:  # read when the lock came (a deferred tier)
+            found, self._recovered = self._recovered, None
+            return found
+        return self._read_index(progress)
+
+    def _read_index(self, progress: Callable[[int, int], None] | None) -> tuple[list[int], list[bytes]]:
         try:
             return self._recover(progress)
         except OSError as exc:  # a cache: what cannot be read is not offered, and the tier serves
