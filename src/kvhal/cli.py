@@ -26,6 +26,7 @@ BENCHMARKS = {
     "e2e": "kvhal.bench.e2e",
     "manager": "kvhal.bench.manager",
     "shared": "kvhal.bench.shared",
+    "store-load": "kvhal.bench.store_load",
 }
 
 
