@@ -1,4 +1,6 @@
-"""The remote tier over a real Redis server: names, framing, verification, health.
+"""The remote tier over a real Redis server: names, framing, verification, health; the round
+trip and another model's or rank's blindness also over a three-master Redis cluster (the
+engine-level tests run on one Redis server: tests/e2e/test_vllm_remote_tier.py).
 
 The store is a real ``redis-server`` on loopback; the host tier is the CPU
 plugin's. Each test corrupts, poisons or stops what it must to see kvhal
@@ -15,7 +17,7 @@ import pytest
 
 from kvhal.errors import TierError
 from kvhal.offload.host_tier import HostTier
-from kvhal.testing.redis_servers import RedisServer
+from kvhal.testing.redis_servers import RedisCluster, RedisServer
 from kvhal.tiers.backend import CORRUPT, FOREIGN, IO_ERROR, MISSING, OK, TierSpec
 from kvhal.tiers.remote.format import HEADER_BYTES, UNAUTHENTICATED
 from kvhal.tiers.remote.store import StoreUnavailable
@@ -30,6 +32,18 @@ KV = {"model": "m", "layout": "LBHNC"}
 def server() -> Iterator[RedisServer]:
     with RedisServer() as running:
         yield running
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[RedisCluster]:
+    with RedisCluster() as running:
+        yield running
+
+
+@pytest.fixture(params=["redis", "redis-cluster"])
+def store(request) -> RedisServer | RedisCluster:
+    """A Redis server, then a Redis cluster (names hash to every master)."""
+    return request.getfixturevalue("server" if request.param == "redis" else "cluster")
 
 
 @pytest.fixture
@@ -53,12 +67,27 @@ def open_tier(
     return RemoteTier(url, spec, host=host, **more)
 
 
+def raw_value(store: RedisServer | RedisCluster, name: str) -> bytes | None:
+    """The value under ``name`` as the store holds it (on a cluster, from the master its slot
+    hashes to: redis-py's cluster client finds it)."""
+    if isinstance(store, RedisServer):
+        return store.client().get(name)
+    import redis.cluster
+
+    client = redis.cluster.RedisCluster(host="127.0.0.1", port=store.ports[0])
+    try:
+        return client.get(name)
+    finally:
+        client.close()
+
+
 def fresh_keys(n: int) -> list[bytes]:
     stamp = time.monotonic_ns().to_bytes(8, "big")
     return [stamp + i.to_bytes(4, "big") for i in range(n)]
 
 
-def test_blocks_round_trip_between_host_slots_and_the_store(server, host):
+def test_blocks_round_trip_between_host_slots_and_the_store(store, host):
+    server = store
     tier = open_tier(server.url, host)
     keys = fresh_keys(4)
     assert tier.write(keys, [0, 1, 2, 3]).result(10) == [True] * 4
@@ -67,13 +96,14 @@ def test_blocks_round_trip_between_host_slots_and_the_store(server, host):
     assert [slot_bytes(host, s) for s in (8, 9, 10, 11)] == expected
     index = open_tier(server.url)
     assert index.exist([*keys, b"never stored"]).result(10) == [True] * 4 + [False]
-    stored = server.client().get(tier.names(keys[:1])[0])
+    stored = raw_value(server, tier.names(keys[:1])[0])
     assert len(stored) == HEADER_BYTES + SLOT and stored[HEADER_BYTES:] == expected[0]
     tier.close()
     index.close()
 
 
-def test_another_fingerprint_or_rank_sees_nothing(server, host):
+def test_another_fingerprint_or_rank_sees_nothing(store, host):
+    server = store
     keys = fresh_keys(2)
     writer = open_tier(server.url, host)
     assert writer.write(keys, [0, 1]).result(10) == [True, True]

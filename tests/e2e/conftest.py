@@ -11,13 +11,21 @@ from kvhal.testing import scenario
 from kvhal.testing.models import HYBRID_MODEL, TEST_MODEL
 from tests.e2e.common import BASELINE_ENGINES, MODEL_CACHE
 
-#: The end-to-end files every supported vLLM version runs (marker ``vllm_compat``).
+#: The end-to-end files every supported vLLM version runs (marker ``vllm_compat``): those whose
+#: path through vLLM differs by version (the connector's calls and results, load failures,
+#: preemption, the workers' metadata under tensor parallelism, layer-wise loads, KV events;
+#: docs/vllm-connector-versions.md). The tiers below host memory sit behind the same calls
+#: on every version: of their files, the tests of the calls a tier adds (a lookup answered
+#: later, a prefetch, another engine's blocks) run on every version, their faults on the newest.
 VLLM_COMPAT = {
     "test_vllm_connector.py",
-    "test_vllm_disk_tier.py",
-    "test_vllm_remote_tier.py",
     "test_vllm_tensor_parallel.py",
     "test_vllm_overlap.py",  # synchronous and layer-wise loads
+}
+VLLM_COMPAT_TESTS = {
+    "test_vllm_disk_tier.py::test_hits_read_from_disk_are_prefetched_and_loaded_in_their_step",
+    "test_vllm_disk_tier.py::test_a_restarted_engine_serves_from_disk_in_its_first_round",
+    "test_vllm_remote_tier.py::test_a_fresh_engine_serves_what_another_computed",
 }
 
 
@@ -26,7 +34,8 @@ def pytest_collection_modifyitems(items):
         path = Path(str(item.fspath))
         if "tests/e2e/" in path.as_posix():
             item.add_marker(pytest.mark.e2e)
-            if path.name in VLLM_COMPAT:
+            test = f"{path.name}::{item.originalname}"
+            if path.name in VLLM_COMPAT or test in VLLM_COMPAT_TESTS:
                 item.add_marker(pytest.mark.vllm_compat)
 
 
