@@ -197,6 +197,21 @@ def test_the_store_targets_are_issue_24s_shared_within_1_5x_host_and_round_2_wit
     ]
 
 
+def test_an_object_stores_targets_are_issue_39s_1_6x_host_and_round_2_within_2_2x():
+    numbers = summary({"host": 0.100, "shared": 0.155}, {})
+    numbers["host"]["rounds"] = [{"ttft": {"mean": m}} for m in (0.40, 0.100, 0.10, 0.10)]
+    numbers["shared"]["rounds"] = [{"ttft": {"mean": m}} for m in (0.45, 0.210, 0.11, 0.11)]
+    for store, met in (("s3", True), ("redis", False), (None, False)):  # 1.55x and 2.1x
+        by = {c["target"].split(" mean")[0]: c for c in checks.check_targets(numbers, store)}
+        assert by["shared: rounds >= 2"]["met"] is met, store
+        assert by["shared: round 2 (the whole context from the store)"]["met"] is met, store
+    said = [c["target"] for c in checks.check_targets(numbers, "s3") if c["target"].startswith("shared")]
+    assert "<= 1.6x" in said[0] and "<= 2.2x" in said[1], said
+    numbers["shared"]["ttft_later"]["mean"] = 0.161  # the control: just over 1.6x
+    numbers["shared"]["rounds"][1]["ttft"]["mean"] = 0.221  # and just over 2.2x
+    assert not any(c["met"] for c in checks.check_targets(numbers, "s3") if c["target"].startswith("shared"))
+
+
 def test_no_ratio_without_its_reference_configuration():
     """Without a host run, disk and shared have nothing to be compared with (was asserted at
     the end of the e2e test of floor, disk and shared, which now runs host too)."""

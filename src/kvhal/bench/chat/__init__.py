@@ -26,8 +26,9 @@ repeat), the machine's load average recorded before and after each:
 - ``disk``: the small device cache, a kvhal host tier about as small, and a disk tier
   (``disk_path``, ``O_DIRECT``) that holds every user.
 - ``shared``: two engines (A and B), each with the small device cache and a host tier
-  that holds every user, sharing a remote tier (``remote_url``: a Redis server, or a
-  Mooncake master and store node, started here on loopback, fresh for every run). User
+  that holds every user, sharing a remote tier (``remote_url``: a Redis server, a
+  Mooncake master and store node, or SeaweedFS's S3 gateway with a bucket, ``--store``,
+  started here on loopback, fresh for every run). User
   ``u`` is served in round ``r`` by engine ``(u + r) % 2``: every returning turn lands on
   the other engine than the turn before. Both engines stay alive for the whole workload
   (2 x a small device cache and a host tier fit in 24 GiB), and take turns: in each round
@@ -43,8 +44,8 @@ Reports: TTFT mean, p50, p90 per round, round 1 apart from rounds >= 2; output t
 tokens per round served by vLLM's prefix cache (``num_cached_tokens`` less what kvhal
 loaded), kvhal's host tier, its disk tier (``vllm:kvhal_tier_hit_tokens{tier="disk"}``, or
 the slow configuration's tier), the remote tier (``vllm:kvhal_tier_hit_tokens`` of the store's
-tier, ``tier="redis"`` or ``"mooncake"``), and computed; the check that greedy outputs are the
-floor's; and the targets.
+tier, ``tier="redis"``, ``"mooncake"`` or ``"s3"``), and computed; the check that greedy outputs
+are the floor's; and the targets (the shared ones per store: :func:`~.checks.check_targets`).
 
 The outputs check: every run's outputs are compared with the floor's first run, user by
 user, round by round. Reused KV and recomputed KV, or KV computed in batches
@@ -79,7 +80,7 @@ from kvhal.bench.chat.checks import (
     reference_run,
     summarize,
 )
-from kvhal.bench.chat.engines import run_config
+from kvhal.bench.chat.engines import SHARED_STORES, run_config
 from kvhal.bench.chat.report import plot, print_report
 from kvhal.bench.chat.slow_tier import READ_BYTES_PER_S
 from kvhal.bench.chat.spinner import share_of_a_core, spinning
@@ -120,7 +121,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=2,
         help="runs of each configuration, order reversed each time (default 2)",
     )
-    parser.add_argument("--store", choices=("redis", "mooncake"), default="redis", help="the shared store")
+    parser.add_argument(
+        "--store",
+        choices=SHARED_STORES,
+        default="redis",
+        help="the shared store, started on loopback for each run (s3: SeaweedFS's S3 gateway)",
+    )
     parser.add_argument(
         "--load-mode",
         choices=LOAD_MODES,
@@ -228,7 +234,7 @@ def run(args: argparse.Namespace) -> int:
         "margins": margins(runs),
         "runs": runs,
     }
-    result["targets"] = check_targets(summary)
+    result["targets"] = check_targets(summary, result["store"])
     print_report(console, result)
     json_path, png_path = write_outputs(args.out, "chat", result)
     plot(result, png_path)

@@ -23,6 +23,10 @@ TARGET_DISK_VS_HOST = 1.2
 #: most 2x host's round 2.
 TARGET_SHARED_VS_HOST = 1.5
 TARGET_SHARED_ROUND2_VS_HOST = 2.0
+#: The object-store issue (39): an object store answers each request later than Redis or
+#: Mooncake (an HTTP request and a file system behind it), so its bounds are looser: rounds
+#: >= 2 at most 1.6x host, round 2 at most 2.2x host's round 2. Per store, (rounds >= 2, round 2).
+TARGETS_SHARED_BY_STORE = {"s3": (1.6, 2.2)}
 
 
 #: Issue 23: kvhal over a tier slower than recompute, and kvhal on a workload with no
@@ -285,7 +289,13 @@ def margins(runs: list[dict]) -> dict:
     }
 
 
-def check_targets(summary: dict) -> list[dict]:
+def check_targets(summary: dict, store: str | None = None) -> list[dict]:
+    """The targets met or missed; ``store``: the shared configuration's (its bounds, where
+    :data:`TARGETS_SHARED_BY_STORE` has its own)."""
+    shared_bound, round2_bound = TARGETS_SHARED_BY_STORE.get(
+        store or "", (TARGET_SHARED_VS_HOST, TARGET_SHARED_ROUND2_VS_HOST)
+    )
+
     def later(name: str) -> float | None:
         s = summary.get(name)
         return s["ttft_later"]["mean"] if s and s["ttft_later"] else None
@@ -294,7 +304,7 @@ def check_targets(summary: dict) -> list[dict]:
     for name, other, bound, what in (
         ("host", "floor", TARGET_HOST_VS_FLOOR, "vLLM with a device cache for every user"),
         ("disk", "host", TARGET_DISK_VS_HOST, "kvhal host tier"),
-        ("shared", "host", TARGET_SHARED_VS_HOST, "kvhal host tier (cross-engine turns)"),
+        ("shared", "host", shared_bound, "kvhal host tier (cross-engine turns)"),
         ("slow", "vllm", TARGET_VS_RECOMPUTE, "vLLM alone, recomputing"),
     ):
         a, b = later(name), later(other)
@@ -312,9 +322,9 @@ def check_targets(summary: dict) -> list[dict]:
         checks.append(
             {
                 "target": f"shared: round 2 (the whole context from the store) mean TTFT <= "
-                f"{TARGET_SHARED_ROUND2_VS_HOST}x kvhal host tier's round 2",
+                f"{round2_bound}x kvhal host tier's round 2",
                 "value": a / b,
-                "met": a <= TARGET_SHARED_ROUND2_VS_HOST * b,
+                "met": a <= round2_bound * b,
             }
         )
     if "cold-host" in summary and "cold-vllm" in summary:

@@ -3,8 +3,9 @@ server processes, in rounds >= 2 (what competes with the forward on a machine's 
 
 from __future__ import annotations
 
-#: thread-name fragments of the stores' client libraries (glide's Rust runtime names its threads)
-STORE_CLIENT_THREADS = ("glide", "mooncake", "transfer")
+#: thread-name fragments of the stores' client libraries (glide's Rust runtime names its threads;
+#: obstore's tokio runtime names its ``tokio-rt-worker``) and of the S3 store's event loop
+STORE_CLIENT_THREADS = ("glide", "mooncake", "transfer", "tokio-rt", "kvhal-s3")
 GROUPS = ("engine", "kvhal", "store client", "other")
 
 

@@ -10,6 +10,7 @@ import re
 import shutil
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -180,19 +181,45 @@ def single_engine(
     }
 
 
+#: The stores ``--store`` may start for the shared configuration.
+SHARED_STORES = ("redis", "mooncake", "s3")
+
+
+@dataclass
+class SharedStore:
+    """A store started for one run of the shared configuration: its URL, what its engines need
+    in their environment to reach it (an S3 bucket's credentials), and its server."""
+
+    url: str
+    server: Any
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def pids(self) -> list[int]:
+        """The server's processes (their CPU time is the store server's)."""
+        return self.server.pids
+
+
 @contextlib.contextmanager
-def remote_store(kind: str) -> Iterator[Any]:
-    """A fresh store on loopback: the server (its ``url``, and its ``pids``)."""
+def remote_store(kind: str) -> Iterator[SharedStore]:
+    """A fresh store of ``kind`` (:data:`SHARED_STORES`) on loopback."""
     if kind == "mooncake":
         from kvhal.testing.mooncake_servers import MooncakeCluster
 
         with MooncakeCluster(segment="4GB") as cluster:
-            yield cluster
-    else:
+            yield SharedStore(cluster.url, cluster)
+    elif kind == "s3":
+        from kvhal.testing.seaweedfs_servers import SeaweedS3
+
+        with SeaweedS3() as s3:  # one weed server: master, volume server, filer, S3 gateway
+            yield SharedStore(s3.url(prefix="chat"), s3, s3.credentials)
+    elif kind == "redis":
         from kvhal.testing.redis_servers import RedisServer
 
         with RedisServer() as server:
-            yield server
+            yield SharedStore(server.url, server)
+    else:
+        raise ValueError(f"unknown store {kind!r}: one of {', '.join(SHARED_STORES)}")
 
 
 def cpu_seconds(pids: list[int]) -> float:
@@ -215,7 +242,7 @@ def shared_engines(
     model: str,
     work: dict,
     size: dict,
-    store: Any,
+    store: SharedStore,
     folder: Path,
     args: argparse.Namespace,
     advance: Callable[[str], None],
@@ -240,7 +267,7 @@ def shared_engines(
             ],
             "engine": engine_args(size, size["small_device_tokens"]),
             # values authenticated, as a fleet runs by default (remote_auth "hmac")
-            "env": {**SHARING_ENV, "KVHAL_REMOTE_SECRET": "kvhal-bench-chat"},
+            "env": {**SHARING_ENV, "KVHAL_REMOTE_SECRET": "kvhal-bench-chat", **store.env},
         }
         engines.append(JobEngine(spec, folder / f"engine-{e}"))
     try:
