@@ -259,7 +259,7 @@ class SeaweedS3:
             "-s3.autoCreateBucket=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
             # a restarted master takes its election timeout to lead again (10 s by default)
             "-master.telemetry=false", "-master.electionTimeout=1s", "-master.volumeSizeLimitMB=64",
-            "-volume.max=32",
+            "-volume.max=0",  # as many 64 MB volumes as the disk has room for (a probe filled 32)
             f"-filer.localSocket={d / 'filer.sock'}", f"-s3.localSocket={d / 's3.sock'}",
         ]  # fmt: skip
 

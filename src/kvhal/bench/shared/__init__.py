@@ -1,7 +1,8 @@
 """The shared tier: put/get throughput beside each store's own client, TTFT of a shared hit.
 
-Throughput: for each store (Mooncake Store and Redis, each started here on
-loopback unless ``--mooncake-url`` / ``--redis-url`` names one), block size and
+Throughput: for each store (Mooncake Store, Redis and an S3 object store, each started here on
+loopback unless ``--mooncake-url`` / ``--redis-url`` / ``--s3-url`` names one: SeaweedFS's S3
+gateway for S3, its credentials in the AWS variables for the run), block size and
 batch size, kvhal's :class:`~kvhal.tiers.remote.tier.RemoteTier` (``io`` role, over a
 CPU :class:`~kvhal.offload.host_tier.HostTier` holding the blocks: random bytes) puts
 ``--gib`` of blocks, then gets them back into other host slots, with
@@ -17,12 +18,15 @@ with as many in flight (on as many threads):
   store;
 - Redis: a plain redis-py client, one pipeline of ``SET`` (or ``GET``) per
   batch; the ``GET`` replies are copied into the destination buffer, as kvhal
-  copies them into its host slots.
+  copies them into its host slots;
+- S3: obstore's client (the one kvhal's store drives), one ``PUT`` (or range
+  ``GET``) per block, a batch's requests at once, copied into the destination
+  buffer.
 
 What kvhal adds: a 96-byte header per value (:mod:`kvhal.tiers.remote.format`), its
 crc32c on put and the check of header and crc32c on get; with Mooncake the
 header is a second slice of each value (the header rows and the host slot are
-apart), with Redis header and block are joined into one value (a copy) on put.
+apart), with Redis and S3 header and block are joined into one value (a copy) on put.
 The HMAC of ``KVHAL_REMOTE_SECRET`` is not measured: the bench runs without the
 secret (unset for its run, engines included). With ``--framed`` (the default) a
 third side tells the value's shape from kvhal's own work: the store's own
@@ -44,7 +48,7 @@ hit: engine A (``remote_url``, an ample host tier) serves the prompts and
 exits once its writes landed; a fresh engine B on the same store, with a
 host tier too small to matter, serves the same prompts from the store.
 ``tier_loaded_blocks`` of the store's tier (``vllm:kvhal_tier_loaded_blocks{tier="redis"}``,
-or ``"mooncake"``) says how many blocks engine B read from the store.
+``"mooncake"`` or ``"s3"``) says how many blocks engine B read from the store.
 """
 
 from __future__ import annotations
@@ -138,7 +142,7 @@ def ttft(
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--stores", nargs="+", choices=STORES, default=list(STORES), help="stores to measure (default: both)"
+        "--stores", nargs="+", choices=STORES, default=list(STORES), help="stores to measure (default: all)"
     )
     parser.add_argument(
         "--mooncake-url",
@@ -146,6 +150,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--redis-url", help="measure this Redis (redis://...) instead of starting one on loopback"
+    )
+    parser.add_argument(
+        "--s3-url",
+        help="measure this bucket (s3://BUCKET/PREFIX?endpoint=..., credentials in the AWS variables) "
+        "instead of starting SeaweedFS on loopback",
     )
     parser.add_argument("--gib", type=float, default=0.25, help="GiB moved per measurement (default 0.25)")
     parser.add_argument(
@@ -184,7 +193,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     console = make_console()
-    urls = {"mooncake": args.mooncake_url, "redis": args.redis_url}
+    urls = {"mooncake": args.mooncake_url, "redis": args.redis_url, "s3": args.s3_url}
     nbytes = max(1, int(args.gib * (1 << 30)))
     secret = os.environ.pop(SECRET_VARIABLE, None)  # measured without the HMAC, engines included
     try:

@@ -3,7 +3,9 @@ beside kvhal's framing of it."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import os
 from collections.abc import Iterator
 from typing import Any
 from urllib.parse import unquote, urlsplit
@@ -13,7 +15,7 @@ import numpy as np
 from kvhal import env
 from kvhal.tiers.remote.format import HEADER_BYTES
 
-STORES = ("mooncake", "redis")
+STORES = ("mooncake", "redis", "s3")
 
 
 SECRET_VARIABLE = "KVHAL_REMOTE_SECRET"
@@ -31,6 +33,21 @@ def store_server(kind: str, url: str | None, segment_bytes: int) -> Iterator[tup
         segment = f"{max(256, -(-segment_bytes // (1 << 20)))}MB"
         with MooncakeCluster(segment=segment) as cluster:
             yield cluster.url, f"started on loopback: a master and a store node of {segment}"
+    elif kind == "s3":
+        from kvhal.testing.seaweedfs_servers import SeaweedS3
+
+        with SeaweedS3() as s3:
+            # the credentials in the AWS variables, where kvhal's store (and an engine) reads them
+            saved = {name: os.environ.get(name) for name in s3.credentials}
+            os.environ.update(s3.credentials)
+            try:
+                yield s3.url(prefix="bench"), "started on loopback: one SeaweedFS (weed server -s3)"
+            finally:
+                for name, value in saved.items():
+                    if value is None:
+                        os.environ.pop(name, None)
+                    else:
+                        os.environ[name] = value
     else:
         from kvhal.testing.redis_servers import RedisServer
 
@@ -206,8 +223,88 @@ class RedisFramed(RedisLimit):
         return sum(1 for reply in pipe.execute(raise_on_error=False) if reply is not True)
 
 
+class S3Limit:
+    """obstore's own client (no kvhal), built as kvhal's store builds it: one ``put_async`` /
+    ``get_range_async`` per row, a batch gathered on an event loop."""
+
+    name = "obstore put / get_range, a batch gathered"
+    #: bytes before the block in a value (S3Framed's header)
+    offset = 0
+
+    def __init__(self, url: str) -> None:
+        import obstore
+
+        from kvhal.tiers.stores.s3 import S3Store
+
+        self.obstore = obstore
+        self.store = S3Store.from_url(url)  # (its connect check; the raw client below it is used)
+        self.client = self.store.object_store
+
+    def register(self, rows: np.ndarray) -> None:
+        pass
+
+    def unregister(self) -> None:
+        pass
+
+    def _values(self, rows: np.ndarray) -> list[Any]:
+        return [memoryview(row) for row in rows]
+
+    def put(self, names: list[str], rows: np.ndarray) -> int:
+        async def batch() -> list[object]:
+            puts = (
+                self.obstore.put_async(self.client, n, v)
+                for n, v in zip(names, self._values(rows), strict=True)
+            )
+            return await asyncio.gather(*puts, return_exceptions=True)
+
+        return sum(1 for r in asyncio.run(batch()) if isinstance(r, BaseException))
+
+    def get(self, names: list[str], rows: np.ndarray) -> int:
+        size = self.offset + rows.shape[1]
+
+        async def batch() -> list[object]:
+            gets = (self.obstore.get_range_async(self.client, n, start=0, length=size) for n in names)
+            return await asyncio.gather(*gets, return_exceptions=True)
+
+        failed = 0
+        for data, row in zip(asyncio.run(batch()), rows, strict=True):
+            if isinstance(data, BaseException) or len(data) != size:
+                failed += 1
+            else:
+                row[:] = np.frombuffer(data, np.uint8, offset=self.offset)
+        return failed
+
+    def remove(self, names: list[str]) -> None:
+        for first in range(0, len(names), 1000):
+            self.obstore.delete(self.client, names[first : first + 1000])
+
+    def close(self) -> None:
+        self.store.close()
+
+
+class S3Framed(S3Limit):
+    """obstore moving values shaped as kvhal's: a 96-byte header and the block joined into one
+    object (a copy, as kvhal's S3Store joins its two parts), ``If-None-Match: *``; no crc, no checks."""
+
+    name = "obstore, 96-byte header + block joined (kvhal's shape), create / get_range"
+    offset = HEADER_BYTES
+    header = bytes(HEADER_BYTES)
+
+    def put(self, names: list[str], rows: np.ndarray) -> int:
+        async def batch() -> list[object]:
+            puts = (
+                self.obstore.put_async(
+                    self.client, n, b"".join((self.header, memoryview(row))), mode="create"
+                )
+                for n, row in zip(names, rows, strict=True)
+            )
+            return await asyncio.gather(*puts, return_exceptions=True)
+
+        return sum(1 for r in asyncio.run(batch()) if isinstance(r, BaseException))
+
+
 #: per store: its own client moving plain blocks (the limit), and moving kvhal-shaped values
-LIMITS = {"mooncake": MooncakeLimit, "redis": RedisLimit}
+LIMITS = {"mooncake": MooncakeLimit, "redis": RedisLimit, "s3": S3Limit}
 
 
-FRAMED = {"mooncake": MooncakeFramed, "redis": RedisFramed}
+FRAMED = {"mooncake": MooncakeFramed, "redis": RedisFramed, "s3": S3Framed}

@@ -241,6 +241,11 @@ class S3Store(RemoteStore):
     def __repr__(self) -> str:
         return f"S3Store({self.where})"
 
+    @property
+    def object_store(self) -> Any:
+        """obstore's client below this store (a benchmark's limit moves bytes through it)."""
+        return self._client
+
     # -- the event loop ----------------------------------------------------------------------
 
     def _run_loop(self) -> None:
