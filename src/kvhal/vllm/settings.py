@@ -183,8 +183,8 @@ class StoreTierSettings(_Keys):
     )
     url: str = key(
         doc="The store; its scheme picks the store plugin: `mooncake`, `redis`, `rediss`, "
-        "`redis+cluster`, `rediss+cluster`, or a plugin's.",
-        expects="a store's URL (mooncake://HOST:PORT?metadata=..., redis://HOST:PORT/DB)",
+        "`redis+cluster`, `rediss+cluster`, `s3`, or a plugin's.",
+        expects="a store's URL (mooncake://HOST:PORT?metadata=..., redis://HOST:PORT/DB, s3://BUCKET/PREFIX)",
         pattern=r"^[A-Za-z][A-Za-z0-9+.-]*://",
     )
     strict: bool = key(
