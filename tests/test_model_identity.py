@@ -136,7 +136,7 @@ def test_without_a_private_cache_directory_every_start_reads_the_weights(
     os.chmod(shared / "weights", 0o777)  # others could plant digests: not used
     monkeypatch.setenv("KVHAL_CACHE_DIR", str(shared))
     base = settled_model
-    with caplog.at_level(logging.WARNING, logger="kvhal.vllm"):
+    with caplog.at_level(logging.WARNING, logger="vllm.kvhal.vllm"):
         first, _ = digest_and_reads(base)
         again, reread = digest_and_reads(base)
     assert again == first and reread >= WEIGHTS_BYTES
@@ -252,7 +252,7 @@ def test_a_hub_model_is_named_by_the_commit_its_revision_resolved_to(tmp_path, c
     hub_cache(tmp_path / "hub", "org/model", "c" * 40, ref="v2")
     assert hub_commit("org/model", "v2", str(tmp_path / "hub")) == "c" * 40
     assert hub_commit("org/model", old, None) == old, "a commit is its own resolution"
-    with caplog.at_level(logging.WARNING, logger="kvhal.vllm"):
+    with caplog.at_level(logging.WARNING, logger="vllm.kvhal.vllm"):
         unresolved = model_identity("org/other", "main", download_dir=str(tmp_path / "hub"))
     assert unresolved == {"name": "org/other", "revision": "main"}
     assert any("model_version" in r.getMessage() for r in caplog.records)
@@ -277,7 +277,7 @@ def test_a_directory_without_weights_is_said_and_unreadable_weights_are_a_clear_
     config_only = tmp_path / "config-only"
     config_only.mkdir()
     (config_only / "config.json").write_text("{}")
-    with caplog.at_level(logging.WARNING, logger="kvhal.vllm"):
+    with caplog.at_level(logging.WARNING, logger="vllm.kvhal.vllm"):
         model_identity(str(config_only), None)
     assert any("holds no weight file" in r.getMessage() for r in caplog.records)
     if os.geteuid() == 0:

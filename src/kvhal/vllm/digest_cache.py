@@ -45,7 +45,7 @@ from kvhal import env
 
 __all__ = ["DigestCache", "FileId", "cache_dir"]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("vllm." + __name__)  # under "vllm": its handlers and level
 
 FORMAT = 1
 MAX_FILE_BYTES = 16 << 20

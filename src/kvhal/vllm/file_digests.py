@@ -28,7 +28,7 @@ from kvhal.vllm.digest_cache import FileId
 
 __all__ = ["PIECE_BYTES", "digest_files", "reading_threads"]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("vllm." + __name__)  # under "vllm": its handlers and level
 
 #: Bytes of a file hashed as one task (the unit of parallelism).
 PIECE_BYTES = 256 << 20

@@ -33,7 +33,7 @@ from kvhal.vllm.file_digests import digest_files
 
 __all__ = ["WEIGHT_SUFFIXES", "hub_commit", "model_identity", "weight_files", "weights_digest"]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("vllm." + __name__)  # under "vllm": its handlers and level
 
 #: Files whose bytes are the model: its config and its weights.
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".npz")
