@@ -6,6 +6,8 @@
 #   kvhal with its test/bench/redis/mooncake extras, the three device plugins and the conformance suite,
 #   and the Debian packages the shared tier's tests need (redis-server; Mooncake's libibverbs1, libnuma1).
 #
+# --torch-vllm-only: make the venv and install torch and vLLM only, nothing of kvhal (scripts/test.sh
+# prepares its other venvs so while the tests run; a later full run finds them installed).
 # --skip-torch-vllm (or KVHAL_SKIP_VLLM=1): install neither torch nor vLLM, for a virtual
 # environment that has them already (KVHAL_VENV=/path/to/it): a GPU's or NPU's vLLM and its torch
 # stay as they are. kvhal's own requirement (torch>=2.4) would still pull PyPI's torch into an
@@ -13,10 +15,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SKIP=${KVHAL_SKIP_VLLM:-0}
+ONLY=0
 for arg in "$@"; do
   case $arg in
     --skip-torch-vllm) SKIP=1 ;;
-    *) echo "usage: $0 [--skip-torch-vllm]" >&2; exit 2 ;;
+    --torch-vllm-only) ONLY=1 ;;
+    *) echo "usage: $0 [--skip-torch-vllm | --torch-vllm-only]" >&2; exit 2 ;;
   esac
 done
 VENV=${KVHAL_VENV:-.venv}
@@ -30,6 +34,10 @@ stamp_input=$({ echo "$VLLM_VERSION $SKIP"; cat pyproject.toml setup.py plugins/
 stamp="$VENV/.kvhal-setup-$stamp_input"
 if [ -f "$stamp" ] && [ "${KVHAL_FORCE_SETUP:-0}" != 1 ]; then
   exit 0
+fi
+if [ "$ONLY" = 1 ] && [ "$SKIP" = 1 ]; then
+  echo "$0: --torch-vllm-only and --skip-torch-vllm together install nothing" >&2
+  exit 2
 fi
 
 # The shared tier's tests run real servers and Mooncake's libraries link against these;
@@ -73,6 +81,7 @@ else
   # `import vllm` beside the CPU torch; only multimodal models need them.
   "$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi
+[ "$ONLY" = 1 ] && exit 0
 echo "[setup] kvhal, device plugins, conformance suite"
 editables=(-e ".[dev]")
 for dir in plugins/cuda plugins/rocm plugins/npu conformance; do

@@ -28,20 +28,46 @@ if [ "$quick" = 1 ]; then
   echo "[test] pytest (quick: not e2e, not slow)"
   KVHAL_HYPOTHESIS=quick exec "${pytest[@]}" -m "not e2e and not slow" "${args[@]}"
 fi
+# After every test: kvhal as shipped (the release's wheels built, installed, not editable, into
+# a fresh venv beside vLLM, and an OpenAI server from that venv serving a kvhal hit;
+# KVHAL_WHEEL_CHECK=0 skips it), and the vllm_compat subset (tests/e2e/conftest.py) again on
+# vLLM 0.27.1, the version vllm-ascend pins, in a venv of its own (KVHAL_COMPAT_VLLM=none skips
+# it; another version may be named). Their venvs' torch and vLLM (and the wheels) install while
+# the tests run: mostly unpacking and writing files, beside tests that wait on engines.
+wheels=0
+[ "${KVHAL_WHEEL_CHECK:-1}" != 0 ] && [ ${#args[@]} -eq 0 ] && wheels=1
+compat=${KVHAL_COMPAT_VLLM:-0.27.1}
+[ ${#args[@]} -eq 0 ] || compat=none
+compat_venv=".venv-vllm${compat//./}"
+mkdir -p .ci-logs
+prepared=()
+if [ "$wheels" = 1 ]; then
+  bash scripts/check-wheels.sh prepare >.ci-logs/wheels-prepare.log 2>&1 &
+  prepared+=("$!:wheels")
+fi
+if [ "$compat" != none ]; then
+  KVHAL_VENV=$compat_venv KVHAL_VLLM_VERSION=$compat bash scripts/setup.sh --torch-vllm-only \
+    >.ci-logs/compat-prepare.log 2>&1 &
+  prepared+=("$!:compat")
+fi
 echo "[test] pytest"
 status=0
 "${pytest[@]}" "${args[@]}" || status=$?
-# kvhal as shipped: the release's wheels built, installed (not editable) into a fresh venv
-# beside vLLM, and an OpenAI server from that venv serving a kvhal hit (KVHAL_WHEEL_CHECK=0 skips it)
-if [ "${KVHAL_WHEEL_CHECK:-1}" != 0 ] && [ ${#args[@]} -eq 0 ]; then
+for job in "${prepared[@]}"; do
+  if ! wait "${job%%:*}"; then
+    echo "[test] preparing the ${job#*:} venv failed:" >&2
+    tail -n 40 ".ci-logs/${job#*:}-prepare.log" >&2
+    status=1
+    [ "${job#*:}" = wheels ] && wheels=0
+    [ "${job#*:}" = compat ] && compat=none
+  fi
+done
+if [ "$wheels" = 1 ]; then
   echo "[test] the wheels, installed (scripts/check-wheels.sh)"
-  bash scripts/check-wheels.sh || status=$?
+  grep '^\[check-wheels\]' .ci-logs/wheels-prepare.log || true
+  bash scripts/check-wheels.sh run || status=$?
 fi
-# The vllm_compat subset (tests/e2e/conftest.py) again on vLLM 0.27.1, the version vllm-ascend
-# pins, in a venv of its own (KVHAL_COMPAT_VLLM=none skips it; another version may be named).
-compat=${KVHAL_COMPAT_VLLM:-0.27.1}
-if [ "$compat" != none ] && [ ${#args[@]} -eq 0 ]; then
-  compat_venv=".venv-vllm${compat//./}"
+if [ "$compat" != none ]; then
   echo "[test] vllm_compat on vLLM $compat ($compat_venv)"
   KVHAL_VENV=$compat_venv KVHAL_VLLM_VERSION=$compat bash scripts/setup.sh
   "$compat_venv/bin/python" -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m vllm_compat tests/e2e \
