@@ -14,7 +14,8 @@ stored it in a host slot:
    :mod:`kvhal.tiers.remote.tier` names and frames the value
    (:mod:`kvhal.tiers.remote.format`) and hands it to a
    :mod:`kvhal.tiers.remote.store` (the store contract):
-   :mod:`kvhal.tiers.stores.redis`, :mod:`kvhal.tiers.stores.mooncake`, or a plugin's.
+   :mod:`kvhal.tiers.stores.redis`, :mod:`kvhal.tiers.stores.mooncake`,
+   :mod:`kvhal.tiers.stores.s3`, or a plugin's.
 
 And its way up, when a request's prefix is not in host memory:
 
