@@ -104,9 +104,10 @@ class OpenAIServer:
 
     # -- requests --------------------------------------------------------------
 
-    def complete(self, prompt: list[int], max_tokens: int = 8) -> dict:
-        """Greedy completion of a token-id prompt; returns the JSON response."""
-        body = {
+    def complete(self, prompt: list[int], max_tokens: int = 8, cache_salt: str | None = None) -> dict:
+        """Greedy completion of a token-id prompt; returns the JSON response. ``cache_salt``:
+        vLLM's request field that salts the prompt's block hashes (a tenant's)."""
+        body: dict[str, Any] = {
             "model": self.model,
             "prompt": prompt,
             "max_tokens": max_tokens,
@@ -114,6 +115,8 @@ class OpenAIServer:
             "ignore_eos": True,
             "return_token_ids": True,
         }
+        if cache_salt is not None:
+            body["cache_salt"] = cache_salt
         response = self.client.post("/v1/completions", json=body)
         response.raise_for_status()
         return response.json()
@@ -131,11 +134,24 @@ class OpenAIServer:
 
     def metrics(self, prefix: str = "vllm:kvhal_") -> dict[str, float]:
         """``/metrics`` samples whose name starts with ``prefix``, summed over labels."""
+        found: dict[str, float] = {}
+        for sample in self._samples():
+            if sample.name.startswith(prefix):
+                found[sample.name] = found.get(sample.name, 0.0) + sample.value
+        return found
+
+    def metrics_by(self, label: str, prefix: str = "vllm:kvhal_") -> dict[str, dict[str, float]]:
+        """``/metrics`` samples whose name starts with ``prefix`` and that carry ``label``:
+        ``{name: {label's value: value summed over the other labels}}``."""
+        found: dict[str, dict[str, float]] = {}
+        for sample in self._samples():
+            if sample.name.startswith(prefix) and label in sample.labels:
+                by_value = found.setdefault(sample.name, {})
+                value = sample.labels[label]
+                by_value[value] = by_value.get(value, 0.0) + sample.value
+        return found
+
+    def _samples(self) -> list[Any]:
         response = self.client.get("/metrics")
         response.raise_for_status()
-        found: dict[str, float] = {}
-        for family in text_string_to_metric_families(response.text):
-            for sample in family.samples:
-                if sample.name.startswith(prefix):
-                    found[sample.name] = found.get(sample.name, 0.0) + sample.value
-        return found
+        return [s for family in text_string_to_metric_families(response.text) for s in family.samples]

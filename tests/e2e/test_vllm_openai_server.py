@@ -12,6 +12,9 @@ its workload writes to both, asks the store and reads back from the disk: every 
 histogram and occupancy gauge of issue 37 shows on ``/metrics``. The metric names the scrape
 saw are ``tests/data/metrics_seen.txt`` (the dashboard's test checks its queries against
 them); ``KVHAL_UPDATE_METRICS_SEEN=1`` rewrites it, else a test fails when it is stale.
+
+The same server then serves two tenants (requests with a ``cache_salt``), so that the
+per-tenant counters show too: three more requests and a reset, no other engine.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from kvhal.vllm.stats import GAUGES, HISTOGRAMS, TIER_GAUGES
+from kvhal.vllm.stats import GAUGES, HISTOGRAMS, TENANT_COUNTERS, TIER_GAUGES
+from kvhal.vllm.tenants import tenant_label
 from tests.e2e.common import fault_env, prompts
 from tests.e2e.openai_server import OpenAIServer
 
@@ -44,8 +48,11 @@ TIERED = {
     "remote_auth": "none",
 }
 SEEN = Path(__file__).resolve().parents[1] / "data" / "metrics_seen.txt"
-#: Gauges at 0 once the workload's jobs ended (nothing in flight, nothing pinned).
+#: Gauges at 0 once the workload's jobs ended (nothing in flight, nothing pinned): present,
+#: and allowed to read 0. Every other histogram, gauge and tenant counter must be non-zero.
 AT_REST = {"host_pinned_slots", "tier_inflight_bytes"}
+#: Two tenants' salts (vLLM 0.32 refuses a salt with '/', '@' or '\\' in it).
+SALT, OTHER_SALT = "e2e-tenant-a", "e2e-tenant-b"
 #: The sample names of the last scrape (for the check of ``SEEN``).
 scraped: set[str] = set()
 
@@ -96,12 +103,50 @@ def test_completions_served_from_kvhal_after_reset_prefix_cache(server):
     assert grew["vllm:kvhal_loaded_bytes_total"] == 2 * SERVED // BLOCK * BLOCK_BYTES
     assert grew["vllm:kvhal_stored_blocks_total"] >= 2 * SERVED // BLOCK
     assert grew["vllm:kvhal_failed_loads_total"] == 0
+    assert_tenants(server, tokens(first)[0])
     assert_latency_and_occupancy(server)
 
 
+def assert_tenants(server: OpenAIServer, output: list[int]) -> None:
+    """Tenants in the same server, after the unsalted round trip: that left no tenant series;
+    tenant A's prompt (BATCH[0] salted) misses, then returns after a reset and is served from
+    kvhal; tenant B's same prompt then misses although A's blocks are in the host tier. Each
+    tenant's series carries its salt's label, and together they are the engine-wide counters'
+    growth over these requests (all salted). ``output``: the unsalted prompt's output."""
+    before = server.metrics()
+    assert not [name for name in before if name.startswith("vllm:kvhal_tenant_")], (
+        f"unsalted requests made tenant series: {sorted(before)}"
+    )
+    salted = [server.complete(BATCH[0], cache_salt=SALT)]
+    assert server.reset_prefix_cache(), f"POST /reset_prefix_cache kept failing:\n{server.log_tail()}"
+    salted += [server.complete(BATCH[0], cache_salt=salt) for salt in (SALT, OTHER_SALT)]
+    # vLLM frees a request's blocks once its stores ended: after this, their bytes are counted
+    assert server.reset_prefix_cache(), f"POST /reset_prefix_cache kept failing:\n{server.log_tail()}"
+    assert loaded(salted) == [0, SERVED, 0], "a salted prompt was served another tenant's KV, or not its own"
+    assert tokens(salted) == [output] * 3, "a salt changed the outputs"
+    grew = {name: value - before.get(name, 0.0) for name, value in server.metrics().items()}
+    by_tenant = {
+        name: labels for name, labels in server.metrics_by("tenant").items() if name.endswith("_total")
+    }
+    a, b = tenant_label(SALT), tenant_label(OTHER_SALT)
+    stored = SERVED // BLOCK * BLOCK_BYTES  # a salted prompt's blocks, stored once each
+    assert by_tenant == {
+        "vllm:kvhal_tenant_lookup_tokens_total": {a: 2 * SERVED, b: SERVED},
+        "vllm:kvhal_tenant_hit_tokens_total": {a: SERVED},  # B hit nothing: no series of it
+        "vllm:kvhal_tenant_stored_bytes_total": {a: stored, b: stored},
+    }
+    for family in ("lookup_tokens", "hit_tokens", "stored_bytes"):
+        tenants = sum(by_tenant[f"vllm:kvhal_tenant_{family}_total"].values())
+        assert tenants == grew[f"vllm:kvhal_{family}_total"], (
+            f"{family}: the tenants' sum is not the engine's"
+        )
+
+
 def assert_latency_and_occupancy(server: OpenAIServer) -> None:
-    """Every histogram observed, every gauge present (non-zero but those at rest), and the
-    scrape's sample names kept for the dashboard's test."""
+    """Every histogram observed, every gauge present (non-zero but those at rest), every
+    tenant counter non-zero, and the scrape's sample names kept for the dashboard's test.
+    The engine-wide and per-tier counters are checked where the workload decides them (the
+    test above): most of those count faults, at 0 in a healthy run."""
     samples = server.metrics(prefix="")
     scraped.clear()
     scraped.update(samples)
@@ -110,6 +155,8 @@ def assert_latency_and_occupancy(server: OpenAIServer) -> None:
     for name in (*GAUGES, *TIER_GAUGES):
         assert f"vllm:kvhal_{name}" in samples, f"no gauge {name} on /metrics"
         assert name in AT_REST or samples[f"vllm:kvhal_{name}"] > 0, f"{name} is 0"
+    for family in TENANT_COUNTERS:
+        assert samples.get(f"vllm:kvhal_{family}_total", 0) > 0, f"{family} never counted"
     if os.environ.get("KVHAL_UPDATE_METRICS_SEEN") == "1":
         SEEN.parent.mkdir(exist_ok=True)
         SEEN.write_text("".join(f"{name}\n" for name in sorted(scraped)))
