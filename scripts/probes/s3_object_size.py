@@ -8,10 +8,10 @@ default as kvhal runs it), then range-GET back in one ``S3Store.get`` call into 
 buffers (size + 1 bytes asked, as kvhal reads) and checked byte for byte (untimed), then
 deleted (untimed, so the server never fills). A request may take ``--timeout`` (60 s): at
 the URL's default 5 s, 16 PUTs of 4 MiB at once timed out here (each waits for its share of
-a server writing 15-40 MB/s on loaded cores), and the probe measures sizes, not timeouts. Then, one request at a time, SERIAL PUTs and
-GETs of that size: a request's own latency. The sizes run in a rotated order each round, so
-the machine's load (others' tests) falls on all of them alike; every figure is the median of
-the rounds with its min-max spread.
+a server writing 15-40 MB/s on loaded cores), and the probe measures sizes, not timeouts.
+Then, one request at a time, SERIAL PUTs and GETs of that size: a request's own latency. The
+sizes run in a rotated order each round, so the machine's load (others' tests) falls on all
+of them alike; every figure is the median of the rounds with its min-max spread.
 
 Two fits say what a request costs beyond its bytes: the serial latencies against the object's
 bytes (latency = overhead + bytes / rate), and the batch times against the object count at
