@@ -52,7 +52,7 @@ from kvhal.tiers.stores.s3_url import DEFAULT_MAX_REQUESTS
 
 KIB = 1 << 10
 MIB = 1 << 20
-SIZES_KIB = (64, 256, 1024, 4096, 16384)
+SIZES_KIB = (64, 256, 512, 1024, 4096, 16384)
 KINDS = ("put", "get", "put_cpu", "get_cpu")
 #: the fields of each model's published config.json that size its KV (Hugging Face hub)
 MODELS: dict[str, tuple[dict[str, Any], int]] = {
