@@ -156,6 +156,7 @@ def connector(role: KVConnectorRole, engine_id: str) -> KVHALConnector:
         kv_transfer_config=kv,
         cache_config=SimpleNamespace(block_size=TOKENS),
         parallel_config=SimpleNamespace(pipeline_parallel_size=1, world_size=1),
+        kv_events_config=None,  # a VllmConfig always has it: None without KV events
     )
     spec = SimpleNamespace(page_size_bytes=PAGE, head_size=HEAD)
     kv_cache_config = SimpleNamespace(
