@@ -70,7 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--faults", nargs="*", choices=FAULTS, default=list(FAULTS), help="in this order (default: all)"
     )
     parser.add_argument("--pause", type=float, default=d.pause_s, help="CLIENT PAUSE seconds (default 3)")
-    parser.add_argument("--stall", type=float, default=d.stall_s, help="stall seconds (default 3)")
+    parser.add_argument("--stall", type=float, default=d.stall_s, help="stall seconds (default 6)")
     parser.add_argument("--window", type=float, default=d.window_s, help="seconds before/after a fault (2)")
     parser.add_argument("--op-deadline", type=float, default=d.op_deadline_s, help="a batch's deadline (30)")
     parser.add_argument("--drain", type=float, default=d.drain_s, help="seconds to drain at the end (30)")

@@ -74,7 +74,12 @@ def open_tier(job: dict, health: list) -> tuple[Any, Any]:
 
     try:
         tier = RemoteTier(
-            job["url"], spec, host=host, secret=bytes.fromhex(job["secret"]), strict=True, on_health=on_health
+            job["url"],
+            spec,
+            host=host,
+            secret=bytes.fromhex(job["secret"]),
+            strict=job.get("strict", True),  # a replacement starts as an engine does: down if need be
+            on_health=on_health,
         )
     except BaseException:
         host.close()

@@ -38,8 +38,16 @@ def _rate(done: np.ndarray, a: float, b: float) -> float | None:
     return float(done[first:last].sum()) / ((last - first) * BUCKET_S)
 
 
-def _around(events: list[dict], done: np.ndarray, failed: np.ndarray, duration: float, window: float) -> None:
-    """Add each fault's rates before, during and after it, and its recovery time, in place."""
+def _around(
+    events: list[dict],
+    done: np.ndarray,
+    failed: np.ndarray,
+    downs: list[float],
+    duration: float,
+    window: float,
+) -> None:
+    """Add each fault's rates before, during and after it, its recovery time, and how many
+    tiers were marked down from its start to a window after its end (``downs``: when), in place."""
     for i, event in enumerate(events):
         previous_end = events[i - 1]["end_s"] if i else 0.0
         following = events[i + 1]["at_s"] if i + 1 < len(events) else duration
@@ -54,6 +62,7 @@ def _around(events: list[dict], done: np.ndarray, failed: np.ndarray, duration: 
         event["recovered_s"] = (
             None if not len(later) else max(0.0, (first_after + int(later[0])) * BUCKET_S - end)
         )
+        event["tiers_down"] = sum(1 for t in downs if at <= t < min(following, end + window))
         event["done_after"] = int(done[first_after : math.ceil(following / BUCKET_S)].sum())
         event["failed_during"] = int(
             failed[max(0, math.floor(at / BUCKET_S)) : math.ceil(max(end, at + BUCKET_S) / BUCKET_S)].sum()
@@ -69,14 +78,17 @@ def _lost(verify: dict, events: list[dict], start: int) -> dict:
     return {"lost": len(written), "lost_to_restart": before, "lost_unexplained": len(written) - before}
 
 
-def _blocked_s(verify: dict, events: list[dict], start: int) -> float | None:
-    """Seconds from the last kill until the names it left could be stored again (0: at once;
-    None: never, within the wait)."""
+def _killed_timing(verify: dict, events: list[dict], start: int) -> dict:
+    """Seconds from the last kill until its check began, and until every name it left read
+    back once written again (None: never, within the wait)."""
     kills = [e["at_s"] for e in events if e["fault"] == "kill"]
-    if not kills or verify.get("killed_left_first_try", 0) == verify.get("killed_left", 0):
-        return 0.0
-    readable = verify.get("killed_left_readable_ns")
-    return None if readable is None else (readable - start) / 1e9 - max(kills)
+    if not kills or "killed_left_checked_ns" not in verify:
+        return {"killed_left_checked_s": None, "killed_left_stored_s": None}
+    readable = verify["killed_left_readable_ns"]
+    return {
+        "killed_left_checked_s": (verify["killed_left_checked_ns"] - start) / 1e9 - max(kills),
+        "killed_left_stored_s": None if readable is None else (readable - start) / 1e9 - max(kills),
+    }
 
 
 def summarize(
@@ -94,7 +106,8 @@ def summarize(
     """The run's figures (JSON-able); see the module."""
     done, failed = _per_bucket(board)
     duration = ran_s
-    _around(events, done, failed, duration, config.window_s)
+    downs = [(t - start) / 1e9 for r in results for t, up, _ in r["health"] if not up]
+    _around(events, done, failed, downs, duration, config.window_s)
     counts: Counter[str] = Counter()
     latencies: list[float] = []
     for result in results:
@@ -130,7 +143,7 @@ def summarize(
         "killed_left": verify.get("killed_left", 0),
         "killed_left_served": int(left_before.get("ok", 0)),
         "killed_left_first_try": verify.get("killed_left_first_try", 0),
-        "killed_left_blocked_s": _blocked_s(verify, events, start),
+        **_killed_timing(verify, events, start),
         "killed_left_never": verify.get("killed_left_never", 0),
         "refused_at_end": sum(int(v) for k, v in verified.items() if k not in ("present", "wrong", "lost")),
         "leaked_slots": sum(r["leaked_slots"] for r in results),

@@ -64,7 +64,7 @@ class LoadConfig:
     shared_blocks: int = 512
     faults: tuple[str, ...] = FAULTS
     pause_s: float = 3.0
-    stall_s: float = 3.0
+    stall_s: float = 6.0
     op_deadline_s: float = 30.0
     drain_s: float = 30.0
     window_s: float = 2.0
@@ -188,12 +188,15 @@ class ClientPool:
         self.idle += [c for c in clients if c.alive]
 
     def close(self) -> None:
+        """Ask every idle client to end; one still there after a second is killed (it holds
+        nothing: its tier was closed at the end of its last job)."""
         for client in self.idle:
             with contextlib.suppress(OSError):
                 client.send(None)
+        deadline = time.monotonic() + 1.0
         for client in self.idle:
             with contextlib.suppress(subprocess.TimeoutExpired):
-                client.process.wait(10)
+                client.process.wait(max(0.01, deadline - time.monotonic()))
             client.kill()
         self.idle.clear()
         self._logs.cleanup()
@@ -244,18 +247,20 @@ def run_store(
                 return {**base, **logs, "row": row, "seed": config.seed * 1000 + row}
 
             fleet = _Fleet(pool, board, job, config.clients, faults.count("kill"))
+            checker = _KillCheck(fleet.checkers, config)
             try:
                 fleet.wait_ready(tick)
                 start = time.monotonic_ns()
                 board[0, START_NS] = start
-                events, ran_s = _deal_faults(rig, fleet, faults, config, start, tick)
+                events, ran_s = _deal_faults(rig, fleet, checker, faults, config, start, tick)
                 board[0, STOP] = 1
                 tick("draining", ran_s)
                 results, errors = fleet.collect(config)
                 tick("reading back every acknowledged block", ran_s)
                 acks = [job(row)["acks"] for row in range(rows)]
-                killed = [(job(row)["intents"], job(row)["acks"]) for row in fleet.killed]
-                verify = fleet.verify({**base, "kind": "verify", "acks": acks, "killed": killed}, config)
+                verify = fleet.verify({**base, "kind": "verify", "acks": acks}, config)
+                if checker.busy:
+                    verify |= checker.finish()
             finally:
                 fleet.release()
         return summarize(kind, config, board, start, ran_s, events, results, errors, verify, faults)
@@ -266,9 +271,10 @@ class _Fleet:
 
     def __init__(self, pool: ClientPool, board: Any, job: Callable[[int], dict], n: int, spares: int) -> None:
         self.pool, self.board, self.job = pool, board, job
-        taken = pool.take(n + spares)
+        taken = pool.take(n + 2 * spares)
         self.clients: dict[int, Client] = dict(enumerate(taken[:n]))
-        self.spares = taken[n:]  # started with the others: a replacement joins in seconds
+        self.spares = taken[n : n + spares]  # started with the others: a replacement joins in seconds
+        self.checkers = taken[n + spares :]  # one per kill: its check (:class:`_KillCheck`)
         self.killed: dict[int, Client] = {}
         for row, client in self.clients.items():
             client.send(job(row))
@@ -285,11 +291,17 @@ class _Fleet:
                 answer = client.result(10.0) or {"error": client.log_tail()}
                 raise RuntimeError(f"a client could not connect: {answer['error']}")
             if all(s == 1 for s in states):
-                return
+                break
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{states.count(0)} clients not connected in {READY_TIMEOUT_S:g} s")
             tick(f"clients connecting ({states.count(1)}/{len(states)})", 0.0)
             time.sleep(0.1)
+        # the spares and checkers too, so that a kill's replacement and check start at once
+        for client in self.spares + self.checkers:
+            client.send({"kind": "ping"})
+        for client in self.spares + self.checkers:
+            if client.result(max(1.0, deadline - time.monotonic())) is None:
+                raise RuntimeError(f"a spare client did not start:\n{client.log_tail()}")
 
     def kill_one(self, rng: random.Random) -> dict:
         """SIGKILL a client while it has a batch write in flight (if one is caught within
@@ -309,7 +321,7 @@ class _Fleet:
         self.killed[victim] = client
         row = len(self.clients) + len(self.killed)
         replacement = self.spares.pop() if self.spares else self.pool.spawn()
-        replacement.send(self.job(row))
+        replacement.send({**self.job(row), "strict": False})
         self.clients[row] = replacement
         return {"row": victim, "writing": bool(writing), "replacement_row": row}
 
@@ -337,23 +349,68 @@ class _Fleet:
         if result is None:
             client.kill()
             return {"error": "the verifying client gave no result"}
+        if "error" in result:
+            result["error"] = f"reading back every acknowledged block: {result['error']}"
         return result
 
     def release(self) -> None:
-        live = [c for c in [*self.clients.values(), *self.spares] if c.alive]
+        live = [c for c in [*self.clients.values(), *self.spares, *self.checkers] if c.alive]
         self.pool.give_back(list(dict.fromkeys(live)))
+
+
+class _KillCheck:
+    """Right after each kill, the blocks the killed client was writing are written again and
+    read back (a ``killcheck`` job, :func:`~kvhal.bench.store_load.verify.check_killed`) by a
+    client process started with the others (never the parent: its proxies must keep moving)."""
+
+    def __init__(self, checkers: list[Client], config: LoadConfig) -> None:
+        self.idle, self.busy, self.config = list(checkers), [], config
+
+    def after_kill(self, killed_job: dict) -> None:
+        checker = self.idle.pop() if self.idle else None
+        if checker is None:
+            return
+        # not strict: a check that meets the store down waits for it as the engines do
+        checker.send({**killed_job, "kind": "killcheck", "strict": False})
+        self.busy.append(checker)
+
+    def finish(self) -> dict:
+        """Every kill's check, summed (the latest time all read back; None if some never did)."""
+        wait = self.config.blocked_wait_s + 4 * self.config.op_deadline_s + READY_TIMEOUT_S
+        results = [
+            checker.result(wait) or {"error": "a kill's check gave no result"} for checker in self.busy
+        ]
+        errors = [f"kill check: {r['error']}" for r in results if "error" in r]
+        if errors:
+            return {"error": "; ".join(errors)}
+        out: dict = {"killed_left_before": {}}
+        for r in results:
+            for field in ("killed_left", "killed_left_first_try", "killed_left_never", "killed_left_wrong"):
+                out[field] = out.get(field, 0) + r[field]
+            for outcome, n in r["killed_left_before"].items():
+                out["killed_left_before"][outcome] = out["killed_left_before"].get(outcome, 0) + n
+        out["killed_left_checked_ns"] = min(r["killed_left_checked_ns"] for r in results)
+        readable = [r["killed_left_readable_ns"] for r in results]
+        out["killed_left_readable_ns"] = None if None in readable else max(readable, default=None)
+        return out
+
+    @property
+    def clients(self) -> list[Client]:
+        return self.idle + self.busy
 
 
 def _deal_faults(
     rig: Any,
     fleet: _Fleet,
+    checker: _KillCheck,
     faults: list[str],
     config: LoadConfig,
     start: int,
     tick: Callable[[str, float], None],
 ) -> tuple[list[dict], float]:
     """Run for ``duration_s`` (longer where the last fault ends later than a window before it),
-    dealing ``faults`` at even intervals; each fault's record, and the run's length."""
+    dealing ``faults`` at even intervals (each no sooner than two windows after the previous
+    one ended); each fault's record, and the run's length."""
     rng = random.Random(config.seed)
     gap = config.duration_s / (len(faults) + 1)
     due = [(gap * (i + 1), fault) for i, fault in enumerate(faults)]
@@ -374,12 +431,15 @@ def _deal_faults(
             rig.resume()
             stalled["end_s"] = now()
             stalled = None
-        if due and t >= due[0][0]:
+        # a fault no sooner than two windows after the last one ended: its "after" is seen
+        settled = not events or t >= events[-1]["end_s"] + 2 * config.window_s
+        if due and t >= due[0][0] and settled and stalled is None:
             _, fault = due.pop(0)
             event: dict = {"fault": fault, "at_s": t}
             if fault == "kill":
                 event |= fleet.kill_one(rng)
                 event["end_s"] = event["at_s"] = now()
+                checker.after_kill(fleet.job(event["row"]))
             elif fault == "pause":
                 rig.pause(config.pause_s)
                 event["end_s"] = t + config.pause_s

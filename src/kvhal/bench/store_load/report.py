@@ -25,15 +25,16 @@ def _bad(value: int) -> str:
 
 
 def _killed(row: dict) -> str:
-    """Names a killed client was writing: how many, and when they could be stored again."""
+    """Names a killed client was writing, and when after the kill they could be stored again
+    ("first check": at the check's first try, which began so long after the kill)."""
     left = row["killed_left"]
     if not left:
         return "-"
     if row["killed_left_never"]:
-        return f"{left}: [red]{row['killed_left_never']} never readable[/red]"
+        return f"{left}, [red]{row['killed_left_never']} never[/red]"
     if row["killed_left_first_try"] == left:
-        return f"{left}: readable at once"
-    return f"{left}: readable {row['killed_left_blocked_s']:.0f} s after the kill"
+        return f"{left}, at the first check ({row['killed_left_checked_s']:.1f} s)"
+    return f"{left}, {row['killed_left_stored_s']:.1f} s"
 
 
 def print_stores(console: Console, result: dict) -> None:
@@ -44,8 +45,14 @@ def print_stores(console: Console, result: dict) -> None:
         f"{result['machine'].get('cpu_count')} CPUs; blocks/s = blocks written (acknowledged) or read "
         "(served and checked, or a miss)"
     )
-    columns = ["store", "s", "blocks/s", "failed/s", "read p50 ms", "read p99 ms", "wrong", "lost"]
-    columns += ["lost, no restart", "leaked slots", "hung", "unreachable", "refused", "killed mid-write"]
+    columns = ["store", "s", "blocks/s", "failed/s", "read ms p50/p99", "wrong", "lost", "lost, no restart"]
+    columns += [
+        "leaked slots",
+        "hung",
+        "unreachable",
+        "refused",
+        "killed mid-write: names, stored again after",
+    ]
     for column in columns:
         table.add_column(column, justify="right")
     for r in rows:
@@ -54,8 +61,7 @@ def print_stores(console: Console, result: dict) -> None:
             f"{r['duration_s']:.0f}",
             _rate(r["ops_s"]),
             _rate(r["failed_ops_s"]),
-            _ms(r["read_p50_ms"]),
-            _ms(r["read_p99_ms"]),
+            f"{_ms(r['read_p50_ms'])} / {_ms(r['read_p99_ms'])}",
             _bad(r["wrong"]),
             f"{r['lost']} of {r['checked_at_end']}",
             _bad(r["lost_unexplained"]),
@@ -79,7 +85,7 @@ def print_faults(console: Console, result: dict) -> None:
         f"the {result['config']['window_s']:g} s after; first block done after its end"
     )
     columns = ["store", "fault", "at s", "lasted s", "before", "during", "after", "held"]
-    columns += ["first block after s", "failed during"]
+    columns += ["first block after s", "failed during", "tiers down"]
     for column in columns:
         table.add_column(column, justify="right")
     for r in result["stores"]:
@@ -96,6 +102,7 @@ def print_faults(console: Console, result: dict) -> None:
                 "-" if e["held_after"] is None else f"{e['held_after']:.0%}",
                 "[red]never[/red]" if e["recovered_s"] is None else f"{e['recovered_s']:.1f}",
                 str(e["failed_during"]),
+                str(e["tiers_down"]),
             )
     console.print(table)
 

@@ -1,6 +1,7 @@
-"""The ``verify`` job of ``kvhal bench store-load``: after the load, every block a client
-acknowledged is read back once, and the blocks a killed client left mid-write are written
-again and read back.
+"""Checks of ``kvhal bench store-load``: after the load, every block a client acknowledged is
+read back once (the ``verify`` job); right after a kill, the blocks the killed client left
+mid-write are written again and read back (the ``killcheck`` job). Both run in client
+processes: never in the parent, whose proxies a store client holding the GIL would stall.
 
 A block's latest write counts (a shared block written again after a restart must be there).
 A block acknowledged and then absent is lost; the caller tells a restart's losses from others
@@ -29,7 +30,7 @@ def _records(path: str) -> Iterable[tuple[int, int, int]]:
     return ACK.iter_unpack(data[: len(data) - len(data) % ACK.size])
 
 
-class _Reader:
+class BlockReader:
     """Reads (and writes) batches of blocks through one remote tier, checking every byte."""
 
     def __init__(self, job: dict) -> None:
@@ -78,22 +79,30 @@ class _Reader:
             self.host.close()
 
 
-def _write_until_readable(reader: _Reader, ids: list[tuple[int, int]], wait_s: float) -> dict:
-    """Write ``ids`` and read them back, again every half second while some do not read back,
-    for at most ``wait_s``: how many read back at the first try, when all did (monotonic ns),
-    how many never did, and how many came back wrong."""
+def check_killed(reader: BlockReader, intents: str, acks: str, wait_s: float) -> dict:
+    """The blocks a killed client was writing (in its ``intents`` log, not in its ``acks``):
+    read once (absent or whole, never wrong), then written and read back, again every half
+    second while some do not read back, for at most ``wait_s``: how many read back at the
+    first try, when the check began and when all read back (monotonic ns), how many never did,
+    and how many came back wrong."""
+    left = sorted({(o, n) for o, n, _ in set(_records(intents)) - set(_records(acks))})
+    checked_ns = time.monotonic_ns()
+    before = Counter(outcome for _, outcome in reader.read(left))
     began = time.monotonic()
-    pending, first, wrong = list(ids), None, 0
+    pending, first, wrong = list(left), None, before.get("wrong", 0)
     while True:
         reader.write(pending)
         outcomes = reader.read(pending)
         wrong += sum(1 for _, outcome in outcomes if outcome == "wrong")
         pending = [block for block, outcome in outcomes if outcome != "ok"]
-        first = len(ids) - len(pending) if first is None else first
+        first = len(left) - len(pending) if first is None else first
         if not pending or time.monotonic() - began > wait_s:
             break
         time.sleep(0.5)
     return {
+        "killed_left": len(left),
+        "killed_left_before": dict(before),
+        "killed_left_checked_ns": checked_ns,
         "killed_left_first_try": first,
         "killed_left_readable_ns": None if pending else time.monotonic_ns(),
         "killed_left_never": len(pending),
@@ -102,33 +111,38 @@ def _write_until_readable(reader: _Reader, ids: list[tuple[int, int]], wait_s: f
 
 
 def run_verify(job: dict) -> dict:
-    """``job["acks"]``: every client's ack log; ``job["killed"]``: each killed client's
-    ``(intents, acks)`` logs. See the module."""
+    """``job["acks"]``: every client's ack log. See the module."""
     began = time.monotonic()
     latest: dict[tuple[int, int], int] = {}
     for path in job["acks"]:
         for origin, n, ns in _records(path):
             latest[(origin, n)] = max(ns, latest.get((origin, n), ns))
-    left: set[tuple[int, int]] = set()  # blocks of a killed client's writes never acknowledged
-    for intents, acks in job["killed"]:
-        left |= {(o, n) for o, n, _ in set(_records(intents)) - set(_records(acks))}
-    reader = _Reader(job)
+    reader = BlockReader(job)
     try:
         outcomes = reader.read(sorted(latest))
-        counts = Counter(outcome for _, outcome in outcomes)
-        lost_ns = [latest[block] for block, outcome in outcomes if outcome == "missing"]
-        before = Counter(outcome for _, outcome in reader.read(sorted(left)))
-        blocked = _write_until_readable(reader, sorted(left), job["blocked_wait_s"])
     finally:
         reader.close()
+    counts = Counter(outcome for _, outcome in outcomes)
     return {
         "checked": len(latest),
         "counts": {
             ("present" if k == "ok" else "lost" if k == "missing" else k): v for k, v in counts.items()
         },
-        "lost_ack_ns": lost_ns,
-        "killed_left": len(left),
-        "killed_left_before": dict(before),
-        **blocked,
+        "lost_ack_ns": [latest[block] for block, outcome in outcomes if outcome == "missing"],
         "took_s": time.monotonic() - began,
     }
+
+
+def run_ping(job: dict) -> dict:
+    """A ``ping`` job: answered once the process has imported what a job needs."""
+    return {}
+
+
+def run_killcheck(job: dict) -> dict:
+    """A ``killcheck`` job: :func:`check_killed` of the client whose logs ``job["intents"]`` and
+    ``job["acks"]`` are, just killed, through a remote tier of this process."""
+    reader = BlockReader(job)
+    try:
+        return check_killed(reader, job["intents"], job["acks"], job["blocked_wait_s"])
+    finally:
+        reader.close()
