@@ -36,8 +36,10 @@ repeat), the machine's load average recorded before and after each:
   engines computing at once on 2 cores). The runner's ``chat_jobs`` op hands the rounds
   over in files; the conversations cross processes there. After each half-round the
   engine takes a few steps and a short pause (a single-process engine only steps inside a
-  call, and a store's write to the remote tier starts at a step), outside the measured
-  time: the other engine finds what it wrote.
+  call, and a store's write to the remote tier starts at a step), then steps until its
+  writes landed (a store that writes slower than the pause; the report says how long),
+  outside the measured time: the other engine finds what it wrote, and does not read while
+  the first one's writes still load the store.
 
 Reports: TTFT mean, p50, p90 per round, round 1 apart from rounds >= 2; output tokens/s
 (output tokens over the workload's wall time, engine start and warm-up excluded); prompt

@@ -31,7 +31,8 @@ KV_CACHE_LINE = re.compile(r"KV cache size: ([\d,]+) tokens")
 CHAT_KVHAL = {"offload_prompt_only": False}
 
 
-#: Seconds an engine of the shared configuration pauses after its half-round (writes land).
+#: Seconds an engine of the shared configuration pauses after its half-round (writes land);
+#: then it steps until kvhal has nothing in flight (a store writing slower than that).
 SETTLE = 1.0
 
 
@@ -278,7 +279,7 @@ def shared_engines(
         for r, turns in enumerate(work["turns"]):
             merged: dict[str, Any] = {"seconds": 0.0, "requests": [], "tiers": {}}
             merged.update({"load_avg": [], "steps": [], "thread_cpu_s": {}})
-            merged.update({"store_cpu_s": 0.0, "store_wall_s": 0.0})
+            merged.update({"store_cpu_s": 0.0, "store_wall_s": 0.0, "writes_landed_s": 0.0})
             for e, engine in enumerate(engines):
                 users = [u for u in range(len(histories)) if (u + r) % 2 == e]
                 if not users:
@@ -296,11 +297,13 @@ def shared_engines(
                     "trace": args.trace,
                 }
                 job = {"chat": chat, "drain_prompt": work["drain"], "drain_tokens": 4, "settle": SETTLE}
+                job["land_writes"] = True  # and then until the writes landed: the other engine reads them
                 store_cpu, store_wall = cpu_seconds(store.pids), time.perf_counter()
                 out = engine.answer(job)
                 # the store's work during the half-round and its settle (its writes landing)
                 merged["store_cpu_s"] += cpu_seconds(store.pids) - store_cpu
                 merged["store_wall_s"] += time.perf_counter() - store_wall
+                merged["writes_landed_s"] += out.get("writes_landed_s", 0.0)
                 for u, history in zip(users, out["histories"], strict=True):
                     histories[u] = history
                 (half,) = _rounds_of(out, engine="AB"[e], store=store_tier(store.url))

@@ -118,6 +118,16 @@ def print_report(console: Console, result: dict) -> None:
                 "that computes it, "
                 f"{s['later_first_token_step_s_mean']:.3f} s in that step"
             )
+    landing = [
+        sum(r.get("writes_landed_s", 0.0) for r in run["rounds"])
+        for run in result["runs"]
+        if run["config"] == "shared"
+    ]
+    if landing:
+        console.print(
+            "shared: the store's writes still landing after each half-round's pause (outside the measured "
+            "time), summed per run: " + ", ".join(f"{s:.1f} s" for s in landing)
+        )
     for name, s in summary.items():
         steps = [d for d in s.get("later_decode_steps_ms") or [] if d]
         if steps:

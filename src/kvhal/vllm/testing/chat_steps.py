@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 from kvhal.vllm.testing import step_clock
-from kvhal.vllm.testing.steps import generate, metrics, serve_jobs, threads
+from kvhal.vllm.testing.steps import generate, metrics, serve_jobs, settle, threads
 
 
 def chat(llm: Any, step: dict) -> dict:
@@ -214,13 +214,20 @@ def trace_schedules(llm: Any) -> None:
     scheduler._kvhal_chat_traced = True
 
 
-def drain(llm: Any, step: dict) -> None:
+def drain(llm: Any, step: dict) -> float:
     """A few engine steps and a pause: stores that finished start their writes below (a
-    single-process engine steps only inside ``generate``), and the writes land."""
+    single-process engine steps only inside ``generate``), and the writes land. With
+    ``land_writes``, then steps until kvhal has nothing in flight (within ``land_timeout``
+    seconds): a store that writes slower than the pause allows would otherwise still be
+    writing one engine's turns while the other engine reads them.
+    The seconds that took beyond the pause."""
     prompt = step.get("drain_prompt")
     if prompt:
         generate(llm, {"prompts": [prompt], "max_tokens": step.get("drain_tokens", 4)})
     time.sleep(step.get("settle", 0))
+    if step.get("land_writes"):
+        return settle(llm, {"timeout": step.get("land_timeout", 300)})["seconds"]
+    return 0.0
 
 
 def chat_jobs(llm: Any, step: dict) -> dict:
@@ -229,7 +236,7 @@ def chat_jobs(llm: Any, step: dict) -> dict:
 
     def handle(job: dict) -> dict:
         result = chat(llm, job["chat"])
-        drain(llm, job)
+        result["writes_landed_s"] = drain(llm, job)
         result["load_avg_after_drain"] = os.getloadavg()
         return result
 
