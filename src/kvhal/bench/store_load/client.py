@@ -7,11 +7,11 @@ slots, as an engine's worker does, until the board says stop; every block read i
 byte for byte (:mod:`.blocks`).
 
 The board is a file of int64 shared by the parent and every client (``np.memmap``): row 0 the
-parent's (start time, stop), row ``1 + i`` client ``i``'s live counters and its blocks done
-and failed per time bucket, so a client killed mid-run leaves what it did behind. Each write's
-blocks are logged before it starts (``intents``) and once acknowledged (``acks``): append-only
-files of :data:`~kvhal.bench.store_load.blocks.ACK` records, one ``write`` per batch, which a
-kill cannot take back.
+parent's (start time, stop, kills and their checks), row ``1 + i`` client ``i``'s live counters
+and its blocks done and failed per time bucket, so a client killed mid-run leaves what it did
+behind. Each write's blocks are logged before it starts (``intents``) and once acknowledged
+(``acks``): append-only files of :data:`~kvhal.bench.store_load.blocks.ACK` records, one
+``write`` per batch, which a kill cannot take back.
 """
 
 from __future__ import annotations
@@ -31,6 +31,9 @@ from kvhal.bench.store_load.blocks import ACK, SHARED, Content, key
 
 # board: row 0 (the parent's)
 START_NS, STOP = 0, 1
+#: row 0 from here on, two columns per kill check k: the killed row + 1 (set by the parent at the
+#: kill), and 1 once check k's tier is connected (set by the checker)
+KILLS = 2
 # board: a client's row
 READY, WRITING, SEQ, DONE, FAILED, WRONG = range(6)
 #: columns before a row's buckets (done blocks per bucket, then failed blocks per bucket)
@@ -109,7 +112,7 @@ class Load:
         self.seq = 0
         self.buckets = (self.me.shape[0] - HEAD) // 2
         self.counts: Counter[str] = Counter()
-        self.read_latency: list[float] = []
+        self.reads: list[tuple[float, float]] = []  # (seconds into the run it began, its latency)
         self.wrong_names: list[str] = []
         self.acks = os.open(job["acks"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         # every write's blocks before it starts: what a client killed mid-write left in flight
@@ -215,7 +218,8 @@ class Load:
                 done += 1  # an answer: not there (not written yet, or lost)
             else:
                 failed += 1
-        self.read_latency.append((op.ended[0] - op.started) / 1e9)
+        began = (op.started - int(self.board[0, START_NS])) / 1e9
+        self.reads.append((began, (op.ended[0] - op.started) / 1e9))
         self._count(done, failed)
 
     # -- the loop -----------------------------------------------------------------------
@@ -248,7 +252,7 @@ class Load:
         return {
             "row": job["row"],
             "counts": dict(self.counts),
-            "read_latency_s": self.read_latency,
+            "reads": self.reads,
             "wrong_names": self.wrong_names,
             "hung_ops": len(hung) + len(late),
             "hung_unended": len(hung),

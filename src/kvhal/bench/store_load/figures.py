@@ -1,4 +1,5 @@
-"""What one store's run measured: throughput over time and around each fault, read latency,
+"""What one store's run measured: throughput over time and around each fault, read latency
+(all reads, and those that overlap no fault nor the window after it),
 values lost and served wrong, slots leaked, the remote tier's own counts.
 
 Throughput counts blocks (a batch of 16 is 16): a write acknowledged, or a read answered
@@ -109,10 +110,14 @@ def summarize(
     downs = [(t - start) / 1e9 for r in results for t, up, _ in r["health"] if not up]
     _around(events, done, failed, downs, duration, config.window_s)
     counts: Counter[str] = Counter()
-    latencies: list[float] = []
+    reads: list[tuple[float, float]] = []
     for result in results:
         counts.update(result["counts"])
-        latencies += result["read_latency_s"]
+        reads += [(began, took) for began, took in result["reads"]]
+    latencies = [took for _, took in reads]
+    # reads that overlap no fault (nor the window after it): the store's pace under load alone
+    spans = [(e["at_s"], e["end_s"] + config.window_s) for e in events]
+    quiet = [took for began, took in reads if not any(began < b and began + took > a for a, b in spans)]
     verified = verify.get("counts", {})
     left_before = verify.get("killed_left_before", {})
     wrong_live = int(np.asarray(board[1:, WRONG]).sum())  # killed clients' too
@@ -130,6 +135,9 @@ def summarize(
         "read_batches": len(latencies),
         "read_p50_ms": 1e3 * float(np.percentile(latencies, 50)) if latencies else None,
         "read_p99_ms": 1e3 * float(np.percentile(latencies, 99)) if latencies else None,
+        "quiet_reads": len(quiet),
+        "quiet_read_p50_ms": 1e3 * float(np.percentile(quiet, 50)) if quiet else None,
+        "quiet_read_p99_ms": 1e3 * float(np.percentile(quiet, 99)) if quiet else None,
         "wrong": wrong_live
         + int(verified.get("wrong", 0))
         + int(left_before.get("wrong", 0))

@@ -32,6 +32,7 @@ from typing import Any
 from kvhal.bench.store_load.client import (
     BUCKET_S,
     DONE,
+    KILLS,
     READY,
     START_NS,
     STOP,
@@ -237,6 +238,7 @@ def run_store(
                 "buckets": buckets,
                 "board": str(Path(work) / "board"),
                 "slots": 2 * config.inflight * config.batch,
+                "logs": work,
             }
 
             def job(row: int) -> dict:
@@ -247,9 +249,9 @@ def run_store(
                 return {**base, **logs, "row": row, "seed": config.seed * 1000 + row}
 
             fleet = _Fleet(pool, board, job, config.clients, faults.count("kill"))
-            checker = _KillCheck(fleet.checkers, config)
             try:
-                fleet.wait_ready(tick)
+                checker = _KillCheck(fleet.checkers, board, base, config)
+                fleet.wait_ready(tick, checker.ready)
                 start = time.monotonic_ns()
                 board[0, START_NS] = start
                 events, ran_s = _deal_faults(rig, fleet, checker, faults, config, start, tick)
@@ -259,8 +261,7 @@ def run_store(
                 tick("reading back every acknowledged block", ran_s)
                 acks = [job(row)["acks"] for row in range(rows)]
                 verify = fleet.verify({**base, "kind": "verify", "acks": acks}, config)
-                if checker.busy:
-                    verify |= checker.finish()
+                verify |= checker.finish()
             finally:
                 fleet.release()
         return summarize(kind, config, board, start, ran_s, events, results, errors, verify, faults)
@@ -279,7 +280,7 @@ class _Fleet:
         for row, client in self.clients.items():
             client.send(job(row))
 
-    def wait_ready(self, tick: Callable[[str, float], None]) -> None:
+    def wait_ready(self, tick: Callable[[str, float], None], checks_ready: Callable[[], bool]) -> None:
         deadline = time.monotonic() + READY_TIMEOUT_S
         while True:
             states = [int(self.board[1 + row, READY]) for row in self.clients]
@@ -296,12 +297,20 @@ class _Fleet:
                 raise RuntimeError(f"{states.count(0)} clients not connected in {READY_TIMEOUT_S:g} s")
             tick(f"clients connecting ({states.count(1)}/{len(states)})", 0.0)
             time.sleep(0.1)
-        # the spares and checkers too, so that a kill's replacement and check start at once
-        for client in self.spares + self.checkers:
+        # the spares and the kill checks too, so that a replacement and a check start at once
+        for client in self.spares:
             client.send({"kind": "ping"})
-        for client in self.spares + self.checkers:
+        for client in self.spares:
             if client.result(max(1.0, deadline - time.monotonic())) is None:
                 raise RuntimeError(f"a spare client did not start:\n{client.log_tail()}")
+        while not checks_ready():
+            for client in self.checkers:
+                if not client.alive or client.results in select.select([client.results], [], [], 0)[0]:
+                    answer = client.result(1.0) or {"error": client.log_tail()}
+                    raise RuntimeError(f"a kill check could not connect: {answer.get('error')}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the kill checks not connected in {READY_TIMEOUT_S:g} s")
+            time.sleep(0.05)
 
     def kill_one(self, rng: random.Random) -> dict:
         """SIGKILL a client while it has a batch write in flight (if one is caught within
@@ -360,29 +369,35 @@ class _Fleet:
 
 class _KillCheck:
     """Right after each kill, the blocks the killed client was writing are written again and
-    read back (a ``killcheck`` job, :func:`~kvhal.bench.store_load.verify.check_killed`) by a
-    client process started with the others (never the parent: its proxies must keep moving)."""
+    read back (a ``killcheck`` job, :func:`~kvhal.bench.store_load.verify.run_killcheck`) by a
+    client process connected before the run starts, told of the kill on the board (never the
+    parent: its proxies must keep moving)."""
 
-    def __init__(self, checkers: list[Client], config: LoadConfig) -> None:
-        self.idle, self.busy, self.config = list(checkers), [], config
+    def __init__(self, checkers: list[Client], board: Any, base: dict, config: LoadConfig) -> None:
+        self.checkers, self.board, self.config = checkers, board, config
+        self.kills = 0
+        for k, checker in enumerate(checkers):
+            checker.send({**base, "kind": "killcheck", "check": k})
 
-    def after_kill(self, killed_job: dict) -> None:
-        checker = self.idle.pop() if self.idle else None
-        if checker is None:
-            return
-        # not strict: a check that meets the store down waits for it as the engines do
-        checker.send({**killed_job, "kind": "killcheck", "strict": False})
-        self.busy.append(checker)
+    def ready(self) -> bool:
+        return all(self.board[0, KILLS + 2 * k + 1] for k in range(len(self.checkers)))
+
+    def after_kill(self, row: int) -> None:
+        if self.kills < len(self.checkers):
+            self.board[0, KILLS + 2 * self.kills] = row + 1
+            self.kills += 1
 
     def finish(self) -> dict:
         """Every kill's check, summed (the latest time all read back; None if some never did)."""
         wait = self.config.blocked_wait_s + 4 * self.config.op_deadline_s + READY_TIMEOUT_S
-        results = [
-            checker.result(wait) or {"error": "a kill's check gave no result"} for checker in self.busy
-        ]
+        missing = {"error": "a kill's check gave no result"}
+        results = [checker.result(wait) or missing for checker in self.checkers]
         errors = [f"kill check: {r['error']}" for r in results if "error" in r]
         if errors:
             return {"error": "; ".join(errors)}
+        results = [r for r in results if r["killed_left"]]
+        if not results:
+            return {}
         out: dict = {"killed_left_before": {}}
         for r in results:
             for field in ("killed_left", "killed_left_first_try", "killed_left_never", "killed_left_wrong"):
@@ -391,12 +406,8 @@ class _KillCheck:
                 out["killed_left_before"][outcome] = out["killed_left_before"].get(outcome, 0) + n
         out["killed_left_checked_ns"] = min(r["killed_left_checked_ns"] for r in results)
         readable = [r["killed_left_readable_ns"] for r in results]
-        out["killed_left_readable_ns"] = None if None in readable else max(readable, default=None)
+        out["killed_left_readable_ns"] = None if None in readable else max(readable)
         return out
-
-    @property
-    def clients(self) -> list[Client]:
-        return self.idle + self.busy
 
 
 def _deal_faults(
@@ -439,7 +450,7 @@ def _deal_faults(
             if fault == "kill":
                 event |= fleet.kill_one(rng)
                 event["end_s"] = event["at_s"] = now()
-                checker.after_kill(fleet.job(event["row"]))
+                checker.after_kill(event["row"])
             elif fault == "pause":
                 rig.pause(config.pause_s)
                 event["end_s"] = t + config.pause_s

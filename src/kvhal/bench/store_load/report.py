@@ -45,7 +45,8 @@ def print_stores(console: Console, result: dict) -> None:
         f"{result['machine'].get('cpu_count')} CPUs; blocks/s = blocks written (acknowledged) or read "
         "(served and checked, or a miss)"
     )
-    columns = ["store", "s", "blocks/s", "failed/s", "read ms p50/p99", "wrong", "lost", "lost, no restart"]
+    columns = ["store", "s", "blocks/s", "failed/s", "read ms p50/p99", "no fault: p50/p99", "wrong", "lost"]
+    columns += ["lost, no restart"]
     columns += [
         "leaked slots",
         "hung",
@@ -62,6 +63,7 @@ def print_stores(console: Console, result: dict) -> None:
             _rate(r["ops_s"]),
             _rate(r["failed_ops_s"]),
             f"{_ms(r['read_p50_ms'])} / {_ms(r['read_p99_ms'])}",
+            f"{_ms(r['quiet_read_p50_ms'])} / {_ms(r['quiet_read_p99_ms'])}",
             _bad(r["wrong"]),
             f"{r['lost']} of {r['checked_at_end']}",
             _bad(r["lost_unexplained"]),

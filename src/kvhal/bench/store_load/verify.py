@@ -1,7 +1,8 @@
 """Checks of ``kvhal bench store-load``: after the load, every block a client acknowledged is
 read back once (the ``verify`` job); right after a kill, the blocks the killed client left
-mid-write are written again and read back (the ``killcheck`` job). Both run in client
-processes: never in the parent, whose proxies a store client holding the GIL would stall.
+mid-write are written again and read back (the ``killcheck`` job, connected before the run
+starts, waiting for the kill). Both run in client processes: never in the parent, whose proxies
+a store client holding the GIL would stall.
 
 A block's latest write counts (a shared block written again after a restart must be there).
 A block acknowledged and then absent is lost; the caller tells a restart's losses from others
@@ -22,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from kvhal.bench.store_load.blocks import ACK, Content, key
-from kvhal.bench.store_load.client import close_tier, open_tier
+from kvhal.bench.store_load.client import KILLS, STOP, close_tier, open_board, open_tier
 
 
 def _records(path: str) -> Iterable[tuple[int, int, int]]:
@@ -139,10 +140,22 @@ def run_ping(job: dict) -> dict:
 
 
 def run_killcheck(job: dict) -> dict:
-    """A ``killcheck`` job: :func:`check_killed` of the client whose logs ``job["intents"]`` and
-    ``job["acks"]`` are, just killed, through a remote tier of this process."""
+    """A ``killcheck`` job (check ``job["check"]``): connect, say so on the board, wait for the
+    parent to name the client it killed, then :func:`check_killed` its logs. Without a kill
+    before the run stops, nothing (``killed_left`` 0)."""
+    board = open_board(job["board"], job["rows"], job["buckets"])
+    signal, ready = KILLS + 2 * job["check"], KILLS + 2 * job["check"] + 1
     reader = BlockReader(job)
     try:
-        return check_killed(reader, job["intents"], job["acks"], job["blocked_wait_s"])
+        board[0, ready] = 1
+        while not board[0, signal] and not board[0, STOP]:
+            time.sleep(0.002)
+        if not board[0, signal]:
+            return {"killed_left": 0}
+        row = int(board[0, signal]) - 1
+        logs = Path(job["logs"])
+        return check_killed(
+            reader, str(logs / f"intents-{row}"), str(logs / f"acks-{row}"), job["blocked_wait_s"]
+        )
     finally:
         reader.close()
