@@ -5,11 +5,20 @@ tier lives in pytest's ``tmp_path`` on the real file system; faults (a full
 disk, I/O errors, a write torn by a crash) come from the e2e fault plugin's
 ``disk-faults`` backend, the real disk tier with its file writes or reads
 made to fail, offered through the tier-backend hook as any third party would.
+
+One engine populates a disk tier (the ``populated`` fixture) that the restart, damage,
+flipped-byte and lock tests each restart on a copy of; one write-through engine whose disk
+hits are prefetched (``prefetching``) serves both the write-through hits test and the
+prefetch test's prefetching side. Fault tests keep engines of their own. Cost: 14 engine
+starts (two end by design: one killed with SIGKILL, one refused the lock), beside the
+session's baseline engine without kvhal; 3.2-3.3 minutes on 2 cores shared with others at
+load 4-30 (was 19 starts, 5.1-7.2 minutes back to back).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -80,12 +89,33 @@ def metrics(step: dict, tier: str = "disk") -> dict:
     return kvhal_counters(step["metrics"], tier)
 
 
+#: Four prompts of 24 blocks: round 2 finds the two oldest on disk only.
+SPILLED = prompts(4, LENGTH, seed=21)
+#: Every disk hit of a prompt (6 blocks) can be prefetched at once.
+PREFETCH = {"lower_tier_wait_ms": 1000, "lower_tier_prefetch_blocks": 8}
+
+
+def spilled(model: str, kvhal: dict) -> list[dict]:
+    """SPILLED's two rounds on an engine with ``kvhal``, then its metrics (at [9])."""
+    return without_settles(engine(model, kvhal, two_rounds(SPILLED, {"op": "metrics"})), SPILLED)
+
+
+@pytest.fixture(scope="module")
+def prefetching(model, tmp_path_factory) -> list[dict]:
+    """SPILLED on one engine whose disk tier is written through and whose disk hits are
+    prefetched (the defaults, with a prefetch budget of a prompt's blocks): the write-through
+    run of test_hits_come_from_disk_when_the_host_tier_is_too_small and the prefetching run of
+    test_hits_read_from_disk_are_prefetched_and_loaded_in_their_step."""
+    return spilled(model, disk(tmp_path_factory.mktemp("prefetching"), disk_write="through", **PREFETCH))
+
+
 @pytest.mark.parametrize("write", ["through", "back"])
-def test_hits_come_from_disk_when_the_host_tier_is_too_small(model, tmp_path, write):
-    batch = prompts(4, LENGTH, seed=21)
-    raw = engine(model, disk(tmp_path, disk_write=write), two_rounds(batch, {"op": "metrics"}))
-    result = without_settles(raw, batch)
-    expected = baseline(model, batch)
+def test_hits_come_from_disk_when_the_host_tier_is_too_small(model, tmp_path, write, request):
+    if write == "through":
+        result = request.getfixturevalue("prefetching")
+    else:
+        result = spilled(model, disk(tmp_path, disk_write=write))
+    expected = baseline(model, SPILLED)
     assert [tokens(s)[0] for s in result[:4]] == expected
     warm = result[5:9][::-1]
     assert [tokens(s)[0] for s in warm] == expected, "outputs differ when KV comes from the disk tier"
@@ -101,16 +131,30 @@ def test_hits_come_from_disk_when_the_host_tier_is_too_small(model, tmp_path, wr
     assert found.get("tier_corrupt_blocks", 0) == 0
 
 
-def populate(model: str, path: Path, batch: list[list[int]], **more) -> list[dict]:
-    """One engine stores ``batch`` (write-through reaches the disk), waits until every write
-    landed, then exits."""
-    steps = [{"op": "generate", "prompts": batch}, {"op": "settle"}, {"op": "metrics"}]
-    return engine(model, roomy(path, **more), steps)
+#: The prompts a disk tier is populated with, once for every test that restarts on one.
+POPULATED = prompts(3, LENGTH, seed=22)
 
 
-def test_a_restarted_engine_serves_from_disk_in_its_first_round(model, tmp_path):
-    batch = prompts(3, LENGTH, seed=22)
-    populate(model, tmp_path, batch)
+@pytest.fixture(scope="module")
+def populated(model, tmp_path_factory) -> Path:
+    """A disk tier holding POPULATED: one engine stored it (write-through reaches the disk),
+    waited until every write landed, then exited. Tests restart on a copy of it (restore)."""
+    path = tmp_path_factory.mktemp("populated")
+    steps = [{"op": "generate", "prompts": POPULATED}, {"op": "settle"}, {"op": "metrics"}]
+    engine(model, roomy(path), steps)
+    return path
+
+
+def restore(populated: Path, path: Path) -> Path:
+    """A copy of the populated tier at ``path``, as that engine left it (the tier's files are
+    the same bytes wherever they lie: nothing in them names their directory)."""
+    shutil.copytree(populated, path, symlinks=True, dirs_exist_ok=True)
+    return path
+
+
+def test_a_restarted_engine_serves_from_disk_in_its_first_round(model, tmp_path, populated):
+    batch = POPULATED
+    restore(populated, tmp_path)
     second = engine(model, roomy(tmp_path), [{"op": "generate", "prompts": batch}, {"op": "metrics"}])
     assert tokens(second[0]) == baseline(model, batch)
     assert loaded(second[0]) == [SERVED] * 3, "a fresh engine on the same disk_path got no hit"
@@ -121,12 +165,13 @@ def test_a_restarted_engine_serves_from_disk_in_its_first_round(model, tmp_path)
 
 
 @pytest.mark.parametrize("damage", ["fifo", "every file"])
-def test_a_damaged_disk_tier_is_an_empty_one_and_the_engine_serves(model, tmp_path, damage):
+def test_a_damaged_disk_tier_is_an_empty_one_and_the_engine_serves(model, tmp_path, damage, populated):
     """A FIFO where meta.json was (a plain open blocks on it forever), or every file of the
     tier overwritten with garbage: the engine starts, serves vLLM alone's outputs and stores
-    again; the undamaged control is test_a_restarted_engine_serves_from_disk_in_its_first_round."""
-    batch = prompts(3, LENGTH, seed=24)
-    populate(model, tmp_path, batch)
+    again; the undamaged control is test_a_restarted_engine_serves_from_disk_in_its_first_round
+    (the same populated tier, the same prompts)."""
+    batch = POPULATED
+    restore(populated, tmp_path)
     (meta,) = list(tmp_path.rglob("meta.json"))
     if damage == "fifo":
         meta.unlink()
@@ -152,9 +197,9 @@ def flip_one_payload_byte(path: Path) -> Path:
     return data
 
 
-def test_one_flipped_byte_means_recompute(model, tmp_path):
-    batch = prompts(3, LENGTH, seed=23)
-    populate(model, tmp_path, batch)
+def test_one_flipped_byte_means_recompute(model, tmp_path, populated):
+    batch = POPULATED
+    restore(populated, tmp_path)
     flip_one_payload_byte(tmp_path)
     second = engine(model, roomy(tmp_path), [{"op": "generate", "prompts": batch}, {"op": "metrics"}])
     assert tokens(second[0]) == baseline(model, batch), "a corrupt block was served"
@@ -234,16 +279,16 @@ def test_a_stalled_disk_costs_a_request_its_wait_then_recompute(model, tmp_path)
     assert state["storing"] == 0 and not state["scheduler_jobs_in_flight"], f"a read never ended: {state}"
 
 
-def test_hits_read_from_disk_are_prefetched_and_loaded_in_their_step(model, tmp_path):
+def test_hits_read_from_disk_are_prefetched_and_loaded_in_their_step(model, tmp_path, prefetching):
     """The disk's hits take the prefetch path (read into host memory at lookup, then a
     synchronous host load); the same hits without a prefetch (lower_tier_wait_ms: null)
     load asynchronously, read then copy: same outputs, other counters."""
-    batch = prompts(4, LENGTH, seed=27)
     counters = {}
-    for wait in (1000, None):
-        kvhal = disk(tmp_path / str(wait), lower_tier_wait_ms=wait, lower_tier_prefetch_blocks=8)
-        result = without_settles(engine(model, kvhal, two_rounds(batch, {"op": "metrics"})), batch)
-        assert [tokens(s)[0] for s in result[5:9][::-1]] == baseline(model, batch)
+    for wait, result in [
+        (1000, prefetching),
+        (None, spilled(model, disk(tmp_path, **{**PREFETCH, "lower_tier_wait_ms": None}))),
+    ]:
+        assert [tokens(s)[0] for s in result[5:9][::-1]] == baseline(model, SPILLED)
         counters[wait] = metrics(result[9])
     on, off = counters[1000], counters[None]
     assert on["tier_prefetched_blocks"] >= 2 * BLOCKS_PER_PROMPT and on["tier_hit_tokens"] >= 2 * SERVED, on
@@ -252,12 +297,12 @@ def test_hits_read_from_disk_are_prefetched_and_loaded_in_their_step(model, tmp_
     assert off["sync_hit_tokens"] < on["sync_hit_tokens"], off  # disk hits parked a step
 
 
-def test_second_engine_on_the_same_disk_path_is_refused(model, tmp_path):
+def test_second_engine_on_the_same_disk_path_is_refused(model, tmp_path, populated):
     """A process holds the model's namespace as a running engine's scheduler does; an engine
     of that model started on the same path with ``disk_lock_wait_s`` 0 (no wait: an engine
     that waits serves without the tier meanwhile, test_disk_rolling_update.py) must fail,
     naming the reason, and leave the tier alone."""
-    populate(model, tmp_path, prompts(1, LENGTH, seed=26))  # makes the model's namespace
+    restore(populated, tmp_path)  # the model's namespace, as an engine made it
     (lock,) = tmp_path.glob("kvhal-tier-v1/m-*/LOCK")
     holder = subprocess.Popen(
         [sys.executable, "-c", _HOLD.format(lock=str(lock))], stdout=subprocess.PIPE, text=True
