@@ -326,13 +326,14 @@ class _Fleet:
             time.sleep(0.0005)
         client = self.clients.pop(victim)
         writing = writing and self.board[1 + victim, WRITING] > 0  # still, at the kill
-        client.kill()
+        killed_ns = time.monotonic_ns()
+        client.kill()  # SIGKILL, then reaped: its logs are final once this returns
         self.killed[victim] = client
         row = len(self.clients) + len(self.killed)
         replacement = self.spares.pop() if self.spares else self.pool.spawn()
         replacement.send({**self.job(row), "strict": False})
         self.clients[row] = replacement
-        return {"row": victim, "writing": bool(writing), "replacement_row": row}
+        return {"row": victim, "writing": bool(writing), "replacement_row": row, "killed_ns": killed_ns}
 
     def collect(self, config: LoadConfig) -> tuple[list[dict], list[str]]:
         """Every live client's result; an error or a client that does not answer is an error."""
@@ -449,7 +450,8 @@ def _deal_faults(
             event: dict = {"fault": fault, "at_s": t}
             if fault == "kill":
                 event |= fleet.kill_one(rng)
-                event["end_s"] = event["at_s"] = now()
+                event["end_s"] = event["at_s"] = (event.pop("killed_ns") - start) / 1e9
+                event["reaped_s"] = now()
                 checker.after_kill(event["row"])
             elif fault == "pause":
                 rig.pause(config.pause_s)
