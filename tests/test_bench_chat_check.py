@@ -252,3 +252,26 @@ def test_the_cold_workload_has_only_new_users_of_the_chats_lengths():
     assert sorted(len(c) for c in cold["contexts"]) == sorted(len(c) for c in work["contexts"] * 3)
     starts = {tuple(c[:16]) for c in cold["contexts"] + work["contexts"]}
     assert len(starts) == 16, "a cold prompt shares a prefix with another prompt"
+
+
+def test_store_options_are_remote_keys_parsed_as_json_else_strings():
+    from kvhal.bench.chat import store_options
+
+    given = ["remote_wait_policy=timeout", "remote_lookup_timeout_ms=2000", "remote_strict=true"]
+    assert store_options(given) == {
+        "remote_wait_policy": "timeout",
+        "remote_lookup_timeout_ms": 2000,
+        "remote_strict": True,
+    }
+    for bad in ("wait_policy=timeout", "remote_wait_policy", "remote_url=redis://x:1/0"):
+        with pytest.raises(SystemExit, match="expected remote_KEY=VALUE"):
+            store_options([bad])
+
+
+def test_a_bad_store_option_is_refused_before_anything_runs(tmp_path):
+    from kvhal.cli import main
+
+    argv = ["bench", "chat", "--store-option", "lookup_timeout_ms=5", "--models", str(tmp_path / "models")]
+    with pytest.raises(SystemExit, match="--store-option 'lookup_timeout_ms=5'"):
+        main([*argv, "--out", str(tmp_path / "out")])
+    assert not (tmp_path / "models").exists(), "the model was built before the arguments were checked"

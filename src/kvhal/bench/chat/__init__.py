@@ -66,6 +66,7 @@ fed the first run's answers, so all see the same prompts in every round. The mod
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import tempfile
 import time
@@ -130,6 +131,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the shared store, started on loopback for each run (s3: SeaweedFS's S3 gateway)",
     )
     parser.add_argument(
+        "--store-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a remote_* key of kvhal's extra config for the shared configuration's engines, VALUE as "
+        "JSON or a string (remote_wait_policy=timeout: read the store whatever it costs); repeatable",
+    )
+    parser.add_argument(
         "--load-mode",
         choices=LOAD_MODES,
         default="auto",
@@ -166,6 +175,7 @@ def run(args: argparse.Namespace) -> int:
     for flag in ("users", "rounds", "repeats", "inflight", "max_tokens", "slow_tier_mb_s"):
         if getattr(args, flag) < 1:
             raise SystemExit(f"--{flag.replace('_', '-')} must be at least 1")
+    args.store_options = store_options(args.store_option)
     with console.status("building the model"):
         model = str(recipe.build(args.models))
     work = make_workload(args.users, args.rounds, context, args.turn, recipe.vocab_size, args.seed)
@@ -227,6 +237,7 @@ def run(args: argparse.Namespace) -> int:
         },
         "sizing": size,
         "store": args.store if "shared" in configs else None,
+        "store_options": args.store_options if "shared" in configs else None,
         "kvhal_device": next((r["kvhal_device"] for r in runs if r.get("kvhal_device")), None),
         "malloc_env": MALLOC_ENV,
         "seconds": time.perf_counter() - started,
@@ -242,6 +253,22 @@ def run(args: argparse.Namespace) -> int:
     plot(result, png_path)
     console.print(f"wrote {json_path} and {png_path} ({result['seconds']:.0f} s)")
     return 0 if result["outputs"]["passed"] and result["outputs_cold"]["passed"] else 1
+
+
+def store_options(given: list[str]) -> dict[str, object]:
+    """``--store-option KEY=VALUE`` as extra-config entries (VALUE parsed as JSON, else kept as a
+    string); a malformed one or a key that is not a store's (``remote_*``) is refused here, before
+    any engine starts (the engine checks the values)."""
+    options: dict[str, object] = {}
+    for option in given:
+        key, equals, value = option.partition("=")
+        if not equals or not key.startswith("remote_") or key == "remote_url":
+            raise SystemExit(f"--store-option {option!r}: expected remote_KEY=VALUE (not remote_url)")
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
+    return options
 
 
 def _outputs(runs: list[dict]) -> dict:

@@ -255,6 +255,7 @@ def shared_engines(
         "remote_url": store.url,
         **CHAT_KVHAL,
         "load_mode": args.load_mode,
+        **getattr(args, "store_options", {}),  # --store-option
     }
     engines = []
     for e in range(2):
