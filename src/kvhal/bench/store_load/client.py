@@ -39,6 +39,8 @@ READY, WRITING, SEQ, DONE, FAILED, WRONG = range(6)
 #: columns before a row's buckets (done blocks per bucket, then failed blocks per bucket)
 HEAD = 8
 BUCKET_S = 0.1
+#: seconds a client keeps trying to connect at the start
+CONNECT_S = 60.0
 
 
 def board_shape(rows: int, buckets: int) -> tuple[int, int]:
@@ -63,6 +65,10 @@ class Op:
 
 
 def open_tier(job: dict, health: list) -> tuple[Any, Any]:
+    """A host tier of ``job["slots"]`` slots and a remote tier over it. ``strict`` (the
+    default): connected, tried again for up to :data:`CONNECT_S` (16 clients connecting at
+    once on a busy machine can outlast a client's connect timeout), else the last error."""
+    from kvhal.errors import TierError
     from kvhal.offload.host_tier import HostTier
     from kvhal.registry import select_device
     from kvhal.tiers.backend import TierSpec
@@ -75,19 +81,27 @@ def open_tier(job: dict, health: list) -> tuple[Any, Any]:
     def on_health(up: bool, why: str) -> None:
         health.append((time.monotonic_ns(), up, why))
 
-    try:
-        tier = RemoteTier(
-            job["url"],
-            spec,
-            host=host,
-            secret=bytes.fromhex(job["secret"]),
-            strict=job.get("strict", True),  # a replacement starts as an engine does: down if need be
-            on_health=on_health,
-        )
-    except BaseException:
-        host.close()
-        raise
-    return host, tier
+    deadline = time.monotonic() + CONNECT_S
+    while True:
+        try:
+            tier = RemoteTier(
+                job["url"],
+                spec,
+                host=host,
+                secret=bytes.fromhex(job["secret"]),
+                strict=job.get("strict", True),  # a replacement starts as an engine does: down if need be
+                on_health=on_health,
+            )
+            return host, tier
+        except TierError:
+            if time.monotonic() < deadline:
+                time.sleep(1.0)
+                continue
+            host.close()
+            raise
+        except BaseException:
+            host.close()
+            raise
 
 
 def close_tier(tier: Any, deadline_s: float) -> bool:
