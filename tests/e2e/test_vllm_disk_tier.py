@@ -140,9 +140,15 @@ def populated(model, tmp_path_factory) -> Path:
     """A disk tier holding POPULATED: one engine stored it (write-through reaches the disk),
     waited until every write landed, then exited. Tests restart on a copy of it (restore)."""
     path = tmp_path_factory.mktemp("populated")
-    steps = [{"op": "generate", "prompts": POPULATED}, {"op": "settle"}, {"op": "metrics"}]
-    engine(model, roomy(path), steps)
+    populate(model, path, POPULATED)
     return path
+
+
+def populate(model: str, path: Path, batch: list[list[int]], **more) -> list[dict]:
+    """One engine stores ``batch`` (write-through reaches the disk), waits until every write
+    landed, then exits (tests/e2e/test_disk_shared_path.py uses it too)."""
+    steps = [{"op": "generate", "prompts": batch}, {"op": "settle"}, {"op": "metrics"}]
+    return engine(model, roomy(path, **more), steps)
 
 
 def restore(populated: Path, path: Path) -> Path:
