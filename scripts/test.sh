@@ -41,6 +41,17 @@ compat=${KVHAL_COMPAT_VLLM:-0.27.1}
 compat_venv=".venv-vllm${compat//./}"
 mkdir -p .ci-logs
 prepared=()
+# a preparation still running when this script ends (a failure, a signal) ends with it, its pip
+# included: one that outlived its run wrote into the next run's fresh venv
+kill_tree() {
+  local child
+  for child in $(pgrep -P "$1" || true); do kill_tree "$child"; done
+  kill "$1" 2>/dev/null || true
+}
+end_preparations() {
+  for job in "${prepared[@]}"; do kill_tree "${job%%:*}"; done
+}
+trap end_preparations EXIT
 if [ "$wheels" = 1 ]; then
   bash scripts/check-wheels.sh prepare >.ci-logs/wheels-prepare.log 2>&1 &
   prepared+=("$!:wheels")
