@@ -2,11 +2,12 @@
 under 2 client processes running kvhal's remote tier, with faults mid-run, and no value served
 wrong, no host slot leaked, no batch hung, every fault followed by work done, within a deadline.
 
-Cost: about 30 s on 2 idle cores (3 client processes, each importing kvhal once, shared by the
-three runs through one pool; a Redis Cluster and a Mooncake master and node started; 4-6 s of
-load per store, then the read-back). ``kvhal bench store-load`` is the long form (BENCHMARKS.md).
-The byte check's negative control: a value kvhal accepts (framed and signed right) whose bytes
-are another block's is counted wrong.
+Cost: 51-80 s here, on 2 cores busy with others' work (load 8-20), about 28 CPU-seconds: 5
+client processes each importing kvhal once (2 clients, and a spare and a check for each kill,
+kept by one pool across the three runs), a Redis server, a Redis Cluster and a Mooncake master
+and node started, 4-6 s of load a store, then the read-back. ``kvhal bench store-load`` is the
+long form (BENCHMARKS.md). The byte check's negative control: a value kvhal accepts (framed and
+signed right) whose bytes are another block's is counted wrong.
 """
 
 from __future__ import annotations
