@@ -75,7 +75,7 @@ for job in "${prepared[@]}"; do
 done
 if [ "$wheels" = 1 ]; then
   echo "[test] the wheels, installed (scripts/check-wheels.sh)"
-  grep '^\[check-wheels\]' .ci-logs/wheels-prepare.log || true
+  grep -a '^\[check-wheels\]' .ci-logs/wheels-prepare.log || true
   bash scripts/check-wheels.sh run || status=$?
 fi
 if [ "$compat" != none ]; then
