@@ -23,6 +23,7 @@ from kvhal.bench.store_load.client import open_tier
 from kvhal.bench.store_load.figures import failures
 from kvhal.bench.store_load.fleet import ClientPool, LoadConfig, run_store
 from kvhal.bench.store_load.verify import BlockReader
+from kvhal.cli import main
 from kvhal.errors import ValidationError
 from kvhal.testing.mooncake_servers import MooncakeCluster
 from kvhal.testing.redis_servers import RedisServer, redis_server_binary
@@ -136,3 +137,11 @@ def test_a_value_kvhal_accepts_whose_bytes_are_another_blocks_is_counted_wrong(t
 def test_a_bad_argument_is_refused_naming_it_before_anything_starts(change, argument):
     with pytest.raises(ValidationError, match=f"^{argument}:"):
         LoadConfig(**change).check()
+
+
+def test_the_command_names_a_bad_flag_as_typed_and_starts_nothing(capsys):
+    assert main(["bench", "store-load", "--duration", "3", "--out", "unused"]) == 2
+    out = capsys.readouterr().out
+    assert "--duration: 3 s leaves 0.6 s between 4 faults" in out
+    assert main(["bench", "store-load", "--block", "100", "--out", "unused"]) == 2
+    assert "--block: must be a multiple of 32" in capsys.readouterr().out

@@ -45,6 +45,19 @@ from kvhal.bench.store_load.report import plot, print_failures, print_faults, pr
 from kvhal.bench.store_load.rigs import FAULTS, STORES
 from kvhal.errors import ValidationError
 
+#: LoadConfig's fields whose command-line flag has another name
+FLAGS = {
+    "duration_s": "duration",
+    "block_bytes": "block",
+    "pause_s": "pause",
+    "stall_s": "stall",
+    "window_s": "window",
+    "op_deadline_s": "op_deadline",
+    "drain_s": "drain",
+    "blocked_wait_s": "blocked_wait",
+    "mooncake_discard_s": "mooncake_discard",
+}
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = LoadConfig()
@@ -119,8 +132,10 @@ def run(args: argparse.Namespace) -> int:
     console = make_console()
     try:
         config = config_of(args)
-    except ValidationError as exc:
-        console.print(f"[red]kvhal bench store-load[/red]: {exc}")
+    except ValidationError as exc:  # named as the command line names it
+        flag = "--" + FLAGS.get(exc.argument, exc.argument).replace("_", "-")
+        message = str(exc).removeprefix(f"{exc.argument}: ")
+        console.print(f"[red]kvhal bench store-load[/red]: {flag}: {message}")
         return 2
     rows = []
     columns = (TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn())
