@@ -18,6 +18,10 @@ Bytes move with ``os.splice`` through a pipe (Linux; elsewhere ``recv``/``sendal
 threads per connection that release the GIL while they wait, so the proxy costs its process
 little CPU. A stall holds at most one chunk per direction that was already read (it is
 delivered on resume). Every thread and socket ends when the proxy is closed.
+
+The pumps need the GIL between two splices: a client in the proxy's own process that holds
+the GIL while it waits on the network through the proxy (Mooncake's client does, in its
+``setup``) waits for itself until its own timeout. Run such clients in another process.
 """
 
 from __future__ import annotations
