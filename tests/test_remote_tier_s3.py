@@ -152,6 +152,26 @@ def test_forged_truncated_replayed_and_foreign_objects_are_refused_then_replaced
         t.close()
 
 
+def test_a_lookup_asks_a_few_names_of_its_run_and_answers_the_held_prefix(url, host):
+    """An object store's HEAD is a request per name: a lookup's run of 20 blocks, the first 14
+    stored, is answered from a few HEADs as its held prefix (kvhal.tiers.remote.run_search)."""
+    keys = fresh_keys(20)
+    writer = open_tier(url, host)
+    assert writer.write(keys[:14], list(range(14))).result(10) == [True] * 14
+    index = open_tier(url)
+    assert index._store is not None and index._store.sparse_exist
+    asked: list[int] = []
+    exist = index._store.exist
+    index._store.exist = lambda names: asked.append(len(names)) or exist(names)  # type: ignore[method-assign]
+    assert index.expected_lookup_s is None
+    assert index.exist_run(keys).result(10) == [True] * 14 + [False] * 6
+    assert sum(asked) < 20 and len(asked) <= 2, asked
+    assert index.expected_lookup_s is not None and index.expected_lookup_s < 10
+    assert index.exist(keys).result(10) == [True] * 14 + [False] * 6, "exist still asks each name"
+    for t in (writer, index):
+        t.close()
+
+
 def test_an_object_deleted_after_exist_said_yes_is_a_miss(seaweedfs, url, host):
     """What a lifecycle rule's expiry does between a lookup and its read."""
     tier, index = open_tier(url, host, secret=SECRET), open_tier(url)

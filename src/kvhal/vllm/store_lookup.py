@@ -2,7 +2,8 @@
 
 A lookup that the local tiers end short asks every store of the chain (in one round trip
 each, at once) whether it holds the following blocks, waiting up to
-:data:`STORE_LOOKUP_WAIT_S` for the answers; the request is asked again (``None``) until
+:data:`STORE_LOOKUP_WAIT_S` for the answers (longer for a store whose lookups take longer,
+up to :data:`STORE_LOOKUP_MAX_WAIT_S`); the request is asked again (``None``) until
 every store answered or its lookup timeout passed (a miss). A store's answer is kept in the
 request's :class:`~kvhal.vllm.request_state.Probe`, and answers for a later lookup of the
 same blocks too.
@@ -26,6 +27,12 @@ if TYPE_CHECKING:
 #: How long a lookup waits for the stores to say whether they hold a request's blocks: a
 #: round trip of a millisecond or less, where answering ``None`` costs the request a step.
 STORE_LOOKUP_WAIT_S = 0.005
+#: The longest a lookup waits for a store whose lookups take longer (an object store's
+#: ``HEAD`` s: 5-15 ms from a local SeaweedFS on 2 cores): their recent median and half again,
+#: where that is within this bound; the engine's step waits meanwhile, as it waits for a
+#: local read (:data:`~kvhal.vllm.prefetch.LOCAL_READ_WAIT_S`). A store slower than this (a
+#: remote S3: tens of ms) is not waited for beyond :data:`STORE_LOOKUP_WAIT_S`.
+STORE_LOOKUP_MAX_WAIT_S = 0.02
 
 
 def lookup_stores(
@@ -42,6 +49,7 @@ def lookup_stores(
     groups = [g.group_id for g in config.groups]
     first, wanted = start + hit, hashes[hit:]
     asked = []
+    wait = STORE_LOOKUP_WAIT_S
     for tier in stores:
         probe = state.probes.get(tier.name)
         # The last probe answers for a later first block too (a prefetch made its blocks
@@ -56,11 +64,12 @@ def lookup_stores(
             assert tier.store is not None and tier.lookup_timeout_s is not None
             keys = [offload_key(h, g) for h in wanted for g in groups]
             deadline = time.monotonic() + tier.lookup_timeout_s
-            probe = state.probes[tier.name] = Probe(first, wanted, tier.store.exist(keys), deadline)
+            probe = state.probes[tier.name] = Probe(first, wanted, tier.store.exist_run(keys), deadline)
             stats.add_tier("tier_lookups", tier.name, 1)
             asked.append(probe.future)
+            wait = max(wait, _wait_for(tier))
     if asked:
-        futures.wait(asked, timeout=STORE_LOOKUP_WAIT_S)
+        futures.wait(asked, timeout=wait)
     answered = True
     for tier in stores:
         probe = state.probes[tier.name]
@@ -85,3 +94,12 @@ def lookup_stores(
             offload_key(h, g) for h, yes in zip(wanted, held, strict=False) if yes for g in groups
         }
     return answered
+
+
+def _wait_for(tier: SchedulerTier) -> float:
+    """How long a lookup waits for ``tier``'s answer (:data:`STORE_LOOKUP_MAX_WAIT_S`)."""
+    assert tier.store is not None
+    expected = tier.store.expected_lookup_s
+    if expected is None or 1.5 * expected > STORE_LOOKUP_MAX_WAIT_S:
+        return STORE_LOOKUP_WAIT_S
+    return max(STORE_LOOKUP_WAIT_S, 1.5 * expected)

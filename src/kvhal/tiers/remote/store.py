@@ -49,6 +49,10 @@ class RemoteStore(abc.ABC):
 
     #: how many calls kvhal may run at once on this client
     concurrency: int = 1
+    #: each name :meth:`exist` is asked costs a request of its own (an object store's
+    #: ``HEAD``): a lookup then asks a few names of its run of blocks and searches for where
+    #: the held part ends (:mod:`kvhal.tiers.remote.run_search`), instead of asking every name
+    sparse_exist: bool = False
 
     def register(self, memory: memoryview) -> None:  # noqa: B027 - optional: most stores copy
         """A hint: later buffers may lie in ``memory`` (the host tier, header rows)

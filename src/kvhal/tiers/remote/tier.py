@@ -32,7 +32,7 @@ import hashlib
 import mmap
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import TypeVar
@@ -46,6 +46,7 @@ from kvhal.threads import kernel_name, named_pool
 from kvhal.tiers.backend import CORRUPT, FOREIGN, IO_ERROR, MISSING, OK, ReadOutcome, TierSpec
 from kvhal.tiers.media import open_store
 from kvhal.tiers.remote import format as remote_format
+from kvhal.tiers.remote.run_search import held_prefix
 from kvhal.tiers.remote.store import ABSENT, FAILED, RemoteStore, StoreUnavailable
 from kvhal.tiers.remote.urls import redact
 
@@ -55,6 +56,8 @@ HEADER_BYTES = remote_format.HEADER_BYTES
 MAX_THREADS = 4
 #: Most refused names a tier remembers to write again (the oldest forgotten first).
 REFUSED_NAMES = 4096
+#: Lookups whose time :attr:`RemoteTier.expected_lookup_s` is the median of.
+LOOKUPS_KEPT = 16
 #: Outcomes of a value that is there but refused: its name is written again, replacing it.
 _REFUSED = (CORRUPT, FOREIGN, remote_format.UNAUTHENTICATED)
 
@@ -108,6 +111,7 @@ class RemoteTier:
         self.on_previous_secret = on_previous_secret or (lambda count: None)
         # names whose value this tier refused -> that value's SHA-1 ("": not read whole)
         self._refused: OrderedDict[str, str] = OrderedDict()
+        self._lookup_seconds: deque[float] = deque(maxlen=LOOKUPS_KEPT)
         self.registry = registry or PluginRegistry()
         self.on_health = on_health or (lambda up, why: None)
         self.retry_seconds = retry_seconds
@@ -212,6 +216,47 @@ class RemoteTier:
             return [all(found[rank * n + i] for rank in ranks) for i in range(n)]
 
         return self._threads.submit(self._run, call)
+
+    def exist_run(self, keys: Sequence[bytes]) -> Future[list[bool]]:
+        """:meth:`exist` for a run of blocks' keys in order (a lookup's, after its local hit),
+        of which only a held prefix counts. Where the store asks a request per name
+        (``sparse_exist``), the answer is that prefix, found from a few names
+        (:mod:`~kvhal.tiers.remote.run_search`): a key it takes as held may be a hole, whose
+        read then fails (recomputed, written again). How long each took is kept
+        (:attr:`expected_lookup_s`)."""
+        keys = list(keys)
+        ranks = range(self.spec.world_size)
+        asked_at = time.monotonic()
+        store = self._store
+        if store is None or not store.sparse_exist:
+            future = self.exist(keys)
+        else:
+
+            def ask(store: RemoteStore, indices: list[int]) -> list[bool]:
+                asked = [keys[i] for i in indices]
+                found = store.exist([name for rank in ranks for name in self.names(asked, rank)])
+                n = len(asked)
+                return [all(found[rank * n + i] for rank in ranks) for i in range(n)]
+
+            def call(store: RemoteStore) -> list[bool]:
+                held = held_prefix(len(keys), lambda indices: ask(store, indices))
+                return [True] * held + [False] * (len(keys) - held)
+
+            future = self._threads.submit(self._run, call)
+
+        def timed(done: Future[list[bool]]) -> None:
+            if not done.cancelled() and done.exception() is None:
+                self._lookup_seconds.append(time.monotonic() - asked_at)
+
+        future.add_done_callback(timed)
+        return future
+
+    @property
+    def expected_lookup_s(self) -> float | None:
+        """The median time of the last :data:`LOOKUPS_KEPT` lookups (:meth:`exist_run`) that
+        were answered, from asking to the answer; ``None`` before the first."""
+        seconds = sorted(self._lookup_seconds)
+        return seconds[len(seconds) // 2] if seconds else None
 
     # -- the workers' calls -------------------------------------------------------------
 
