@@ -17,6 +17,7 @@ pytest.importorskip("vllm")
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvhal.tiers.backend import ReadOutcome
+from kvhal.vllm.prom_metrics import KVHALPromMetrics
 from kvhal.vllm.stats import (
     COUNTERS,
     GAUGES,
@@ -25,7 +26,6 @@ from kvhal.vllm.stats import (
     TENANT_COUNTERS,
     TIER_COUNTERS,
     TIER_GAUGES,
-    KVHALPromMetrics,
     KVHALStats,
     split_key,
     tenant_key,

@@ -126,6 +126,52 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_replay(args: argparse.Namespace) -> int:
+    """Replay worker traces on a device plugin: a table per trace, 1 if any was wrong."""
+    from kvhal.replay import replay
+    from kvhal.vllm.trace import TraceError
+
+    console = make_console()
+    results, status = [], 0
+    for path in args.traces:
+        try:
+            result = replay(path, args.device, tokens=args.tokens)
+        except TraceError as exc:
+            console.print(f"[red]{escape(str(path))}: refused: {escape(str(exc))}[/red]")
+            status = max(status, 2)
+            continue
+        summary = result.summary()
+        results.append(summary)
+        table = Table(title=f"{result.trace} on {result.device}: {result.status}")
+        for column in ("call", "calls", "median us", "p90 us", "total ms"):
+            table.add_column(column, justify="left" if column == "call" else "right")
+        for name, row in summary["calls"].items():
+            table.add_row(
+                name,
+                str(row["calls"]),
+                f"{row['median_us']:.1f}",
+                f"{row['p90_us']:.1f}",
+                f"{row['total_ms']:.1f}",
+            )
+        console.print(table)
+        console.print(
+            f"{result.steps} steps, {result.jobs} jobs; blocks checked: {result.blocks_loaded} loaded, "
+            f"{result.blocks_stored} stored ({result.blocks_unchecked} loaded blocks unchecked: no store "
+            f"of the trace made them); kvhal's calls a step: median "
+            f"{summary.get('step_median_us', 0):.0f} us, p90 {summary.get('step_p90_us', 0):.0f} us; "
+            f"{result.wall_s:.1f} s"
+        )
+        if result.reason:
+            console.print(f"{result.status}: {escape(result.reason)}")
+        for failure in result.failures[1:]:
+            console.print(f"  {escape(failure)}")
+        if result.status == "failed":
+            status = max(status, 1)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    return status
+
+
 def cmd_conformance(args: argparse.Namespace) -> int:
     try:
         runner = importlib.import_module("kvhal_conformance.cli")
@@ -294,6 +340,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_config_parser(sub)
     add_size_parser(sub)
+
+    replay = sub.add_parser(
+        "replay", help="run recorded vLLM worker traces on a device plugin, checking every block (no vLLM)"
+    )
+    replay.add_argument("traces", nargs="+", type=Path, help="trace files (KVHAL_TRACE_DIR's, or kept ones)")
+    replay.add_argument("--device", help="the device plugin (default: the auto-selected one)")
+    replay.add_argument("--tokens", type=int, default=64, help="tokens of the stand-in forward per layer")
+    replay.add_argument("--json", type=Path, help="write every trace's result here")
+    replay.set_defaults(func=cmd_replay)
 
     conformance = sub.add_parser("conformance", help="run the conformance suite against a device plugin")
     conformance.add_argument(

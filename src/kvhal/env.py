@@ -95,6 +95,14 @@ _TABLE = (
         "kvhal (vLLM connector)",
     ),
     Setting(
+        "KVHAL_TRACE_DIR",
+        "none (no trace)",
+        "each vLLM worker writes a trace of its connector calls there (`kvhal replay` runs it on "
+        "any device; docs/replay.md): a debugging and conformance aid, slow (every stored and "
+        "loaded block is hashed on the engine's thread)",
+        "kvhal (vLLM connector)",
+    ),
+    Setting(
         "KVHAL_REDIS_USERNAME",
         "none (`default`)",
         "the Redis ACL user, when `remote_url` names none",

@@ -17,6 +17,7 @@ why, rather than vLLM's ``OffloadingSpec`` plug point) and declares
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -33,7 +34,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetric,
     PromMetricT,
 )
-from vllm.logger import init_logger
 
 from kvhal.vllm.config import ConnectorConfig
 from kvhal.vllm.config_check import refuse_early
@@ -41,9 +41,10 @@ from kvhal.vllm.hit_sources import vllm_sources
 from kvhal.vllm.kv_events import kv_events_enabled
 from kvhal.vllm.local import in_process_worker
 from kvhal.vllm.metadata import KVHALMetadata, KVHALWorkerMetadata
+from kvhal.vllm.prom_metrics import KVHALPromMetrics
 from kvhal.vllm.scheduler_side import SchedulerSide
 from kvhal.vllm.start_log import log_start
-from kvhal.vllm.stats import KVHALPromMetrics, KVHALStats
+from kvhal.vllm.stats import KVHALStats
 from kvhal.vllm.versions import HIT_SOURCE, KVConnectorTransferResults, check_supported, describe
 from kvhal.vllm.worker_side import WorkerSide
 
@@ -58,7 +59,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
-logger = init_logger("vllm." + __name__)  # under "vllm": its handlers and level (INFO was dropped)
+logger = logging.getLogger("vllm." + __name__)  # under "vllm": its handlers and level (INFO was dropped)
 
 
 class KVHALConnector(KVConnectorBase_V1, SupportsHMA):
@@ -108,7 +109,7 @@ class KVHALConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         # vllm-ascend passes (k_cache, v_cache) pairs, 1-tuples and Mamba lists too:
         # kvhal.vllm.cache_shapes says which WorkerSide offloads and which it refuses
-        self._worker().register(kv_caches)
+        self._worker().register(kv_caches, _tensor_parallel_rank())
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         # called at the start of every step, before its compute
@@ -125,9 +126,8 @@ class KVHALConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_layer_load(self, layer_name: str) -> None:
         # large synchronous loads go layer by layer: this layer's copies first; the others
         # were waited for whole in start_load_kv, and asynchronous ones' requests are parked
-        side = self.worker_side
-        if side is not None and not side.layer_gate.settled():
-            side.wait_for_layer(layer_name)
+        if self.worker_side is not None:
+            self.worker_side.layer(layer_name)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
@@ -241,3 +241,9 @@ class KVHALConnector(KVConnectorBase_V1, SupportsHMA):
         per_engine_labelvalues: dict[int, list[object]],
     ) -> KVConnectorPromMetrics | None:
         return KVHALPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+def _tensor_parallel_rank() -> int:
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, model_parallel_is_initialized
+
+    return get_tensor_model_parallel_rank() if model_parallel_is_initialized() else 0

@@ -10,7 +10,7 @@ recomputed, and loads no longer go layer by layer.
 
 from __future__ import annotations
 
-from vllm.logger import init_logger
+import logging
 
 from kvhal.cache import KVCache
 from kvhal.copyplan import CopyPlan, plan_by_layer
@@ -20,7 +20,7 @@ from kvhal.offload.transfer import TransferEngine, TransferKind
 from kvhal.vllm.config import ConnectorConfig, GroupInfo
 from kvhal.vllm.metadata import LoadJob
 
-logger = init_logger("vllm." + __name__)  # under "vllm": its handlers and level
+logger = logging.getLogger("vllm." + __name__)  # under "vllm": its handlers and level
 
 #: A synchronous load of at least this many bytes per layer (this worker's share) is copied
 #: layer by layer, once vLLM is seen to wait per layer (``wait_for_layer_load``): each

@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Literal
-
-from vllm.logger import init_logger
 
 from kvhal.errors import ValidationError
 from kvhal.registry import PluginRegistry
 from kvhal.tiers.backend import TierBackend
 from kvhal.tiers.media import open_tier
 from kvhal.vllm.config import HASH_SEED_VARIABLE, ConnectorConfig, LowerTierConfig
-from kvhal.vllm.versions import seed_advice
 
-logger = init_logger("vllm." + __name__)  # under "vllm": its handlers and level
+logger = logging.getLogger("vllm." + __name__)  # under "vllm": its handlers and level
 
 
 def open_lower_tier(
@@ -34,6 +32,8 @@ def open_lower_tier(
     """
     spec = dataclasses.replace(config.tier_spec(role, rank, lower.options), defer=defer)
     if role == "index" and config.fingerprint.get("hash_seed") == "random-per-process":
+        from kvhal.vllm.versions import seed_advice  # the scheduler's side only: an engine's
+
         logger.warning(
             "kvhal: the %s tier cannot serve a restarted engine: vLLM's %s block hashes take a random "
             "seed per process; set %s to the same value for every engine%s to keep it",

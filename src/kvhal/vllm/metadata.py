@@ -16,12 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorMetadata,
-    KVConnectorWorkerMetadata,
-)
-
 from kvhal.tiers.chain import TierRead
+from kvhal.vllm.vllm_bases import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 #: Per KV cache group, ``(device block ids, host slots)`` of equal length.
 Groups = dict[int, tuple[list[int], list[int]]]

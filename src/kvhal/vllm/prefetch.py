@@ -14,13 +14,12 @@ tier reads.
 from __future__ import annotations
 
 import enum
+import logging
 import time
 from concurrent import futures
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
-
-from vllm.logger import init_logger
 
 from kvhal.offload.manager import BlockState
 from kvhal.offload.wait_policy import PROBE, PROBE_S, WaitPolicy
@@ -37,7 +36,7 @@ if TYPE_CHECKING:
 
     from kvhal.vllm.worker_side import WorkerSide
 
-logger = init_logger("vllm." + __name__)  # under "vllm": its handlers and level
+logger = logging.getLogger("vllm." + __name__)  # under "vllm": its handlers and level
 
 #: How long a lookup waits for a read through the in-process worker's tiers: a returning
 #: user's blocks (about 10 MiB) take a few milliseconds from a disk of 2.7 GB/s, an engine

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Literal
-
-from vllm.logger import init_logger
 
 from kvhal import env
 from kvhal.errors import ValidationError
@@ -12,9 +11,8 @@ from kvhal.offload.host_tier import HostTier
 from kvhal.tiers.remote.tier import RemoteTier, redact
 from kvhal.vllm.config import HASH_SEED_VARIABLE, ConnectorConfig, RemoteTierConfig
 from kvhal.vllm.stats import KVHALStats
-from kvhal.vllm.versions import seed_advice
 
-logger = init_logger("vllm." + __name__)  # under "vllm": its handlers and level
+logger = logging.getLogger("vllm." + __name__)  # under "vllm": its handlers and level
 SECRET_VARIABLE = "KVHAL_REMOTE_SECRET"
 PREVIOUS_VARIABLE = "KVHAL_REMOTE_PREVIOUS_SECRETS"
 #: The most bytes a secret file may hold.
@@ -110,6 +108,8 @@ def open_remote_tier(
     url = redact(remote.url)
     spec = config.tier_spec(role, rank)
     if role == "index" and config.fingerprint.get("hash_seed") == "random-per-process":
+        from kvhal.vllm.versions import seed_advice  # the scheduler's side only: an engine's
+
         logger.warning(
             "kvhal: the remote tier %s cannot share blocks between engines: vLLM's %s block hashes take "
             "a random seed per process; set %s to the same value for every engine%s",

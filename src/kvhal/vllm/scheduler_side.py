@@ -34,12 +34,12 @@ What it keeps per request is a :class:`~kvhal.vllm.request_state.RequestState`.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_events import KVCacheEvent
-from vllm.logger import init_logger
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import KVConnectorOutput
@@ -69,7 +69,7 @@ from kvhal.vllm.versions import STATS_NEED_REQUEST_OUTPUTS, failed_recving
 if TYPE_CHECKING:
     from kvhal.vllm.worker_side import WorkerSide
 
-logger = init_logger("vllm." + __name__)  # under "vllm": its handlers and level
+logger = logging.getLogger("vllm." + __name__)  # under "vllm": its handlers and level
 
 #: The key of ``RequestOutput.kv_transfer_params`` that says how many prompt
 #: tokens kvhal loaded for the request (0 after a failed load).

@@ -1,19 +1,13 @@
-"""Connector statistics for vLLM's logger and Prometheus (``LLM.get_metrics()``)."""
+"""Connector statistics for vLLM's logger and Prometheus (``LLM.get_metrics()``): the counters' names and
+how they add up (no vLLM import: the worker side counts where vLLM is not installed, in ``kvhal
+replay``; :mod:`kvhal.vllm.prom_metrics` turns them into Prometheus families)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
-
-from vllm.config import VllmConfig
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
-    KVConnectorPromMetrics,
-    KVConnectorStats,
-    PromMetric,
-    PromMetricT,
-)
 
 from kvhal import env
+from kvhal.vllm.vllm_bases import KVConnectorStats
 
 #: Counter name -> help text. Scheduler side: lookups and hits; worker side: bytes moved.
 COUNTERS = {
@@ -186,7 +180,7 @@ class KVHALStats(KVConnectorStats):
 
     def aggregate(self, other: KVConnectorStats) -> KVHALStats:
         for name, value in other.data.items():
-            kind = _kind(name)
+            kind = kind_of(name)
             if kind == "histogram":
                 self.data[name] = self.data.get(name, []) + list(value)
             elif kind == "gauge":  # the newer report's value (one reporter: the scheduler side)
@@ -208,7 +202,7 @@ class KVHALStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         # a gauge back to 0 is news
-        return not any(value or _kind(name) == "gauge" for name, value in self.data.items())
+        return not any(value or kind_of(name) == "gauge" for name, value in self.data.items())
 
     def take(self) -> KVHALStats | None:
         """This interval's stats (or None), leaving this object empty."""
@@ -219,7 +213,7 @@ class KVHALStats(KVConnectorStats):
         return taken
 
 
-def _split_label(key: str) -> tuple[str, str | None]:
+def split_label(key: str) -> tuple[str, str | None]:
     """``(family, label value)`` of a tier's or a tenant's key; ``(key, None)`` otherwise."""
     family, tier = split_key(key)
     if tier is None:
@@ -230,110 +224,17 @@ def _split_label(key: str) -> tuple[str, str | None]:
 
 
 def _known(key: str) -> bool:
-    return _kind(key) is not None
+    return kind_of(key) is not None
 
 
-def _kind(key: str) -> str | None:
+def kind_of(key: str) -> str | None:
     """``"counter"``, ``"histogram"``, ``"gauge"`` or None (not a kvhal statistic)."""
     family, tier = split_key(key)
     if tier is None:
         if key in COUNTERS or key in GAUGES:  # the engine-wide names first: add() is per event
             return "counter" if key in COUNTERS else "gauge"
-        family, tenant = _split_label(key)
+        family, tenant = split_label(key)
         return "counter" if tenant is not None and family in TENANT_COUNTERS else None
     if family in TIER_COUNTERS:
         return "counter"
     return "histogram" if family in HISTOGRAMS else "gauge" if family in TIER_GAUGES else None
-
-
-class KVHALPromMetrics(KVConnectorPromMetrics):
-    """One Prometheus counter per :data:`COUNTERS` entry, named ``vllm:kvhal_<name>``, one
-    per :data:`TIER_COUNTERS` family with a ``tier`` label besides vLLM's, a histogram per
-    :data:`HISTOGRAMS` family and a gauge per :data:`GAUGES` and :data:`TIER_GAUGES` entry
-    (a vLLM without a metric class of a kind: that kind is left out)."""
-
-    def __init__(
-        self,
-        vllm_config: VllmConfig,
-        metric_types: dict[type[PromMetric], type[PromMetricT]],
-        labelnames: list[str],
-        per_engine_labelvalues: dict[int, list[object]],
-    ) -> None:
-        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        self._counters: dict[tuple[str, int], Any] = {}  # (key, engine) -> a labelled child
-        self._labelvalues = per_engine_labelvalues
-        self._tiers: set[tuple[str, int]] = set()  # (tier, engine) whose counters exist
-        tiered = [*labelnames, "tier"]
-        gauge_cls = getattr(self, "_gauge_cls", None)
-        histogram_cls = getattr(self, "_histogram_cls", None) if RECORD_ALL else None
-        self._families: dict[str, Any] = {}  # name -> metric (children made per engine, tier)
-        for name, help_text in COUNTERS.items():
-            self._families[name] = self._counter_cls(
-                name=f"vllm:kvhal_{name}", documentation=help_text, labelnames=labelnames
-            )
-        for family, help_text in TIER_COUNTERS.items():
-            self._families[family] = self._counter_cls(
-                name=f"vllm:kvhal_{family}", documentation=help_text, labelnames=tiered
-            )
-        for family, help_text in TENANT_COUNTERS.items():  # children only for tenants counted
-            self._families[family] = self._counter_cls(
-                name=f"vllm:kvhal_{family}", documentation=help_text, labelnames=[*labelnames, "tenant"]
-            )
-        if histogram_cls is not None:
-            for family, help_text in HISTOGRAMS.items():
-                self._families[family] = histogram_cls(
-                    name=f"vllm:kvhal_{family}",
-                    documentation=help_text,
-                    labelnames=tiered,
-                    buckets=list(BUCKETS),
-                )
-        if gauge_cls is not None and RECORD_ALL:
-            for name, help_text in [*GAUGES.items(), *TIER_GAUGES.items()]:
-                self._families[name] = gauge_cls(
-                    name=f"vllm:kvhal_{name}",
-                    documentation=help_text,
-                    labelnames=tiered if name in TIER_GAUGES else labelnames,
-                    multiprocess_mode="mostrecent",
-                )
-        for name in COUNTERS:  # engine-wide counters show 0 before their first count
-            for engine, values in per_engine_labelvalues.items():
-                self._counters[(name, engine)] = self._families[name].labels(*values)
-
-    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-        for key, value in transfer_stats_data.items():
-            kind = _kind(key)
-            if kind is None or (not value and kind != "gauge"):  # not kvhal's, or nothing counted
-                continue
-            metric = self._counters.get((key, engine_idx))
-            if metric is None:
-                metric = self._child(key, engine_idx)
-                if metric is None:
-                    continue
-            if kind == "histogram":
-                for seconds in value:
-                    metric.observe(seconds)
-            elif kind == "gauge":
-                metric.set(value)
-            else:
-                metric.inc(value)
-
-    def _child(self, key: str, engine_idx: int) -> Any:
-        """A key's child of its family, made the first time it reports."""
-        family, tier = _split_label(key)  # tier: a tier's name, or a tenant's label
-        values = self._labelvalues.get(engine_idx)
-        metric = self._families.get(family)
-        if metric is None or values is None:
-            return None
-        if tier is not None and family in TIER_COUNTERS and (tier, engine_idx) not in self._tiers:
-            # a tier's first count: each of its counters from 0, so a failure's rate() is 0,
-            # not absent (not on a histogram's or gauge's report: tier="host" counts nothing)
-            self._tiers.add((tier, engine_idx))
-            for name in TIER_COUNTERS:
-                self._counters[(tier_key(name, tier), engine_idx)] = self._families[name].labels(
-                    *values, tier
-                )
-        child = self._counters.get((key, engine_idx))
-        if child is None:
-            child = metric.labels(*values) if tier is None else metric.labels(*values, tier)
-            self._counters[(key, engine_idx)] = child
-        return child

@@ -21,14 +21,13 @@ disk tier, a plugin's backend through ``kvhal_tier_backends``) or a store the fl
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
-
-from vllm.logger import init_logger
 
 from kvhal.offload.host_tier import HostTier
 from kvhal.offload.wait_policy import StepTimes, WaitPolicy
@@ -42,7 +41,7 @@ from kvhal.vllm.lower_tier import open_lower_tier
 from kvhal.vllm.remote import open_remote_tier
 from kvhal.vllm.stats import KVHALStats
 
-logger = init_logger("vllm." + __name__)  # under "vllm": its handlers and level
+logger = logging.getLogger("vllm." + __name__)  # under "vllm": its handlers and level
 
 #: How long an asynchronous load waits for its reads from a local tier whose ``wait_ms``
 #: is null (no prefetch); past it, the request is recomputed and the slots stay reserved

@@ -6,14 +6,15 @@ the finished requests the scheduler held whose blocks no store of this worker re
 
 from __future__ import annotations
 
+from kvhal.vllm.engine_traits import EngineTraits
 from kvhal.vllm.metadata import KVHALWorkerMetadata, LoadJob, StoreJob
-from kvhal.vllm.versions import REQUEST_LEVEL_LOAD_FAILURES
 
 
 class WorkerReports:
     """The outcomes one worker has yet to report, and the stores its held requests wait for."""
 
-    def __init__(self) -> None:
+    def __init__(self, traits: EngineTraits | None = None) -> None:
+        self.traits = traits or EngineTraits()
         self._succeeded: dict[int, int] = {}
         self._failed: dict[int, int] = {}
         self._finished_loads: set[str] = set()
@@ -54,7 +55,7 @@ class WorkerReports:
         blocks as load errors (vLLM recomputes from the first; one KV cache group, checked at
         start)."""
         self._load_failed_in_step = True
-        if REQUEST_LEVEL_LOAD_FAILURES:
+        if self.traits.request_level_load_failures:
             self._failed_loads.add(job.req_id)
         else:
             self._load_errors.update(b for ids, _ in job.groups.values() for b in ids)

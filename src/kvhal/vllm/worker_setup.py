@@ -16,10 +16,10 @@ from kvhal.vllm.config import ConnectorConfig
 
 
 def wrap_caches(
-    config: ConnectorConfig, kv_caches: dict[str, Any]
+    config: ConnectorConfig, kv_caches: dict[str, Any], device: Device | None = None
 ) -> tuple[Device, dict[int, KVCache], HostTier, dict[int, KVCache]]:
-    """The device plugin for the KV cache's device, each group's cache, the host tier, and
-    each group's view of the host tier.
+    """The device plugin for the KV cache's device (or ``device``, bound already), each
+    group's cache, the host tier, and each group's view of the host tier.
 
     :raises ValidationError: a layer is missing or of a shape kvhal refuses, or its blocks
         do not hold the bytes vLLM's KV cache spec says (naming the layer); a copy the
@@ -27,7 +27,8 @@ def wrap_caches(
     """
     views = group_views(kv_caches, config.groups)
     first = next(iter(views.values())).layers[0][0]
-    device = select_device(config.device, device_type=first.device.type)
+    if device is None:
+        device = select_device(config.device, device_type=first.device.type)
     layout = layout_by_name(config.layout)
     caches: dict[int, KVCache] = {}
     for group in config.groups:

@@ -33,15 +33,12 @@ reads really end, so a late reply never lands in a reused slot.
 
 from __future__ import annotations
 
-import functools
+import logging
 import math
 import time
-from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
-
-from vllm.logger import init_logger
+from typing import Any
 
 from kvhal.cache import KVCache
 from kvhal.device import Device
@@ -50,16 +47,17 @@ from kvhal.offload.transfer import TransferEngine, TransferResult
 from kvhal.tiers.backend import OK, ReadOutcome
 from kvhal.tiers.chain import TierRead
 from kvhal.vllm.config import ConnectorConfig, LowerTierConfig
+from kvhal.vllm.engine_traits import EngineTraits
 from kvhal.vllm.layer_gate import LayerGate
-from kvhal.vllm.metadata import KVHALMetadata, KVHALWorkerMetadata, LoadJob, ReadJob, StoreJob, WriteJob
+from kvhal.vllm.metadata import KVHALMetadata, KVHALWorkerMetadata, LoadJob, StoreJob, WriteJob
 from kvhal.vllm.stats import READ_FAILURE_COUNTERS, KVHALStats
 from kvhal.vllm.tier_list import TierReadWrite, ends_by, load_wait_s, open_worker_tiers, result_of
-from kvhal.vllm.versions import STATS_NEED_REQUEST_OUTPUTS
+from kvhal.vllm.trace import TraceRecorder, WorkerObserver
+from kvhal.vllm.worker_jobs import Running, on_engine_thread
 from kvhal.vllm.worker_reports import WorkerReports
 from kvhal.vllm.worker_setup import wrap_caches
 
-logger = init_logger("vllm." + __name__)  # under "vllm": its handlers and level
-F = TypeVar("F", bound=Callable[..., Any])
+logger = logging.getLogger("vllm." + __name__)  # under "vllm": its handlers and level
 
 #: How long an idle step's :meth:`WorkerSide.collect` waits for a job in flight to end, and
 #: how often it looks: vLLM steps an engine with no request about every millisecond while
@@ -73,54 +71,18 @@ IDLE_POLL_S = 0.002
 SHUTDOWN_WAIT_S = 10.0
 
 
-def _on_engine_thread(method: F) -> F:
-    """Count the time a step spends in kvhal: what it can add to the engine's critical path."""
-
-    @functools.wraps(method)
-    def timed(self: WorkerSide, *args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
-        try:
-            return method(self, *args, **kwargs)
-        finally:
-            elapsed = time.perf_counter() - start
-            self.busy_seconds += elapsed
-            self.stats.add("worker_busy_us", int(elapsed * 1e6))
-
-    return timed  # type: ignore[return-value]
-
-
-@dataclass
-class Running:
-    """A job in flight on this worker and what it waits for.
-
-    :param copies: its device copies (the transfer engine's jobs).
-    :param reads: a load's or a read job's reads into host slots, by tier.
-    :param write: a write job's write.
-    :param deadline: when a load's reads are given up (its request recomputed).
-    :param gave_up: reported failed to vLLM; the job ends once its reads end.
-    """
-
-    job: LoadJob | StoreJob | ReadJob | WriteJob
-    copies: set[int] = field(default_factory=set)
-    reads: dict[str, tuple[TierRead, Future[list[ReadOutcome]]]] = field(default_factory=dict)
-    write: Future[list[bool]] | None = None
-    deadline: float | None = None
-    gave_up: bool = False
-    ok: bool = True
-
-    @property
-    def sync(self) -> bool:
-        return isinstance(self.job, LoadJob) and self.job.sync
-
-
 @dataclass
 class WorkerSide:
     """Worker-side state of one engine's connector."""
 
     config: ConnectorConfig
     stats: KVHALStats = field(default_factory=KVHALStats)
+    #: what the vLLM served does (None: the installed vLLM's; ``kvhal replay``: the trace's)
+    traits: EngineTraits | None = None
 
     def __post_init__(self) -> None:
+        if self.traits is None:
+            self.traits = EngineTraits.installed()
         self.device: Device | None = None
         self.host_tier: HostTier | None = None
         self.engine: TransferEngine | None = None
@@ -129,29 +91,39 @@ class WorkerSide:
         self.tiers: dict[str, TierReadWrite] = {}  # the tiers below, by name
         self._jobs: dict[int, Running] = {}  # every job in flight, by id
         self._job_of_copy: dict[int, int] = {}  # a device copy's job (the index of Running.copies)
-        self.reports = WorkerReports()  # what this worker has yet to report
+        self.reports = WorkerReports(self.traits)  # what this worker has yet to report
         self._stores_started: KVHALMetadata | None = None  # the step whose stores were submitted
         self._idle = False  # this step computes nothing and no request waits (KVHALMetadata.idle)
         self.layer_gate = LayerGate(self.config)  # large synchronous loads, layer by layer
         self.busy_seconds = 0.0
+        #: who watches this worker's calls: a trace recorder (``KVHAL_TRACE_DIR``), the replay
+        self.observer = WorkerObserver()
 
     # -- set-up ------------------------------------------------------------------
 
-    def register(self, kv_caches: dict[str, Any]) -> None:
+    def register(self, kv_caches: dict[str, Any], rank: int = 0, device: Device | None = None) -> None:
         """Wrap the engine's KV cache, allocate the host tier and open the tiers below.
 
         :param kv_caches: per layer name, a logical ``[B, H, N, C]`` tensor, a
             ``(k_cache, v_cache)`` pair of them (split K and V, as vllm-ascend has; of other
             sizes or dtypes too), or a 1-tuple ``(k_cache,)``; :mod:`kvhal.vllm.cache_shapes`
             says which shapes are offloaded and which refused.
+        :param rank: this worker's tensor-parallel rank (the connector passes vLLM's).
+        :param device: the device plugin, bound (default: selected for the caches' device).
         :raises ValidationError: a layer is missing or of a shape kvhal refuses, or its blocks
             do not hold the bytes vLLM's KV cache spec says (naming the layer).
         """
-        self.device, self.caches, self.host_tier, self.host_views = wrap_caches(self.config, kv_caches)
+        self.device, self.caches, self.host_tier, self.host_views = wrap_caches(
+            self.config, kv_caches, device
+        )
+        if type(self.observer) is WorkerObserver:  # none given: a recorder, if asked for
+            assert self.traits is not None
+            self.observer = TraceRecorder.from_env(self.traits, self.config.engine_id, rank) or self.observer
+        self.observer.registered(self.config, kv_caches, rank)
         for group in self.config.groups:
             self.layer_gate.add_group(group, self.caches[group.group_id], self.host_views[group.group_id])
         self.engine = TransferEngine(self.device)
-        self.tiers = open_worker_tiers(self.config, self.stats, self.host_tier, _tensor_parallel_rank())
+        self.tiers = open_worker_tiers(self.config, self.stats, self.host_tier, rank)
         logger.info(
             "kvhal: device plugin %r (%s), %d host slots of %d bytes, pinned=%s",
             self.device.plugin_name,
@@ -163,15 +135,20 @@ class WorkerSide:
 
     def read_tier(self, read: TierRead) -> Future[list[ReadOutcome]]:
         """Start ``read`` (blocks of one tier into host slots); for the in-process scheduler
-        side's prefetch too (:mod:`kvhal.vllm.local`)."""
+        side's prefetch (:mod:`kvhal.vllm.local`), which no step's metadata carries."""
+        self.observer.call("read_tier", read)
+        return self._read_tier(read)
+
+    def _read_tier(self, read: TierRead) -> Future[list[ReadOutcome]]:
         return self.tiers[read.tier].read(read.keys, read.slots, read.host_slots)
 
     # -- per step -----------------------------------------------------------------
 
-    @_on_engine_thread
+    @on_engine_thread
     def begin_step(self, meta: KVHALMetadata) -> None:
         """Before the step's compute: fence the stores whose blocks it may rewrite,
         and take note of the finished requests the scheduler holds for their stores."""
+        self.observer.begin(meta)
         if self.engine is not None and meta.fence:
             copies = [c for j in meta.fence if j in self._jobs for c in self._jobs[j].copies]
             self.engine.fence(self.device.current_stream(), copies)
@@ -183,11 +160,12 @@ class WorkerSide:
         for req_id in meta.held:
             self.reports.hold(req_id)
 
-    @_on_engine_thread
+    @on_engine_thread
     def start_loads(self, meta: KVHALMetadata) -> None:
         """Submit this step's loads (host tier -> KV cache), reading blocks from the tiers
         below first; :meth:`collect` reports them. The compute stream waits for the
         synchronous ones: vLLM runs their requests in this step's forward."""
+        self.observer.call("loads")
         sync_copies: list[int] = []
         by_layer: list[LoadJob] = []
         for job in meta.loads:
@@ -221,7 +199,13 @@ class WorkerSide:
             if not running.copies:
                 self._finish(running, running.ok)
 
-    @_on_engine_thread
+    def layer(self, name: str) -> None:
+        """vLLM's attention of layer ``name`` is about to run (``wait_for_layer_load``)."""
+        self.observer.call("layer", name)
+        if not self.layer_gate.settled():
+            self.wait_for_layer(name)
+
+    @on_engine_thread
     def wait_for_layer(self, name: str) -> None:
         """vLLM's attention of layer ``name`` is about to run: its copies come first."""
         copies = self.layer_gate.wait_for(name)
@@ -251,7 +235,7 @@ class WorkerSide:
             running.deadline = time.monotonic() + load_wait_s(self.config, waited)
         try:
             for read in reads:
-                running.reads[read.tier] = (read, self.read_tier(read))
+                running.reads[read.tier] = (read, self._read_tier(read))
         except Exception:  # a refused read fails the load; vLLM recomputes
             logger.exception("kvhal: job %d: reading a tier below was refused", job.job_id)
             if not running.reads:
@@ -267,16 +251,18 @@ class WorkerSide:
         if isinstance(running.job, LoadJob):  # vLLM waits for no read job: the scheduler does
             self.reports.give_up(running.job)
 
-    @_on_engine_thread
+    @on_engine_thread
     def start_stores(self, meta: KVHALMetadata) -> None:
         """Submit this step's stores (KV cache -> host tier), ordered after the step's compute;
         once per step (a step without a forward submits them with its loads)."""
         if meta is self._stores_started:
             return
         self._stores_started = meta
+        self.observer.call("stores")
         self._end_forward()
         for job in meta.stores:
             self.reports.store_started(job)
+            self.observer.stored(job, self.caches)
             self._submit(Running(job))
 
     def _submit(self, running: Running) -> None:
@@ -322,6 +308,7 @@ class WorkerSide:
         job = running.job
         del self._jobs[job.job_id]
         self.reports.ended(job.job_id, ok)
+        self.observer.ended(job, ok, self.caches, self.host_views)
         if isinstance(job, LoadJob):
             self.reports.load_ended(job, ok, job.sync)
             if ok and job.num_blocks:
@@ -336,7 +323,7 @@ class WorkerSide:
                 self._start_write(write, stored=ok)
             self.reports.store_ended(job)
 
-    @_on_engine_thread
+    @on_engine_thread
     def collect(self) -> tuple[set[str], set[str], set[str]]:
         """Requests whose loads finished, whose loads failed (a subset), and whose
         held blocks the stores read no more; polls, never waits for a copy (but in an idle
@@ -348,7 +335,9 @@ class WorkerSide:
             while not self.reports.has_news() and self.jobs_in_flight and time.monotonic() < deadline:
                 time.sleep(IDLE_POLL_S)
                 self._poll()
-        return self.reports.take_requests()
+        finished = self.reports.take_requests()
+        self.observer.call("collect", finished)
+        return finished
 
     def _poll(self) -> None:
         self._poll_tiers()
@@ -445,14 +434,17 @@ class WorkerSide:
         scheduler side says the step has no request outputs (``send`` False), or a load failed
         in it (its request is skipped, perhaps the only one)."""
         failed = self.reports.take_load_failed()
-        if not send or (failed and STATS_NEED_REQUEST_OUTPUTS):
+        self.observer.call("stats", send)
+        if not send or (failed and self.traits.stats_need_request_outputs):
             return None
         return self.stats.take()
 
     def take_load_errors(self) -> set[int]:
         """Device blocks loads failed to fill since the last call (vLLM recomputes): synchronous
         loads', and asynchronous ones' where vLLM takes no request-level failure."""
-        return self.reports.take_load_errors()
+        errors = self.reports.take_load_errors()
+        self.observer.call("load_errors", errors)
+        return errors
 
     @property
     def jobs_in_flight(self) -> int:
@@ -461,13 +453,22 @@ class WorkerSide:
 
     def worker_meta(self) -> KVHALWorkerMetadata | None:
         """The jobs finished since the last call, for the scheduler side (``None`` if none)."""
-        return self.reports.worker_meta()
+        meta = self.reports.worker_meta()
+        self.observer.call("worker_meta", meta)
+        return meta
 
     def shutdown(self) -> None:
         """Wait for every copy in flight (none may write a freed buffer), then free the tiers.
         Reads and writes of the tiers below are waited for up to :data:`SHUTDOWN_WAIT_S`; one
         still running then keeps its host memory and its tier as they are (leaked, not freed
         under it) and the shutdown goes on."""
+        self.observer.call("shutdown")
+        try:
+            self._shutdown()
+        finally:
+            self.observer.close()
+
+    def _shutdown(self) -> None:
         if self.engine is not None:
             for result in self.engine.wait():
                 self._onresult_of(result)  # a finished store starts its write-through
@@ -491,9 +492,3 @@ class WorkerSide:
             self.host_views.clear()
             self.host_tier.close()
             self.host_tier = None
-
-
-def _tensor_parallel_rank() -> int:
-    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, model_parallel_is_initialized
-
-    return get_tensor_model_parallel_rank() if model_parallel_is_initialized() else 0
