@@ -1,0 +1,109 @@
+"""Record a kept worker trace of a geometry ``kvhal bench chat`` does not build: a small chat
+on the end-to-end tests' models, in a real vLLM engine with ``KVHAL_TRACE_DIR`` set, each
+worker's trace moved to its fixed name in the kept traces' folder.
+
+    .venv/bin/python scripts/traces/record.py chat-hybrid      # HYBRID_MODEL: two KV cache groups
+    .venv/bin/python scripts/traces/record.py chat-tp2         # TP=2: chat-tp2-rank0, chat-tp2-rank1
+
+``scripts/record-traces.sh`` runs these with the rest. The workload is small on purpose (a few
+users and rounds, a device cache a third of the conversations, so returning users load from
+kvhal): each trace stays well under 300 KB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from kvhal.bench.chat.workload import workload
+from kvhal.testing.models import HYBRID_MODEL, TEST_MODEL
+from kvhal.testing.scenario import run_scenario
+from kvhal_conformance.traces import HERE
+
+MODELS = Path.home() / ".cache" / "kvhal-test-models"
+#: 8 users of 160-256 tokens, 3 rounds of a 32-token turn and 16 generated tokens: at most 416
+#: tokens a conversation (max_model_len 512), about 95 blocks of 32 tokens in all
+WORK = {"users": 8, "rounds": 3, "context": (160, 256), "turn": 32, "seed": 40}
+#: a block of 32 tokens of TEST_MODEL (2 layers x 2 KV heads x 32 x 2 x 32 x bf16) is 16 KiB: 36
+#: blocks on the device, half of the conversations' (two requests in flight at their longest fit)
+DEVICE_BYTES = 36 * (16 << 10)
+KVHAL = {"cpu_bytes_to_use": 16 << 20, "offload_prompt_only": False}
+
+
+#: trace name -> (model, engine overrides, environment, the ranks that write a trace)
+TRACES = {
+    # vLLM's hybrid allocator: one pool, two groups (sliding window, full attention)
+    "chat-hybrid": (HYBRID_MODEL, {"kv_cache_memory_bytes": DEVICE_BYTES}, {}, (0,)),
+    # each worker holds one of the two KV heads: half of every block, half the bytes
+    "chat-tp2": (
+        TEST_MODEL,
+        {
+            "kv_cache_memory_bytes": DEVICE_BYTES // 2,  # per worker
+            "tensor_parallel_size": 2,
+            "distributed_executor_backend": "mp",
+        },
+        {"VLLM_CPU_OMP_THREADS_BIND": "0|1"},  # one core per worker (../shared/docs/vllm-cpu.md)
+        (0, 1),
+    ),
+}
+
+
+def record(name: str, out: Path = HERE) -> list[Path]:
+    """Run ``name``'s chat with the recorder on; the kept files it wrote (one per rank)."""
+    recipe, engine, env, ranks = TRACES[name]
+    work = workload(
+        WORK["users"], WORK["rounds"], WORK["context"], WORK["turn"], recipe.vocab_size, WORK["seed"]
+    )
+    chat = {
+        "op": "chat",
+        "tag": name,
+        "histories": work["contexts"],
+        "users": list(range(len(work["contexts"]))),
+        "turns": work["turns"],
+        "max_tokens": 16,
+        "inflight": 2,
+        "logprobs": 0,
+        "metrics": False,
+    }
+    with tempfile.TemporaryDirectory(prefix="kvhal-record-") as where:
+        result = run_scenario(
+            {
+                "model": str(recipe.build(MODELS)),
+                "kvhal": KVHAL,
+                "steps": [chat],
+                "engine": engine,
+                "env": {**env, "KVHAL_TRACE_DIR": where},
+            },
+            timeout=900,
+        )
+        written = {int(p.name.split("-rank")[1].split(".")[0]): p for p in Path(where).glob("*.json.gz")}
+        if sorted(written) != list(ranks):
+            raise SystemExit(f"{name}: expected a trace of ranks {list(ranks)}, found {sorted(written)}")
+        kept = []
+        for rank, path in sorted(written.items()):
+            target = out / (f"{name}-rank{rank}.json.gz" if len(ranks) > 1 else f"{name}.json.gz")
+            shutil.copyfile(path, target)
+            kept.append(target)
+    loaded = sum(q["kvhal_loaded_tokens"] or 0 for r in result["steps"][0]["rounds"] for q in r["requests"])
+    for path in kept:
+        print(f"{path}: {path.stat().st_size} bytes ({loaded} tokens loaded from kvhal)")
+    return kept
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("names", nargs="+", choices=sorted(TRACES))
+    parser.add_argument("--out", type=Path, default=HERE, help="folder (default: the kept traces')")
+    args = parser.parse_args()
+    for name in args.names:
+        record(name, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
