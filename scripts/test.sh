@@ -32,8 +32,9 @@ fi
 # a fresh venv beside vLLM, and an OpenAI server from that venv serving a kvhal hit;
 # KVHAL_WHEEL_CHECK=0 skips it), and the vllm_compat subset (tests/e2e/conftest.py) again on
 # vLLM 0.27.1, the version vllm-ascend pins, in a venv of its own (KVHAL_COMPAT_VLLM=none skips
-# it; another version may be named). Their venvs' torch and vLLM (and the wheels) install while
-# the tests run: mostly unpacking and writing files, beside tests that wait on engines.
+# it; another version may be named). The wheels build, and the compat venv's torch and vLLM
+# install, while the tests run: mostly unpacking and writing files, beside tests that wait on
+# engines (the wheels' venv takes torch and vLLM from .venv: scripts/check-wheels.sh).
 wheels=0
 [ "${KVHAL_WHEEL_CHECK:-1}" != 0 ] && [ ${#args[@]} -eq 0 ] && wheels=1
 compat=${KVHAL_COMPAT_VLLM:-0.27.1}
