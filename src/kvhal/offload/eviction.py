@@ -69,15 +69,18 @@ class LRUPolicy(EvictionPolicy):
 
     def touch(self, slots: Sequence[int]) -> None:
         prev, nxt, nil = self._prev, self._next, self._nil
+        last = prev[nil]  # the tail, kept here: its own next link is set once, at the end
         for slot in reversed(slots):
+            if slot == last:  # the most recent already
+                continue
             before, after = prev[slot], nxt[slot]
             nxt[before] = after
             prev[after] = before
-            last = prev[nil]
             prev[slot] = last
             nxt[last] = slot
-            nxt[slot] = nil
-            prev[nil] = slot
+            last = slot
+        nxt[last] = nil
+        prev[nil] = last
 
     def remove(self, slots: Sequence[int]) -> None:
         prev, nxt = self._prev, self._next

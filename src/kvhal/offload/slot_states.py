@@ -185,7 +185,10 @@ class SlotStates:
         slots = self._slots(keys)
         if not slots:
             return slots  # type: ignore[return-value]
-        states = None if None in slots else list(map(refs.__getitem__, slots))
+        try:
+            states = list(map(refs.__getitem__, slots))
+        except TypeError:  # a key without a slot (None)
+            states = None
         if states is None or min(states) < lowest or max(states) > highest:
             for key, slot in zip(keys, slots, strict=True):
                 if slot is None or not lowest <= refs[slot] <= highest:
@@ -238,6 +241,11 @@ class SlotStates:
             if not state:
                 freed += 1
         self._num_evictable += freed
+
+    def touch_slots(self, slots: Sequence[int]) -> None:
+        """:meth:`touch` of the keys in ``slots`` (slots a load or a store holds: no lookup)."""
+        if slots:
+            self.policy.touch(slots)
 
     def touch(self, keys: Iterable[bytes]) -> None:
         """Mark ``keys`` used, the first most recently (a prefix's head outlives its tail).

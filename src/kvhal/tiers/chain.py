@@ -254,6 +254,10 @@ class TierChain:
         :raises BlockStateError: a key is ready in no tier (nothing changed).
         """
         keys = list(keys)
+        try:  # every key ready in the host tier (the usual hit): one call
+            return LoadPlan(keys, self.host.prepare_load(keys))
+        except BlockStateError:  # some are not (nothing changed): read from the tiers below
+            pass
         states = [self.host.state(key) for key in keys]
         hits = [key for key, state in zip(keys, states, strict=True) if state is BlockState.READY]
         below = [key for key, state in zip(keys, states, strict=True) if state is not BlockState.READY]

@@ -20,31 +20,29 @@ class StoreFences:
 
     def __init__(self, block_size: int, stats: KVHALStats) -> None:
         self.block_size, self.stats = block_size, stats
-        # block id -> store jobs in flight reading it (ids are shared by every
-        # group's layers in vLLM's one block pool, so groups are not told apart)
-        self._readers: dict[int, set[int]] = {}
+        # store job in flight -> the block ids it reads (ids are shared by every group's
+        # layers in vLLM's one block pool, so groups are not told apart); per job, not per
+        # block: a step checks its few allocated blocks against a few stores
+        self._reads: dict[int, frozenset[int]] = {}
         self.load_blocks: set[int] = set()  # blocks this step's loads write
 
     def add(self, job_id: int, blocks: frozenset[int]) -> None:
         """Store ``job_id`` reads ``blocks`` until it ends."""
-        for block in blocks:
-            self._readers.setdefault(block, set()).add(job_id)
+        if blocks:
+            self._reads[job_id] = blocks
 
     def remove(self, job_id: int, blocks: frozenset[int]) -> None:
         """Store ``job_id`` ended: it reads ``blocks`` no more."""
-        for block in blocks:
-            readers = self._readers[block]
-            readers.discard(job_id)
-            if not readers:
-                del self._readers[block]
+        self._reads.pop(job_id, None)
 
     def take(self, scheduler_output: SchedulerOutput, requests: dict[str, RequestState]) -> list[int]:
         """Store jobs in flight whose source blocks this step may rewrite; this step's load
         blocks are forgotten (the next step's loads write others)."""
         jobs: set[int] = set()
-        if self._readers:
-            for block in self._allocated_blocks(scheduler_output):
-                jobs.update(self._readers.get(block, ()))
+        if self._reads:
+            allocated = self._allocated_blocks(scheduler_output)
+            if allocated:
+                jobs.update(job for job, blocks in self._reads.items() if not blocks.isdisjoint(allocated))
         for req_id in scheduler_output.preempted_req_ids or ():
             state = requests.get(req_id)
             if state is not None:

@@ -14,6 +14,12 @@ def offload_key(block_hash: bytes, group_id: int) -> bytes:
     return block_hash + group_id.to_bytes(GROUP_BYTES, "big")
 
 
+def offload_keys(block_hashes: list[bytes], group_id: int) -> list[bytes]:
+    """:func:`offload_key` of each of ``block_hashes`` in group ``group_id``."""
+    suffix = group_id.to_bytes(GROUP_BYTES, "big")
+    return [block_hash + suffix for block_hash in block_hashes]
+
+
 def split_offload_key(key: bytes) -> tuple[bytes, int]:
     """``(block_hash, group_id)`` of a key from :func:`offload_key`."""
     return key[:-GROUP_BYTES], int.from_bytes(key[-GROUP_BYTES:], "big")

@@ -53,7 +53,7 @@ from kvhal.vllm.config import ConnectorConfig
 from kvhal.vllm.fences import StoreFences
 from kvhal.vllm.hit_sources import by_kind, split_hit
 from kvhal.vllm.job_table import JobTable, Pending
-from kvhal.vllm.keys import offload_key
+from kvhal.vllm.keys import offload_keys
 from kvhal.vllm.kv_events import kv_events, tier_kv_events
 from kvhal.vllm.metadata import KVHALMetadata, KVHALWorkerMetadata, LoadJob, ReadJob, StoreJob, WriteJob
 from kvhal.vllm.prefetch import Prefetcher, Started
@@ -153,7 +153,7 @@ class SchedulerSide:
         start = num_computed_tokens // bs
         end = min(len(request.block_hashes), (request.num_tokens - 1) // bs)
         hashes = list(request.block_hashes[start:end])
-        hit, below = self._walk(hashes, {})
+        hit, below = self._walk(state, start, len(hashes), {})
         if hit is None:
             return None, False
         held: dict[str, set[bytes]] = {}
@@ -162,7 +162,7 @@ class SchedulerSide:
             if not lookup_stores(self.stores, self.config, self.stats, state, start, hashes, hit):
                 return None, False
             held = state.held
-            hit, below = self._walk(hashes, held)
+            hit, below = self._walk(state, start, len(hashes), held)
             if hit is None:
                 return None, False
         if below:
@@ -180,15 +180,17 @@ class SchedulerSide:
         state.hit_sync = hit > 0 and not below and self.config.sync_host_loads
         return hit * bs, hit > 0 and not state.hit_sync
 
-    def _walk(self, hashes: list[bytes], held: dict[str, set[bytes]]) -> tuple[int | None, bool]:
-        """``(hit, below)``: the blocks of ``hashes`` the chain can load (every group's), and
-        whether some are read from a tier below first; ``None`` while a store to the host tier
-        would extend the hit."""
-        hit, below = len(hashes), False
+    def _walk(
+        self, state: RequestState, start: int, count: int, held: dict[str, set[bytes]]
+    ) -> tuple[int | None, bool]:
+        """``(hit, below)``: the blocks of the request's ``count`` from ``start`` the chain can
+        load (every group's), and whether some are read from a tier below first; ``None`` while
+        a store to the host tier would extend the hit."""
+        hit, below = count, False
         for group in self.config.groups:
             if hit == 0:
                 break
-            keys = [offload_key(h, group.group_id) for h in hashes[:hit]]
+            keys = state.keys(group.group_id, start + hit)[start : start + hit]
             found, promoted = self.chain.lookup(keys, held)
             if found < hit and keys[found] in self.planner.storing:
                 return None, False
@@ -212,21 +214,11 @@ class SchedulerSide:
             raise ValidationError(
                 "num_external_tokens", f"{count} blocks allocated for a hit of {state.hit_blocks} blocks"
             )
-        table = blocks.get_block_ids()
-        hashes = request.block_hashes
-        group_ids: dict[int, list[int]] = {}
-        keys: list[bytes] = []
-        block_of: dict[bytes, int] = {}
-        for group in self.config.groups:
-            ids = group_ids[group.group_id] = []
-            for index in range(state.hit_start, state.hit_start + count):
-                block_id = table[group.group_id][index]
-                if block_id == 0:  # outside a sliding window: nothing to load
-                    continue
-                ids.append(block_id)
-                key = offload_key(hashes[index], group.group_id)
-                keys.append(key)
-                block_of[key] = index
+        gids = [group.group_id for group in self.config.groups]
+        group_ids, keys, indices = state.blocks(
+            gids, blocks.get_block_ids(), state.hit_start, state.hit_start + count
+        )
+        for ids in group_ids.values():
             self.fences.load_blocks.update(ids)
         held = {} if state.prefetched else state.held
         plan = self.chain.prepare_load(keys, held)
@@ -236,13 +228,16 @@ class SchedulerSide:
             # the job fails on the workers without copying, and vLLM recomputes
             groups = {gid: ([], []) for gid in group_ids}
         else:
-            slots = iter(plan.host_slots)
-            groups = {gid: (ids, [next(slots) for _ in ids]) for gid, ids in group_ids.items()}
-            self.manager.touch(keys)
+            groups, at = {}, 0
+            for gid, ids in group_ids.items():  # the plan's slots, in the keys' order
+                groups[gid] = (ids, plan.host_slots[at : at + len(ids)])
+                at += len(ids)
+            self.manager.touch_slots(plan.host_slots)  # the keys' slots, in order: touch(keys)
             # the tiers' shares of the hit: read at its lookup (a prefetch), or by this load
             read_from = dict(state.read_from)
             for read in plan.reads:
                 read_from.setdefault(read.tier, set()).update(read.keys)
+            block_of = dict(zip(keys, indices, strict=True)) if read_from else {}
             for name, read in read_from.items():
                 tokens = len({block_of[k] for k in keys if k in read}) * bs
                 self.stats.add_tier("tier_hit_tokens", name, tokens)
@@ -402,8 +397,13 @@ class SchedulerSide:
         full = min(len(request.block_hashes), request.num_prompt_tokens // self.config.block_size)
         # block by block, every group's key: the manager makes the first key the most
         # recent, so a shared prefix outlives the tails behind it
+        groups = self.config.groups
+        if state is None:
+            per_group = [offload_keys(request.block_hashes[:full], g.group_id) for g in groups]
+        else:
+            per_group = [state.keys(g.group_id, full)[:full] for g in groups]
         self.manager.touch(
-            [offload_key(h, g.group_id) for h in request.block_hashes[:full] for g in self.config.groups]
+            per_group[0] if len(per_group) == 1 else [k for ks in zip(*per_group, strict=True) for k in ks]
         )
         hold = state is not None and bool(state.store_jobs) and state.loading is None
         if hold:

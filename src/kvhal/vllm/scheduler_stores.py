@@ -19,8 +19,11 @@ Write-back snapshots of what the host tier evicted go out after the stores
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
+from itertools import chain as chain_lists
 
 from vllm.v1.core.sched.output import SchedulerOutput
 
@@ -28,7 +31,6 @@ from kvhal.tiers.chain import TierChain, WritePlan
 from kvhal.vllm.config import ConnectorConfig
 from kvhal.vllm.fences import StoreFences
 from kvhal.vllm.job_table import JobTable, Pending
-from kvhal.vllm.keys import offload_key
 from kvhal.vllm.metadata import Groups, StoreJob, WriteJob
 from kvhal.vllm.request_state import RequestState
 from kvhal.vllm.stats import KVHALStats
@@ -81,13 +83,11 @@ class StorePlanner:
             table = block_state.get_block_ids(req_id)
             if table is None:
                 continue
-            where: dict[bytes, tuple[int, int]] = {}
-            for group in self.config.groups:
-                for index in range(state.stored_upto, end):
-                    block_id = table[group.group_id][index]
-                    if block_id != 0:
-                        key = offload_key(request.block_hashes[index], group.group_id)
-                        where[key] = (group.group_id, block_id)
+            gids = [group.group_id for group in self.config.groups]
+            ids_of, keys, _ = state.blocks(gids, table, state.stored_upto, end)
+            block_of = list(chain_lists.from_iterable(ids_of.values()))  # each key's device block
+            starts = list(accumulate((len(ids) for ids in ids_of.values()), initial=0))  # its group's
+            where = dict(zip(keys, range(len(keys)), strict=True))  # a key twice: its last block
             state.stored_upto = end
             planned = chain.prepare_store(list(where), self._writable(len(where)))
             if planned is None:
@@ -99,7 +99,8 @@ class StorePlanner:
                 continue
             groups: Groups = {}
             for key, slot in zip(plan.keys, plan.slots, strict=True):
-                group_id, block_id = where[key]
+                at = where[key]
+                group_id, block_id = gids[bisect_right(starts, at) - 1], block_of[at]
                 ids, slots = groups.setdefault(group_id, ([], []))
                 ids.append(block_id)
                 slots.append(slot)

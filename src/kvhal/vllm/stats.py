@@ -227,8 +227,23 @@ def _known(key: str) -> bool:
     return kind_of(key) is not None
 
 
+#: :func:`kind_of`'s answers so far: a few dozen names, asked at every count (an engine's steps)
+_KINDS: dict[str, str | None] = {}
+
+
 def kind_of(key: str) -> str | None:
     """``"counter"``, ``"histogram"``, ``"gauge"`` or None (not a kvhal statistic)."""
+    try:
+        return _KINDS[key]
+    except KeyError:
+        pass
+    kind = _kind_of(key)
+    if kind is not None and len(_KINDS) < 10_000:  # known names only: a bounded set
+        _KINDS[key] = kind
+    return kind
+
+
+def _kind_of(key: str) -> str | None:
     family, tier = split_key(key)
     if tier is None:
         if key in COUNTERS or key in GAUGES:  # the engine-wide names first: add() is per event
