@@ -44,29 +44,11 @@ def two_cores():
 
 
 @functools.cache
-def tp_run(model: str, kvhal: bool, env_items: tuple[tuple[str, str], ...] = ()) -> dict:
-    """cold -> reset vLLM's prefix cache -> the same prompts (-> metrics), on a TP=2 engine."""
-    steps = [{"op": "generate", "name": "cold", "prompts": BATCH}]
-    if kvhal:
-        steps += [
-            {"op": "reset"},
-            {"op": "generate", "name": "warm", "prompts": BATCH},
-            {"op": "metrics"},
-        ]
-    return run_scenario(
-        {
-            "model": model,
-            "kvhal": KVHAL if kvhal else None,
-            "steps": steps,
-            "engine": TP_ENGINE,
-            "env": {**TP_ENV, **dict(env_items)},
-        },
-        timeout=600,
-    )
-
-
 def baseline(model: str) -> list[list[int]]:
-    return tokens(tp_run(model, kvhal=False)["steps"][0])
+    """BATCH's outputs on the same TP=2 engine without kvhal."""
+    steps = [{"op": "generate", "name": "cold", "prompts": BATCH}]
+    spec = {"model": model, "kvhal": None, "steps": steps, "engine": TP_ENGINE, "env": TP_ENV}
+    return tokens(run_scenario(spec, timeout=600)["steps"][0])
 
 
 def tokens(step: dict) -> list[list[int]]:
@@ -78,8 +60,8 @@ def loaded(step: dict) -> list[int]:
 
 
 def test_tp_outputs_identical_and_served_after_reset(model):
-    result = tp_run(model, kvhal=True)
-    cold, reset, warm, metrics = result["steps"]
+    result = tp_fault_run(model)
+    cold, reset, warm, metrics = result["steps"][:4]
     expected = baseline(model)
     assert tokens(cold) == expected, "kvhal changed the outputs of a cold TP=2 run"
     assert reset["ok"]
@@ -97,19 +79,25 @@ def test_tp_outputs_identical_and_served_after_reset(model):
 
 def test_tp_block_counters_count_each_block_once(model):
     # Blocks are counted scheduler-side once every worker reported; bytes per worker (summed).
-    found = tp_run(model, kvhal=True)["steps"][3]["metrics"]
+    found = tp_fault_run(model)["steps"][3]["metrics"]
     assert found["vllm:kvhal_loaded_blocks"] == 3 * SERVED // BLOCK
     assert found["vllm:kvhal_stored_blocks"] == 3 * SERVED // BLOCK
 
 
 @functools.cache
 def tp_fault_run(model: str) -> dict:
-    """One TP=2 engine, two faults on rank 1: its loads fail (cold -> reset -> warm ->
-    metrics), then they succeed but leave noise (-> reset -> warm again), the fault plugin's
-    modes switched between the rounds through its modes file."""
+    """One TP=2 engine with kvhal for every test of its hits and faults: its round trip with no
+    fault (cold -> reset -> warm -> metrics), then two faults on rank 1: its loads fail
+    (-> reset -> failed -> metrics), then they succeed but leave noise (-> reset -> corrupted),
+    the fault plugin's modes switched between the rounds through its modes file (one engine
+    start saved: the round trip had an engine of its own)."""
     modes = Path(tempfile.mkdtemp(prefix="kvhal-tp-faults-")) / "modes"
     steps = [
         {"op": "generate", "name": "cold", "prompts": BATCH},
+        {"op": "reset"},
+        {"op": "generate", "name": "warm", "prompts": BATCH},
+        {"op": "metrics"},
+        {"op": "write_file", "path": str(modes), "text": "load"},
         {"op": "reset"},
         {"op": "generate", "name": "failed", "prompts": BATCH},
         {"op": "metrics"},
@@ -117,7 +105,7 @@ def tp_fault_run(model: str) -> dict:
         {"op": "reset"},
         {"op": "generate", "name": "corrupted", "prompts": BATCH},
     ]
-    env = {**TP_ENV, **fault_env("load", ranks=[1], modes_file=modes)}
+    env = {**TP_ENV, **fault_env("", ranks=[1], modes_file=modes)}
     spec = {"model": model, "kvhal": KVHAL, "steps": steps, "engine": TP_ENGINE, "env": env}
     return run_scenario(spec, timeout=600)
 
@@ -131,7 +119,7 @@ def test_tp_load_failing_on_one_rank_is_recomputed_on_both(model):
     """Loads fail on rank 1 only (leaving noise in its blocks) and succeed on rank 0:
     the request must be recomputed as a whole, on both ranks."""
     result = tp_fault_run(model)
-    cold, _, warm, metrics = result["steps"][:4]
+    cold, warm, metrics = (result["steps"][i] for i in (0, 6, 7))
     expected = baseline(model)
     faults = injected_in_order(result["stderr"])
     first_round = faults[: faults.index(("corrupt_load", 1))] if ("corrupt_load", 1) in faults else faults
@@ -144,7 +132,7 @@ def test_tp_load_failing_on_one_rank_is_recomputed_on_both(model):
     # names (get_block_ids_with_load_errors, on both ranks). Rank 1's blocks held noise, so the
     # equal outputs above are what shows the recompute (its control: the next test).
     assert [o["num_cached_tokens"] for o in warm["outputs"]] == [SERVED] * 3
-    assert metrics["metrics"]["vllm:kvhal_failed_loads"] == 3
+    assert metrics["metrics"]["vllm:kvhal_failed_loads"] == 3  # none in the round trip before
 
 
 def test_tp_negative_control_corrupted_loads_on_one_rank_change_outputs(model):
