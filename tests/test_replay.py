@@ -48,8 +48,8 @@ def test_every_kept_trace_replays_on_the_cpu_plugin(name: str) -> None:
 
 
 def test_the_kept_traces_hold_the_geometries_they_are_named_for() -> None:
-    """A hybrid model's two groups (one pool, both loaded and stored), TP=2's two ranks, and
-    the (K, V) pair form derived from the host chat (scripts/traces/split_kv.py)."""
+    """A hybrid model's two groups (one pool, both loaded and stored), TP=2's two ranks, MLA's
+    latent cache, and the (K, V) pair form derived from the host chat (scripts/traces/split_kv.py)."""
     hybrid = load(KEPT["chat-hybrid"])
     assert [len(g["layer_names"]) for g in hybrid["config"]["groups"]] == [1, 1]
     assert len(hybrid["caches"]["storages"]) == 1  # vLLM's hybrid allocator: the groups share it
@@ -59,6 +59,8 @@ def test_the_kept_traces_hold_the_geometries_they_are_named_for() -> None:
     for rank in (0, 1):
         trace = load(KEPT[f"chat-tp2-rank{rank}"])
         assert trace["rank"] == rank and trace["config"]["world_size"] == 2
+    mla = load(KEPT["chat-mla"])  # vLLM's CPU_MLA: [B, 1, 16, 576] a layer, kv_lora_rank + rope
+    assert {tuple(v["shape"][1:]) for v in mla["caches"]["layers"].values()} == {(1, 16, 576)}
     pair, source = load(KEPT["chat-host-sync-kv-pair"]), load(KEPT["chat-host-sync"])
     assert pair["derived"].startswith("derived by scripts/traces/split_kv.py")
     assert all(len(v["parts"]) == 2 for v in pair["caches"]["layers"].values())

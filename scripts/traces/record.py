@@ -4,6 +4,7 @@ worker's trace moved to its fixed name in the kept traces' folder.
 
     .venv/bin/python scripts/traces/record.py chat-hybrid      # HYBRID_MODEL: two KV cache groups
     .venv/bin/python scripts/traces/record.py chat-tp2         # TP=2: chat-tp2-rank0, chat-tp2-rank1
+    .venv/bin/python scripts/traces/record.py chat-mla         # MLA (a tiny DeepSeek-V2)
 
 ``scripts/record-traces.sh`` runs these with the rest. The workload is small on purpose (a few
 users and rounds, a device cache a third of the conversations, so returning users load from
@@ -16,6 +17,7 @@ import argparse
 import shutil
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvhal.bench.chat.workload import workload
@@ -33,6 +35,48 @@ DEVICE_BYTES = 36 * (16 << 10)
 KVHAL = {"cpu_bytes_to_use": 16 << 20, "offload_prompt_only": False}
 
 
+@dataclass(frozen=True)
+class TinyDeepseekV2:
+    """A DeepSeek-V2 architecture (MLA) at the only latent size vLLM's CPU MLA decode kernel
+    takes (kv_lora_rank 512 + rope 64 = 576), dense MLP in every layer, random weights."""
+
+    vocab_size: int = 1024
+    layers: int = 2
+
+    def build(self, root: Path) -> Path:
+        folder = Path(root) / f"tiny-deepseek-v2-mla-{self.layers}"
+        if (folder / "model.safetensors").exists():
+            return folder
+        import torch
+        from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+        config = DeepseekV2Config(
+            vocab_size=self.vocab_size,
+            hidden_size=256,
+            intermediate_size=512,
+            num_hidden_layers=self.layers,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            kv_lora_rank=512,
+            q_lora_rank=None,
+            qk_rope_head_dim=64,
+            qk_nope_head_dim=32,
+            v_head_dim=32,
+            first_k_dense_replace=self.layers,  # no MoE layer
+            max_position_embeddings=4096,
+            tie_word_embeddings=False,
+        )
+        generator = torch.Generator().manual_seed(0)
+        model = DeepseekV2ForCausalLM(config)
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.1)
+        tmp = folder.with_name(folder.name + ".tmp")
+        model.to(torch.bfloat16).save_pretrained(tmp, safe_serialization=True)
+        tmp.rename(folder)
+        return folder
+
+
 #: trace name -> (model, engine overrides, environment, the ranks that write a trace)
 TRACES = {
     # vLLM's hybrid allocator: one pool, two groups (sliding window, full attention)
@@ -48,6 +92,9 @@ TRACES = {
         {"VLLM_CPU_OMP_THREADS_BIND": "0|1"},  # one core per worker (../shared/docs/vllm-cpu.md)
         (0, 1),
     ),
+    # MLA: one latent [B, 1, N, 576] a layer; vLLM's CPU platform forces block_size 16 and turns
+    # its own prefix cache off for MLA (kvhal alone serves returning users)
+    "chat-mla": (TinyDeepseekV2(), {"kv_cache_memory_bytes": 1152 * 2 * 1024, "block_size": 16}, {}, (0,)),
 }
 
 
