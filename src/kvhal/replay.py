@@ -311,8 +311,11 @@ def _run(
             raise NotTested(
                 f"the worker side refused the trace's KV cache on {device.plugin_name}: {exc}"
             ) from exc
-        first = next(iter(worker.caches.values()))
-        width = max(64, first.geometry.num_kv_heads * first.geometry.head_size)
+        # the model's KV width from a page's bytes (K and V of block_size tokens), not from the
+        # view's dims: vllm-ascend's [N, H, D] blocks read as heads = block size
+        g = next(iter(worker.caches.values())).geometry
+        itemsize = torch.empty(0, dtype=g.dtype).element_size()
+        width = max(64, g.block_bytes // g.num_layers // (2 * config.block_size * itemsize))
         forward = _Forward(device.torch_device, width, tokens)
         threads = torch.get_num_threads()
         if device.torch_device.type == "cpu":  # one core computes, the plugin's threads copy:
