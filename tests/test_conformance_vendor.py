@@ -97,6 +97,13 @@ class TestThroughput(base.ThroughputContract, VendorFixtures):
     pass
 
 
+class TestWorkerPath(base.WorkerPathContract, VendorFixtures):
+    # A documented hook: one kept trace (a vendor adds its own model's), replayed on the plugin
+    # object registered as "vendor" (the target's registry, not the installed plugins).
+    def traces_to_replay(self, config: pytest.Config) -> dict[str, Any]:
+        return {"chat-host-sync": super().traces_to_replay(config)["chat-host-sync"]}
+
+
 # -- negative controls ------------------------------------------------------------------
 
 BROKEN_SUITE = """

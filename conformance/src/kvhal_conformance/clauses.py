@@ -76,9 +76,20 @@ def _one_line(text: str) -> str:
     return " ".join(text.split())
 
 
+#: The promise of the hooks together, in a vLLM worker's order (the ``worker_path`` contract).
+WORKER_PATH = Clause(
+    "worker.path",
+    "(a vLLM worker's calls)",
+    "driven by a vLLM worker's recorded connector calls (a kept trace, replayed by kvhal.replay: "
+    "the KV cache as the engine had it, every step's loads, per-layer waits and stores in the "
+    "recorded order), the hooks together load every block with the bytes stored from it, store "
+    "every block whole, and end every job as it ended when recorded",
+)
+
+
 def hook_clauses() -> tuple[Clause, ...]:
     """Every promise the device hooks' (and the test hooks') docstrings state, in hook order, plus
-    ``plugin.hooks``."""
+    ``plugin.hooks`` first and :data:`WORKER_PATH` last."""
     found = [
         Clause(
             "plugin.hooks",
@@ -90,7 +101,7 @@ def hook_clauses() -> tuple[Clause, ...]:
     for hook in (*hookspecs.DEVICE_HOOKS, *hookspecs.TEST_HOOKS):
         doc = inspect.getdoc(getattr(hookspecs, hook)) or ""
         found += [Clause(m["id"], hook, _one_line(m["text"])) for m in _PROMISE.finditer(doc)]
-    return tuple(found)
+    return (*found, WORKER_PATH)
 
 
 def clause_ids() -> frozenset[str]:

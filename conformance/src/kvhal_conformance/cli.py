@@ -46,6 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME,NAME",
         help="attention backend names of your kernels (comma-separated), asked of kvhal_kv_layouts",
     )
+    parser.add_argument(
+        "--trace",
+        action="append",
+        metavar="PATH",
+        help="also replay this worker trace (KVHAL_TRACE_DIR's .json.gz) in the worker-path contract",
+    )
     return parser
 
 
@@ -71,6 +77,8 @@ def pytest_args(argv: Sequence[str]) -> list[str]:
         out += ["--kvhal-seed", str(args.seed)]
     for backends in args.backends or ():
         out += ["--kvhal-backends", backends]
+    for trace in args.trace or ():
+        out += ["--kvhal-trace", str(Path(trace).resolve())]
     if not any(a.startswith("--tb") for a in rest):
         out.append("--tb=short")  # the messages say what broke; frames add little
     return out + rest

@@ -101,6 +101,23 @@ CONTRACTS: tuple[Contract, ...] = (
         "of the same bytes measured in the same run; with host.pinned declared, a host buffer never "
         "pinned fails, naming host.pinned, instead of being measured",
     ),
+    Contract(
+        "worker_path",
+        "Worker path",
+        (
+            "kvhal_allocate_host_buffer",
+            "kvhal_create_stream",
+            "kvhal_current_stream",
+            "kvhal_copy_blocks",
+            "kvhal_record_event",
+            "kvhal_query_event",
+            "kvhal_stream_wait_event",
+        ),
+        "each kept trace of a vLLM worker's connector calls (kvhal_conformance.traces, and any given "
+        "with --trace) replayed on the device (kvhal replay): every loaded block byte for byte as "
+        "stored, every store whole, every job ending as recorded; a trace needing what the device "
+        "or the replay lacks (a store it cannot reach, a geometry it cannot allocate) reads not tested",
+    ),
 )
 
 BY_ID = {c.id: c for c in CONTRACTS}

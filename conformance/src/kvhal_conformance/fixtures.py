@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import contextlib
 import zlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 import pytest
 import torch
 
 from kvhal_conformance.base.fixtures import ContractFixtures
+from kvhal_conformance.base.worker_path import trace_name
 from kvhal_conformance.plugin import dtypes_of, state_of
 from kvhal_conformance.settings import Sizes
 from kvhal_conformance.target import Target
@@ -32,6 +34,11 @@ class CommandLineFixtures(ContractFixtures):
             with contextlib.suppress(ValueError):  # malformed: test_backend_layouts_are_offered says so
                 names += state.target().declared_backends()
         return tuple(dict.fromkeys(names))
+
+    def traces_to_replay(self, config: pytest.Config) -> Mapping[str, Path]:
+        """The kept traces, then those of ``--kvhal-trace`` (``kvhal conformance --trace``)."""
+        extra = {trace_name(p): p for p in state_of(config).settings.traces}
+        return {**super().traces_to_replay(config), **extra}
 
     @pytest.fixture(scope="class")
     @classmethod

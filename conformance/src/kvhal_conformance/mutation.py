@@ -7,7 +7,9 @@ process, so the interpreter starts once per job), and prints per mutant whether
 the suite reported exactly the clauses its defect breaks: every clause in
 ``breaks`` broken (else the suite *missed* the defect), none outside ``breaks``
 and ``also`` (else a check fired on a defect it is not about). It ends with the
-clauses no mutant reaches. Exit status 0 when every mutant was judged right.
+clauses no mutant reaches. Exit status 0 when every mutant was judged right. The worker-path
+contract (trace replays, seconds each) runs only for the mutants whose defect is its to find
+(:func:`about_worker_path`).
 
 ``--plugin NAME=MODULE:ATTR`` adds other broken plugins to the same runs (their
 reports are written, not judged here).
@@ -42,19 +44,30 @@ SLOW_FIRST = ("PinsOnlyUnder2GiB", "IdleRecordNeedsSync", "NeverPins", "SlowLarg
 
 @dataclass(frozen=True)
 class Job:
-    """One run of the suite: the plugin's name, its ``MODULE:ATTR``, its throughput floor, and
-    the size preset when not the run's."""
+    """One run of the suite: the plugin's name, its ``MODULE:ATTR``, its throughput floor, the
+    size preset when not the run's, and whether the worker-path contract runs."""
 
     name: str
     spec: str
     floor: float = 0.0
     sizes: str = ""
+    worker_path: bool = False
+
+
+def about_worker_path(m: Mutant) -> bool:
+    """Whether a mutant's defect is the worker path's to find: only those runs replay the traces
+    (seconds each, a minute or two over every mutant; the others' defects break a clause the
+    worker path depends on, where it would read "not judged" anyway)."""
+    return any(c.startswith("worker.") for c in (*m.breaks, *m.also, *m.not_judged))
 
 
 def mutant_jobs(names: Sequence[str] = ()) -> list[Job]:
     chosen = [MUTANTS[n] for n in names] if names else list(MUTANTS.values())
     chosen.sort(key=lambda m: (m.name not in SLOW_FIRST, list(MUTANTS).index(m.name)))
-    return [Job(m.name, f"{__package__}.mutants:{m.name}", m.floor or 0.0, m.sizes or "") for m in chosen]
+    return [
+        Job(m.name, f"{__package__}.mutants:{m.name}", m.floor or 0.0, m.sizes or "", about_worker_path(m))
+        for m in chosen
+    ]
 
 
 def suite_args(job: Job, out: Path, sizes: str, seed: int) -> list[str]:
@@ -72,6 +85,7 @@ def suite_args(job: Job, out: Path, sizes: str, seed: int) -> list[str]:
         "--kvhal-report", str(out),
         "--kvhal-throughput-floor", str(job.floor),
         "--kvhal-pin-timeout", str(PIN_TIMEOUT_S),
+        *(() if job.worker_path else ("-k", "not TestWorkerPath")),
     ]  # fmt: skip
 
 
@@ -106,7 +120,7 @@ def run_jobs(
     for share in shares:
         if not share:
             continue
-        specs = [f"{j.name}={j.spec}@{j.floor}@{j.sizes}" for j in share]
+        specs = [f"{j.name}={j.spec}@{j.floor}@{j.sizes}@{int(j.worker_path)}" for j in share]
         command = [
             sys.executable,
             "-m",
@@ -230,12 +244,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     out = Path(args.out).resolve()
-    if args.worker:  # NAME=SPEC@FLOOR@SIZES from a parent process
+    if args.worker:  # NAME=SPEC@FLOOR@SIZES@WORKER_PATH from a parent process
         jobs = []
         for item in args.names:
             name, rest = item.split("=", 1)
-            spec, floor, sizes = rest.rsplit("@", 2)
-            jobs.append(Job(name, spec, float(floor), sizes))
+            spec, floor, sizes, worker_path = rest.rsplit("@", 3)
+            jobs.append(Job(name, spec, float(floor), sizes, worker_path == "1"))
         run_here(jobs, out, args.sizes, args.seed)
         return 0
     out.mkdir(parents=True, exist_ok=True)

@@ -189,6 +189,14 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: p
         faults = report_module.faults_summary(target)
         if faults:
             write(faults, yellow="not tested" in faults)
+        for trace, r in report_module.worker_path_rows(target, state.results).items():
+            why = f": {r['reason']}" if r["status"] == "not tested" else ""
+            write(
+                f"worker path {trace}: {r['status']}{why} ({r['steps']} steps, {r['blocks_loaded']} "
+                f"blocks loaded, {r['blocks_stored']} stored)",
+                red=r["status"] == "failed",
+                yellow=r["status"] not in ("passed", "failed"),
+            )
         throughput = report_module.throughput_rows(target, state.results)
         for direction, m in throughput.items():
             status = "" if m["status"] in ("pass", "fail") else f": {m['status']}"

@@ -13,6 +13,7 @@ import torch
 import kvhal
 import kvhal_conformance
 from kvhal_conformance.base.device_faults import METRIC, faults_summary
+from kvhal_conformance.base.worker_path import METRIC as WORKER_METRIC
 from kvhal_conformance.results import (
     FAIL,
     NOT_JUDGED,
@@ -99,6 +100,7 @@ def build(settings: Settings, target: Target | None, results: dict[str, TestResu
             for clause, status, tests in by_clause(results)
         ],
         "throughput": throughput_rows(target, results),
+        "worker_path": worker_path_rows(target, results),
         "first_probe": target.metrics.get("first_probe", {}) if target else {},
         "pinning": _pinning(target),
         "device_faults": {
@@ -122,6 +124,17 @@ def throughput_rows(target: Target | None, results: dict[str, TestResult]) -> di
         direction = t.name.partition("[")[2].rstrip("]")
         if t.contract.id == "throughput" and t.outcome == NOT_JUDGED and direction in rows:
             rows[direction]["status"] = not_judged_message(t.unjudged_by)
+    return rows
+
+
+def worker_path_rows(target: Target | None, results: dict[str, TestResult]) -> dict[str, Any]:
+    """Each trace's replay (:func:`kvhal_conformance.base.worker_path.row`); one whose check was
+    not judged (a clause it rests on failed) reads "not judged: depends on X, which failed"."""
+    rows = {name: dict(r) for name, r in (target.metrics.get(WORKER_METRIC, {}) if target else {}).items()}
+    for t in results.values():
+        name = t.name.partition("[")[2].rstrip("]")
+        if t.contract.id == "worker_path" and t.outcome == NOT_JUDGED and name in rows:
+            rows[name]["status"] = not_judged_message(t.unjudged_by)
     return rows
 
 
@@ -178,6 +191,7 @@ def to_markdown(report: dict[str, Any]) -> str:
         )
     lines += _clause_lines(report.get("clauses", []))
     lines += _throughput_lines(report["throughput"])
+    lines += _worker_path_lines(report.get("worker_path") or {})
     lines += _pinning_lines(report.get("pinning"))
     faults = (report.get("device_faults") or {}).get("summary")
     if faults:
@@ -228,7 +242,8 @@ def _clause_lines(clauses: list[dict[str, Any]]) -> list[str]:
         "",
         "## Clauses",
         "",
-        f"Every promise of every device hook (`kvhal.hookspecs`), by id: {len(clauses)} clauses, "
+        f"Every promise of every device hook (`kvhal.hookspecs`), and of the hooks together on a "
+        f"vLLM worker's path (`worker.path`), by id: {len(clauses)} clauses, "
         + ", ".join(f"{statuses.count(s)} {s}" for s in STATUSES if statuses.count(s))
         + ".",
         "",
@@ -264,6 +279,40 @@ def _throughput_lines(throughput: dict[str, Any]) -> list[str]:
             f"{m['torch_gib_s']:.2f} | {m['ratio']:.2f} | {m['floor']} | {m['status']} |"
         )
     return lines
+
+
+def _worker_path_lines(rows: dict[str, Any]) -> list[str]:
+    if not rows:
+        return []
+    lines = [
+        "",
+        "## Worker path",
+        "",
+        "Recorded vLLM worker traces replayed on the device (`kvhal replay`, docs/replay.md): the "
+        "worker side's calls in the recorded order, every loaded block compared byte for byte with "
+        "what was stored, every store with what it was given, every job's end with the recording's. "
+        "The last columns: the engine thread's time in kvhal's calls a step (no forward).",
+        "",
+        "| Trace | Status | Steps | Jobs | Blocks loaded | Blocks stored | Step median us | Step p90 us "
+        "| Wall s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, r in rows.items():
+        status = r["status"]
+        if r["status"] == "not tested" and r["reason"]:
+            status = f"not tested: {r['reason']}"
+        elif r["status"] == "failed":
+            status = f"**failed**: {r['failures']} wrong, the first: {r['first_failure']}"
+        lines.append(
+            f"| `{name}` | {_cell(status)} | {r['steps']} | {r['jobs']} | {r['blocks_loaded']} "
+            f"| {r['blocks_stored']} | {_num(r['step_median_us'])} | {_num(r['step_p90_us'])} "
+            f"| {r['wall_s']} |"
+        )
+    return lines
+
+
+def _num(value: float | None) -> str:
+    return "" if value is None else f"{value:.0f}"
 
 
 def _pinning_lines(pinning: dict[str, Any] | None) -> list[str]:

@@ -79,6 +79,8 @@ class Settings:
     #: attention backend names of the vendor's kernels, asked of ``kvhal_kv_layouts`` besides
     #: vLLM's and those the plugin declares (``ATTENTION_BACKENDS``)
     backends: tuple[str, ...] = ()
+    #: worker traces replayed besides the kept ones (``--kvhal-trace``)
+    traces: tuple[Path, ...] = ()
 
     @property
     def sizes(self) -> Sizes:
@@ -98,6 +100,7 @@ class Settings:
             seed=seed if seed is not None else secrets.randbelow(1 << 31),
             pin_timeout=config.getoption("kvhal_pin_timeout"),
             backends=parse_backends(config.getoption("kvhal_backends")),
+            traces=tuple(Path(p) for p in config.getoption("kvhal_trace") or ()),
         )
 
 
@@ -152,6 +155,13 @@ def add_options(parser: pytest.Parser) -> None:
         action="append",
         help="attention backend names of your kernels (comma-separated, repeatable): kvhal_kv_layouts "
         "is asked about each besides vLLM's names and those the plugin declares in ATTENTION_BACKENDS",
+    )
+    group.addoption(
+        "--kvhal-trace",
+        metavar="PATH",
+        action="append",
+        help="a worker trace (KVHAL_TRACE_DIR's .json.gz, docs/replay.md) the worker-path contract "
+        "replays besides the kept ones (repeatable)",
     )
     group.addoption(
         "--kvhal-pin-timeout",

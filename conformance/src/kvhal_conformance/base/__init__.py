@@ -36,6 +36,7 @@ from kvhal_conformance.base.layouts import LayoutsContract
 from kvhal_conformance.base.probe import ProbeContract
 from kvhal_conformance.base.streams_events import StreamsEventsContract
 from kvhal_conformance.base.throughput import ThroughputContract
+from kvhal_conformance.base.worker_path import WorkerPathContract
 from kvhal_conformance.settings import FULL, QUICK, TINY, Sizes
 from kvhal_conformance.target import Target
 
@@ -50,6 +51,7 @@ CONTRACT_CLASSES: tuple[type[ContractFixtures], ...] = (
     BadInputContract,
     DeviceFaultsContract,
     ThroughputContract,
+    WorkerPathContract,
 )
 
 __all__ = [
@@ -72,5 +74,6 @@ __all__ = [
     "StreamsEventsContract",
     "Target",
     "ThroughputContract",
+    "WorkerPathContract",
     "final",
 ]

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 # Imported for their @mutant registrations, in the order of the contract (MUTANTS keeps it).
 # isort: off
-from kvhal_conformance.mutants import plugin, layouts, allocation, host_memory, streams, copies
+from kvhal_conformance.mutants import plugin, layouts, allocation, host_memory, streams, copies, worker_path
 
 # isort: on
 from kvhal_conformance.mutants.registry import EVERY_CLAUSE, LARGE, MUTANTS, SMALL, Mutant, mutant, reached
@@ -26,7 +26,7 @@ __all__ = ["EVERY_CLAUSE", "LARGE", "MUTANTS", "PARTS", "SMALL", "Mutant", "muta
 
 
 #: The modules holding the mutants, in the order of the contract.
-PARTS = (plugin, layouts, allocation, host_memory, streams, copies)
+PARTS = (plugin, layouts, allocation, host_memory, streams, copies, worker_path)
 
 
 def __getattr__(name: str) -> type:
