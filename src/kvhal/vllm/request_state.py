@@ -48,6 +48,8 @@ class RequestState:
     loaded_tokens: int = 0
     load_failed: bool = False
     loading: int | None = None  # the load job in flight, if any
+    # its blocks [start, end), held in the host tier by that load (pinned, or being read in)
+    loading_blocks: tuple[int, int] = (0, 0)
     # store jobs in flight that read the blocks the request holds now
     store_jobs: set[int] = field(default_factory=set)
     probes: dict[str, Probe] = field(default_factory=dict)  # the last lookup of each store

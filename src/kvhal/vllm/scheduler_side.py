@@ -249,6 +249,7 @@ class SchedulerSide:
             self.stats.add("sync_hit_tokens", num_external_tokens)
         self._pending_loads.append(job)
         state.loading = job.job_id
+        state.loading_blocks = (state.hit_start, state.hit_start + count) if plan is not None else (0, 0)
         state.loaded_tokens = num_external_tokens
         self.stats.add("hit_tokens", num_external_tokens)
         if state.tenant is not None:

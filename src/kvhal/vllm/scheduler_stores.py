@@ -84,14 +84,21 @@ class StorePlanner:
             if table is None:
                 continue
             gids = [group.group_id for group in self.config.groups]
-            ids_of, keys, _ = state.blocks(gids, table, state.stored_upto, end)
+            first, held = state.stored_upto, 0
+            lo, hi = state.loading_blocks if state.loading is not None else (0, 0)
+            if lo <= first < hi:
+                # blocks a load in flight holds in the host tier: the host tier would skip them
+                # one by one (present), so they are left out here, only counted
+                held = sum(len(ids) - ids.count(0) for ids in (table[g][first : min(hi, end)] for g in gids))
+                first = min(hi, end)
+            ids_of, keys, _ = state.blocks(gids, table, first, end)
             block_of = list(chain_lists.from_iterable(ids_of.values()))  # each key's device block
             starts = list(accumulate((len(ids) for ids in ids_of.values()), initial=0))  # its group's
             where = dict(zip(keys, range(len(keys)), strict=True))  # a key twice: its last block
             state.stored_upto = end
-            planned = chain.prepare_store(list(where), self._writable(len(where)))
+            planned = chain.prepare_store(list(where), self._writable(held + len(where)))
             if planned is None:
-                self.stats.add("store_skipped_blocks", len(where))
+                self.stats.add("store_skipped_blocks", held + len(where))
                 continue
             plan, writes = planned
             self.stats.add("evicted_blocks", len(plan.evicted))
