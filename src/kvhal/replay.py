@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvhal.cache import KVCache
@@ -105,6 +106,10 @@ class NotTested(Exception):
     """The trace needs what this device or this replay lacks (the reason)."""
 
 
+class Stalled(Exception):
+    """Jobs the recording had ended never ended here: the replay cannot go on (a failure)."""
+
+
 class _Checks(WorkerObserver):
     """The replay's observer: every load's and store's bytes against the trace's digests."""
 
@@ -165,7 +170,8 @@ class _Checks(WorkerObserver):
     def _compare(self, actual: bytes, expected: bytes, cache: KVCache, where: str, group: int) -> None:
         if actual == expected:
             return
-        first = next(i for i, (a, b) in enumerate(zip(actual, expected, strict=True)) if a != b)
+        differ = np.frombuffer(actual, np.uint8) != np.frombuffer(expected, np.uint8)
+        first = int(np.flatnonzero(differ)[0])
         per_layer = cache.geometry.block_bytes // cache.geometry.num_layers
         layer = first // per_layer
         names = self.names.get(group, ())
@@ -261,6 +267,8 @@ def replay(
         _run(trace, result, device_name, registry or PluginRegistry(), tokens, catch_up_s)
     except NotTested as exc:
         result.status, result.reason = "not tested", str(exc)
+    except Stalled as exc:  # its failure, naming the jobs, was recorded
+        result.status, result.reason = "failed", f"{exc}: {result.failures[0] if result.failures else ''}"
     if result.status == "passed" and result.failure_count:
         result.status = "failed"
         result.reason = f"{result.failure_count} wrong: {result.failures[0]}"
@@ -488,6 +496,6 @@ def _catch_up(worker: WorkerSide, checks: _Checks, recorded: dict[int, bool], ca
                 f"step {checks.step}: jobs {sorted(missing)[:8]} had not ended {catch_up_s:.0f} s after "
                 "the step in which the recording's worker reported them ended"
             )
-            raise NotTested(f"the replay stalled at step {checks.step}")
+            raise Stalled(f"the replay stalled at step {checks.step}")
         time.sleep(0.0005)
         _take(checks, collect=worker.collect(), errors=worker.take_load_errors(), meta=worker.worker_meta())

@@ -2,7 +2,7 @@
 answered, so that ``kvhal replay`` can run the same calls on another device without vLLM.
 
 Recorded where ``KVHAL_TRACE_DIR`` is set (one file per worker:
-``<dir>/kvhal-trace-<engine>-rank<r>.json.gz``): the KV cache tensors' structure (shapes,
+``<dir>/kvhal-trace-<engine>-<pid>-rank<r>.json.gz``): the KV cache tensors' structure (shapes,
 strides, dtypes, which storage each view lies in), the connector's configuration, and every
 call of the worker side in order, each step's metadata and answers included. Block contents
 are kept as digests: of every device block a store copied (taken before the copy), and of
