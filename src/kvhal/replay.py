@@ -48,7 +48,7 @@ from kvhal.vllm.worker_side import WorkerSide
 
 #: the worker side's calls on the engine's thread, by the trace's event names
 ENGINE_CALLS = ("begin", "loads", "layer", "stores", "collect", "load_errors", "worker_meta", "stats")
-#: failures named at most (the first ones; the count is given whole)
+#: failures named at most (the count is given whole)
 MAX_FAILURES = 20
 
 
@@ -446,8 +446,7 @@ def _compare_outcomes(checks: _Checks, recorded: dict[int, bool], answers: dict[
 
 
 def _wait_reads(reads: list[Future[Any]], checks: _Checks, catch_up_s: float) -> None:
-    """The scheduler side's reads end before the next step here (the recording's scheduler
-    planned its later steps on their ends, some steps later at the soonest)."""
+    """The scheduler side's reads end before the next step (the recording's planned on them)."""
     for future in reads:
         try:
             future.result(timeout=catch_up_s)

@@ -433,20 +433,32 @@ def _deal_faults(
     def now() -> float:
         return (time.monotonic_ns() - start) / 1e9
 
-    def running(t: float) -> bool:  # past the duration, until a window after the last fault's end
-        return (
-            t < config.duration_s or bool(due) or (bool(events) and t < events[-1]["end_s"] + config.window_s)
+    # blocks done when the last fault ended (None before it ends): the next fault, and the run's
+    # end, wait until work was seen after it (up to op_deadline_s), so a loaded machine's slow
+    # recovery is told apart from none (was: a fixed window, "nothing done" at load 20)
+    done_at_end: int | None = None
+
+    def recovered(t: float) -> bool:
+        return done_at_end is not None and (
+            int(fleet.board[1:, DONE].sum()) > done_at_end or t >= events[-1]["end_s"] + config.op_deadline_s
         )
 
+    def running(t: float) -> bool:  # past the duration, until a window after the last fault's end
+        after_last = bool(events) and (t < events[-1]["end_s"] + config.window_s or not recovered(t))
+        return t < config.duration_s or bool(due) or after_last
+
     while running(t := now()):
+        if events and done_at_end is None and t >= events[-1]["end_s"]:
+            done_at_end = int(fleet.board[1:, DONE].sum())
         if stalled is not None and t >= stalled["end_s"]:
             rig.resume()
             stalled["end_s"] = now()
             stalled = None
         # a fault no sooner than two windows after the last one ended: its "after" is seen
-        settled = not events or t >= events[-1]["end_s"] + 2 * config.window_s
+        settled = not events or (t >= events[-1]["end_s"] + 2 * config.window_s and recovered(t))
         if due and t >= due[0][0] and settled and stalled is None:
             _, fault = due.pop(0)
+            done_at_end = None
             event: dict = {"fault": fault, "at_s": t}
             if fault == "kill":
                 event |= fleet.kill_one(rng)
