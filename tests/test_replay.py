@@ -22,6 +22,7 @@ from kvhal.hookspecs import hookimpl
 from kvhal.registry import PluginRegistry
 from kvhal.replay import replay
 from kvhal.vllm.trace import TraceError, load, save
+from kvhal_conformance.mutants import SwapsBlocksInEngineLoads
 from kvhal_conformance.traces import KEPT
 
 CHAT = KEPT["chat-host-sync"]
@@ -102,19 +103,6 @@ class _Defect(CPUPlugin):
         return done
 
 
-class SwapsTwoBlocksInALoad(_Defect):
-    """A load of two blocks or more lands its first two blocks in each other's place."""
-
-    def damage(self, plan: CopyPlan, load: bool) -> None:
-        if load and plan.num_blocks >= 2:
-            a, b = (int(x) for x in plan.mapping[:2, 1])
-            for layer in plan.dst.layers:
-                for part in layer:
-                    held = part[a].clone()
-                    part[a].copy_(part[b])
-                    part[b].copy_(held)
-
-
 class DropsTheLastLayerOfAStore(_Defect):
     """A store leaves its last layer's bytes as they were in host memory (zeroed here)."""
 
@@ -128,7 +116,7 @@ class DropsTheLastLayerOfAStore(_Defect):
 @pytest.mark.parametrize(
     ("defect", "named"),
     [
-        (SwapsTwoBlocksInALoad, "load job"),
+        (SwapsBlocksInEngineLoads, "load job"),  # the conformance suite's worker-path mutant
         (DropsTheLastLayerOfAStore, "store job"),
     ],
 )
