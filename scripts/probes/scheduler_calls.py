@@ -4,14 +4,15 @@
 :class:`~kvhal.vllm.scheduler_side.SchedulerSide` recorded call by call, from its
 construction: each hook's arguments as kvhal reads them (a request's counts and block
 hashes, the scheduler output's block tables, the workers' output) and its answer, into
-``DIR/sched-<pid>-<n>.pkl``. ``replay``: runs a recording's calls again on a fresh
+``DIR/sched-<pid>-<n>.jsonl`` (JSON lines: :mod:`recording_json`). ``replay``: runs a
+recording's calls again on a fresh
 ``SchedulerSide`` of whichever kvhal is imported (``PYTHONPATH``), several passes, checks that
 every answer is the recording's (build_connector_meta's metadata, lookups, request_finished),
 and prints each hook's wall and CPU time per step (per step: the fastest pass)::
 
     PYTHONPATH=scripts/probes .venv/bin/python -m scheduler_calls record /tmp/rec -- \\
         .venv/bin/kvhal bench chat --configs host --users 8 --rounds 3 --repeats 1 --out /tmp/r
-    PYTHONPATH=src .venv/bin/python scripts/probes/scheduler_calls.py replay /tmp/rec/sched-*.pkl
+    PYTHONPATH=src .venv/bin/python scripts/probes/scheduler_calls.py replay /tmp/rec/sched-*.jsonl
 
 A step is the calls from one ``build_connector_meta`` to the next one, that one included
 (the previous step's output, this step's lookups and allocations). Steps computing returning
@@ -23,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import pickle
 import statistics
 import subprocess
 import sys
@@ -31,6 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from recording_json import Blocks, Obj, Req, Tables, decode, encode
 
 HOOKS = (
     "track",
@@ -45,41 +47,6 @@ HOOKS = (
     "has_held_blocks",
     "has_jobs_in_flight",
 )
-
-# -- what a recording holds (picklable stand-ins for vLLM's objects) ----------------------
-
-
-class Req:
-    """A request as kvhal reads it."""
-
-    def __init__(self, request_id: str) -> None:
-        self.request_id = request_id
-        self.block_hashes: list[bytes] = []
-        self.num_tokens = self.num_computed_tokens = self.num_prompt_tokens = 0
-        self.cache_salt: str | None = None
-
-
-class Blocks:
-    def __init__(self, ids: Any) -> None:
-        self.ids = ids
-
-    def get_block_ids(self) -> Any:
-        return self.ids
-
-
-class Tables:
-    def __init__(self, tables: dict[str, Any]) -> None:
-        self.tables = tables
-
-    def get_block_ids(self, req_id: str) -> Any:
-        return self.tables.get(req_id)
-
-
-class Obj:
-    """Attributes only (a scheduler output, its new requests, its cached requests)."""
-
-    def __init__(self, **kw: Any) -> None:
-        self.__dict__.update(kw)
 
 
 def _output(so: Any) -> Obj:
@@ -130,7 +97,7 @@ class _Recorder:
         return out
 
     def write(self, item: Any) -> None:
-        pickle.dump(item, self.file, protocol=5)
+        self.file.write(json.dumps(encode(item), separators=(",", ":")).encode() + b"\n")
 
 
 def _arg(rec: _Recorder, value: Any) -> Any:
@@ -182,7 +149,7 @@ def _wrap(cls: Any, directory: Path) -> None:
     def post_init(self: Any) -> None:
         init(self)
         count[0] += 1
-        self._rec = _Recorder(directory / f"sched-{os.getpid()}-{count[0]}.pkl")
+        self._rec = _Recorder(directory / f"sched-{os.getpid()}-{count[0]}.jsonl")
         self._rec.write(("init", self.config, self.kv_events))
         self._rec.file.flush()
 
@@ -218,13 +185,8 @@ def _wrap_hook(cls: Any, hook: str) -> None:
 
 
 def _load(path: str) -> list:
-    items = []
     with open(path, "rb") as f:
-        while True:
-            try:
-                items.append(pickle.load(f))
-            except EOFError:
-                return items
+        return [decode(json.loads(line)) for line in f if line.strip()]
 
 
 def _pass(items: list, check: bool) -> tuple[list[dict], list[bool], int]:
