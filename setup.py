@@ -64,9 +64,11 @@ setup(
         ),
         Extension(
             "kvhal.offload._keyindex",
-            ["src/kvhal/offload/_keyindex.c"],
+            ["src/kvhal/offload/_keyindex.c", "src/kvhal/offload/_slots.c"],
+            depends=["src/kvhal/offload/_slots.h"],
             extra_compile_args=["-O2"],
-            # Without a compiler the manager indexes keys with a dict (more memory per block).
+            # Without a compiler the manager indexes keys with a dict (more memory per block),
+            # and its LRU order and slot states are Python loops a block.
             optional=True,
         ),
         Extension(

@@ -1,7 +1,8 @@
 """kvhal's four C extensions built with AddressSanitizer and UndefinedBehaviorSanitizer, and
 the tests that feed them hostile input run against those builds (issue 38): the key index's
-hostile keys and slots, the Redis reader's fuzzed reply streams and timeouts, the copy
-planner's and the CPU kernel's buffers. Any sanitizer report fails the test.
+hostile keys and slots, its LRU's and slot states' (``_slots.c``), the Redis reader's fuzzed
+reply streams and timeouts, the copy planner's and the CPU kernel's buffers. Any sanitizer
+report fails the test.
 
 The sanitized build goes to a temporary directory (the normal build's .so files stay where
 they are); a child Python loads it through a meta path finder placed before kvhal is
@@ -28,6 +29,7 @@ MODULES = ("kvhal._copyplan", "kvhal.cpu._memcpy", "kvhal.offload._keyindex", "k
 TESTS = (
     "tests/test_keyindex.py",
     "tests/test_keyindex_hostile.py",
+    "tests/test_keyindex_slots.py",
     "tests/test_resp_reader.py",
     "tests/test_copyplan_native.py",
 )

@@ -20,6 +20,8 @@
 #include <Python.h>
 #include <stdint.h>
 
+#include "_slots.h"
+
 typedef struct {
     PyObject_HEAD
     Py_ssize_t num_slots;
@@ -255,6 +257,48 @@ fail:
     return NULL;
 }
 
+/* prefix(keys, refs): how many keys, from the first, have a slot whose state refs[slot] (an
+ * exact list of ints, one a slot) is >= 0 -- the manager's loadable prefix in one call. Every
+ * key is checked to be an exact bytes, as slots() does, before the walk. */
+static PyObject *KeyIndex_prefix(KeyIndex *self, PyObject *args) {
+    PyObject *keys, *refs;
+    if (!PyArg_ParseTuple(args, "OO!", &keys, &PyList_Type, &refs)) return NULL;
+    if (!ready(self)) return NULL;
+    if (!PyList_CheckExact(refs)) {
+        PyErr_SetString(PyExc_TypeError, "refs must be a list (not a subclass)");
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(keys, "keys must be iterable"); /* may run Python code */
+    if (seq == NULL) return NULL;
+    /* From here no Python code runs: the list's size and items are read now. */
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), hits = 0;
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    if (PyList_GET_SIZE(refs) != self->num_slots) {
+        PyErr_Format(PyExc_ValueError, "refs holds %zd states for %zd slots", PyList_GET_SIZE(refs), self->num_slots);
+        goto fail;
+    }
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (check_key(items[i]) < 0) goto fail;
+    for (; hits < n; hits++) {
+        int32_t slot;
+        find(self, items[hits], PyObject_Hash(items[hits]), &slot);
+        if (slot < 0) break;
+        PyObject *state = PyList_GET_ITEM(refs, slot);
+        if (!PyLong_CheckExact(state)) {
+            PyErr_Format(PyExc_TypeError, "refs[%d] is not an int", (int)slot);
+            goto fail;
+        }
+        int overflow;
+        long long v = PyLong_AsLongLongAndOverflow(state, &overflow);
+        if (overflow < 0 || (!overflow && v < 0)) break;
+    }
+    Py_DECREF(seq);
+    return PyLong_FromSsize_t(hits);
+fail:
+    Py_DECREF(seq);
+    return NULL;
+}
+
 static PyObject *KeyIndex_add(KeyIndex *self, PyObject *args) {
     PyObject *keys, *slots, *kt = NULL, *st = NULL;
     int32_t *ss = NULL;
@@ -350,6 +394,8 @@ static PyMethodDef KeyIndex_methods[] = {
      "add(keys, slots): map each new key to its empty slot (all or nothing)"},
     {"remove", (PyCFunction)KeyIndex_remove, METH_O, "remove(slots) -> their keys (checked first)"},
     {"key", (PyCFunction)KeyIndex_key, METH_O, "key(slot) -> key or None"},
+    {"prefix", (PyCFunction)KeyIndex_prefix, METH_VARARGS,
+     "prefix(keys, refs) -> how many keys, from the first, are in a slot whose refs[slot] >= 0"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -387,14 +433,15 @@ static int exec_module(PyObject *module) {
         Py_DECREF(type);
         return -1;
     }
-    return 0;
+    return kvhal_add_slot_types(module); /* _slots.c: the LRU */
 }
 
 static PyModuleDef_Slot module_slots[] = {{Py_mod_exec, exec_module}, {0, NULL}};
 
 static struct PyModuleDef module_def = {
-    PyModuleDef_HEAD_INIT, "kvhal.offload._keyindex", "The offloading manager's compact key -> slot index.", 0,
-    NULL, module_slots, NULL, NULL, NULL,
+    PyModuleDef_HEAD_INIT, "kvhal.offload._keyindex",
+    "The offloading manager's compact key -> slot index, its slots' states and LRU order.", 0,
+    kvhal_slot_functions, module_slots, NULL, NULL, NULL,
 };
 
 PyMODINIT_FUNC PyInit__keyindex(void) { return PyModuleDef_Init(&module_def); }

@@ -37,9 +37,14 @@ from dataclasses import dataclass
 from kvhal.errors import ValidationError
 from kvhal.offload.eviction import DEFAULT_POLICY, EvictionPolicy, create_policy
 from kvhal.offload.host_tier import SlotPool
-from kvhal.offload.keyindex import KeyIndex
-from kvhal.offload.slot_states import STORING, BlockState, SlotStates, StorePlan, _refuse_one_key
+from kvhal.offload.keyindex import NATIVE, KeyIndex
+from kvhal.offload.slot_states import STORING, BlockState, SlotStates, StorePlan, _as_list, _refuse_one_key
 from kvhal.registry import PluginRegistry
+
+try:
+    from kvhal.offload._keyindex import add_refs as _native_add_refs
+except ImportError:  # built without a C compiler: SlotStates' Python loops
+    _native_add_refs = None
 
 __all__ = ["STORING", "BlockState", "OffloadEvent", "OffloadingManager", "StorePlan"]
 
@@ -71,6 +76,7 @@ class OffloadingManager(SlotStates):
     """
 
     _max_loads = sys.maxsize
+    _add_refs = _native_add_refs  # a builtin: not bound as a method
 
     def __init__(
         self,
@@ -122,6 +128,16 @@ class OffloadingManager(SlotStates):
             return self._index.get(key)
         except TypeError:
             raise ValidationError("key", _not_bytes(key)) from None
+
+    def lookup(self, keys: Iterable[bytes]) -> int:
+        """See :meth:`SlotStates.lookup`; natively, one call to the index."""
+        if NATIVE:
+            keys = keys if isinstance(keys, list) else _as_list(keys)
+            try:
+                return self._index.prefix(keys, self._refs)  # type: ignore[attr-defined]
+            except TypeError:  # a key not exactly bytes: the Python path names it
+                pass
+        return super().lookup(keys)
 
     # -- the key index (what SlotStates asks of a tier) -------------------------
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import enum
 from collections import Counter
-from collections.abc import Iterable, MutableSequence, Sequence
+from collections.abc import Callable, Iterable, MutableSequence, Sequence
 from dataclasses import dataclass, field
 
 from kvhal.errors import BlockStateError, PolicyError, ValidationError
@@ -87,6 +87,9 @@ class SlotStates:
     _max_loads: int  # the most loads of one block in flight
     _num_storing: int
     _num_evictable: int
+    #: ``_keyindex.add_refs`` where ``_ref_at`` is a list of ints (the manager, built with a C
+    #: compiler): a pass over a call's slots in one C call, the Python checks only on a refusal
+    _add_refs: Callable[..., int] | None = None
 
     # -- what a subclass supplies -------------------------------------------
 
@@ -209,6 +212,13 @@ class SlotStates:
         :raises BlockStateError: a key is absent or still being stored (nothing changed).
         """
         keys = _as_list(keys)
+        if self._add_refs is not None:
+            slots = self._slots(keys)
+            pinned = self._add_refs(self._ref_at, slots, 1, 0, self._max_loads - len(keys))
+            if pinned >= 0:
+                self._num_evictable -= pinned
+                return slots  # type: ignore[return-value]
+            # refused, nothing changed: the checks below say why
         slots = self._slots_of(keys, 0, self._max_loads - len(keys), "only ready blocks can be loaded")
         refs, pinned = self._ref_at, 0
         for slot in slots:
@@ -225,6 +235,11 @@ class SlotStates:
         :raises BlockStateError: a key has no load in flight (nothing changed).
         """
         keys = _as_list(keys)
+        if self._add_refs is not None:
+            freed = self._add_refs(self._ref_at, self._slots(keys), -1, 1, self._max_loads)
+            if freed >= 0:
+                self._num_evictable += freed
+                return
         slots = self._slots_of(keys, 1, self._max_loads, "complete_load needs a load in flight")
         refs = self._ref_at
         if len(set(slots)) != len(slots):
@@ -331,12 +346,18 @@ class SlotStates:
             already) or is listed twice (nothing changed).
         """
         keys = _as_list(keys)
-        slots = self._slots_of(keys, STORING, STORING, "complete_store needs a store in flight")
-        if len(set(slots)) != len(slots):
-            raise BlockStateError("keys", "a key is listed twice; each store completes once")
-        refs = self._ref_at
-        for slot in slots:
-            refs[slot] = 0
+        slots = None
+        if self._add_refs is not None:
+            slots = self._slots(keys)
+            if self._add_refs(self._ref_at, slots, 1, STORING, STORING) < 0:  # to 0; refused: unchanged
+                slots = None
+        if slots is None:
+            slots = self._slots_of(keys, STORING, STORING, "complete_store needs a store in flight")
+            if len(set(slots)) != len(slots):
+                raise BlockStateError("keys", "a key is listed twice; each store completes once")
+            refs = self._ref_at
+            for slot in slots:
+                refs[slot] = 0
         self._num_storing -= len(slots)
         if success:
             self._num_evictable += len(slots)
