@@ -117,12 +117,15 @@ class TierRead:
 
     :param tier: the tier's name.
     :param slots: a local tier's slots of ``keys``; empty for a shared tier.
+    :param positions: each key's block in its request, where the planner gave them (a
+        store reads runs of blocks stored as one value by them); empty: not known.
     """
 
     tier: str
     keys: list[bytes]
     slots: list[int]
     host_slots: list[int]
+    positions: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,6 +170,7 @@ class WritePlan:
     slots: list[int]
     snapshot: bool = False
     pinned: bool = False  # the chain pinned the host slots for it
+    positions: list[int] = field(default_factory=list)  # each key's block in its request, if known
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,9 +249,15 @@ class TierChain:
             hits += 1
         return hits, below
 
-    def prepare_load(self, keys: Sequence[bytes], held: Held = {}) -> LoadPlan | None:  # noqa: B006
+    def prepare_load(
+        self,
+        keys: Sequence[bytes],
+        held: Held = {},  # noqa: B006
+        positions: Sequence[int] | None = None,
+    ) -> LoadPlan | None:
         """Protect ``keys`` until :meth:`complete_load`: host-ready ones as loads, the
-        others as reads into fresh host slots, each from the first tier holding it.
+        others as reads into fresh host slots, each from the first tier holding it
+        (``positions``, each key's block in its request, go with the reads).
 
         :return: the plan, or ``None`` (nothing changed) if the host tier cannot
             take the blocks read from below -- every other block is being stored or loaded.
@@ -290,9 +300,14 @@ class TierChain:
             self._after_host_store(store)
         where = dict(zip(hits, hit_slots, strict=True))
         where.update(zip(store.keys, store.slots, strict=True))
+        at = dict(zip(keys, positions, strict=True)) if positions is not None else {}
         reads = [
             TierRead(
-                tier.name, by_tier[tier.name], tier_slots[tier.name], [where[k] for k in by_tier[tier.name]]
+                tier.name,
+                by_tier[tier.name],
+                tier_slots[tier.name],
+                [where[k] for k in by_tier[tier.name]],
+                [at[k] for k in by_tier[tier.name]] if at else [],
             )
             for tier in self.tiers
             if tier.name in by_tier

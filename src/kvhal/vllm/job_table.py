@@ -92,7 +92,9 @@ class JobTable:
 
     def write(self, plan: WritePlan) -> WriteJob:
         """A write of ``plan``'s blocks to its tier."""
-        job = WriteJob(self._id(), plan.tier, plan.keys, plan.host_slots, plan.slots, plan.snapshot)
+        job = WriteJob(
+            self._id(), plan.tier, plan.keys, plan.host_slots, plan.slots, plan.snapshot, plan.positions
+        )
         self._jobs[job.job_id] = Pending(job, plan.keys, plan, started=time.monotonic())
         return job
 

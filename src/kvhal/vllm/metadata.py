@@ -30,6 +30,7 @@ class WriteJob:
     :param slots: a local tier's slots (empty for a shared store).
     :param snapshot: the host slots are reused from this step on (write-back of
         evicted blocks): the worker copies them out before anything else.
+    :param positions: each key's block in its request (a store's write; empty: not known).
     """
 
     job_id: int
@@ -38,6 +39,7 @@ class WriteJob:
     host_slots: list[int]
     slots: list[int]
     snapshot: bool = False
+    positions: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -111,7 +111,9 @@ class Prefetcher:
         jobs, self.jobs = self.jobs, []
         return jobs
 
-    def start(self, chain: TierChain, state: RequestState, hashes: list[bytes], held: Held) -> Started:
+    def start(
+        self, chain: TierChain, state: RequestState, start: int, hashes: list[bytes], held: Held
+    ) -> Started:
         """Read the blocks of ``hashes`` that only tiers below hold, each from the first tier
         holding it (a store's: in ``held``), into host slots now, for the request to wait for
         and then load as a host hit (see :class:`Started` for the answers). One prefetch per
@@ -148,7 +150,8 @@ class Prefetcher:
         plan = None
         total = sum(below.values())
         if self.reading + total <= self.budget():
-            plan = chain.prepare_load(keys, held)
+            positions = [start + i for i in range(len(hashes)) for _ in self.config.groups]
+            plan = chain.prepare_load(keys, held, positions)
         if plan is None:  # over the budget, or no room in the host tier
             for name, blocks in below.items():
                 self.stats.add_tier("tier_prefetch_skipped_blocks", name, blocks)

@@ -160,6 +160,7 @@ def open_remote_tier(
             ),
             strict=remote.strict,
             on_health=on_health,
+            runs=len(config.groups) == 1,  # a hybrid model's groups interleave their positions
         )
     except ValidationError as exc:
         if exc.argument != "remote_url":

@@ -168,7 +168,7 @@ class SchedulerSide:
         if below:
             started = Started.RECOMPUTE if state.recompute_below else None
             if started is None:
-                started = self.prefetcher.start(self.chain, state, hashes[:hit], held)
+                started = self.prefetcher.start(self.chain, state, start, hashes[:hit], held)
             if started is Started.READ_NOW:  # read in this lookup: the blocks are host blocks now
                 return self.lookup(request, num_computed_tokens)
             if started is Started.WAITING:
@@ -221,7 +221,7 @@ class SchedulerSide:
         for ids in group_ids.values():
             self.fences.load_blocks.update(ids)
         held = {} if state.prefetched else state.held
-        plan = self.chain.prepare_load(keys, held)
+        plan = self.chain.prepare_load(keys, held, indices)
         state.hit_split = {}  # by the tier that served each block, where a load is planned
         if plan is None:
             # the host tier had no room left for the promotion since the lookup:

@@ -91,7 +91,7 @@ class StorePlanner:
                 # one by one (present), so they are left out here, only counted
                 held = sum(len(ids) - ids.count(0) for ids in (table[g][first : min(hi, end)] for g in gids))
                 first = min(hi, end)
-            ids_of, keys, _ = state.blocks(gids, table, first, end)
+            ids_of, keys, indices = state.blocks(gids, table, first, end)
             block_of = list(chain_lists.from_iterable(ids_of.values()))  # each key's device block
             starts = list(accumulate((len(ids) for ids in ids_of.values()), initial=0))  # its group's
             where = dict(zip(keys, range(len(keys)), strict=True))  # a key twice: its last block
@@ -114,8 +114,9 @@ class StorePlanner:
             self.storing.update(plan.keys)
             job = self.jobs.store(req_id, plan.keys, groups, state.tenant)
             self.fences.add(job.job_id, self.jobs[job.job_id].blocks)
+            position = dict(zip(keys, indices, strict=True))
             for write in writes:
-                write = self._admitted(write, state)
+                write = self._admitted(write, state, position)
                 if write is not None:
                     job.writes.append(self.jobs.write(write))
             state.store_jobs.add(job.job_id)
@@ -134,9 +135,12 @@ class StorePlanner:
                 self.stats.add_tier("tier_slow_skipped_writes", tier.name, blocks)
         return names
 
-    def _admitted(self, write: WritePlan, state: RequestState) -> WritePlan | None:
-        """``write`` as a store takes it: without the blocks this request read from it, and
-        within its in-flight limit (else dropped, counted); ``None``: nothing to write."""
+    def _admitted(
+        self, write: WritePlan, state: RequestState, position: dict[bytes, int]
+    ) -> WritePlan | None:
+        """``write`` as a store takes it: without the blocks this request read from it, with
+        each block's position in the request (``position``), and within its in-flight limit
+        (else dropped, counted); ``None``: nothing to write."""
         tier = self.tiers[write.tier]
         if not tier.shared:
             return write
@@ -144,8 +148,14 @@ class StorePlanner:
         keep = [i for i, key in enumerate(write.keys) if key not in there]
         if not keep:
             return None
+        keys = [write.keys[i] for i in keep]
         write = WritePlan(
-            write.tier, [write.keys[i] for i in keep], [write.host_slots[i] for i in keep], [], False
+            write.tier,
+            keys,
+            [write.host_slots[i] for i in keep],
+            [],
+            False,
+            positions=[position[k] for k in keys],
         )
         if not tier.admit_write(len(write.keys)):
             self.stats.add_tier("tier_dropped_blocks", tier.name, len(write.keys))

@@ -63,8 +63,10 @@ def lookup_stores(
         ):
             assert tier.store is not None and tier.lookup_timeout_s is not None
             keys = [offload_key(h, g) for h in wanted for g in groups]
+            positions = [first + i for i in range(len(wanted)) for _ in groups]
             deadline = time.monotonic() + tier.lookup_timeout_s
-            probe = state.probes[tier.name] = Probe(first, wanted, tier.store.exist_run(keys), deadline)
+            future = tier.store.exist_run(keys, positions)
+            probe = state.probes[tier.name] = Probe(first, wanted, future, deadline)
             stats.add_tier("tier_lookups", tier.name, 1)
             asked.append(probe.future)
             wait = max(wait, _wait_for(tier))

@@ -197,11 +197,20 @@ class TierReadWrite(Protocol):
     """A worker's reads and writes of one tier below, between host slots and its medium."""
 
     def read(
-        self, keys: Sequence[bytes], slots: Sequence[int], host_slots: Sequence[int]
+        self,
+        keys: Sequence[bytes],
+        slots: Sequence[int],
+        host_slots: Sequence[int],
+        positions: Sequence[int] = (),
     ) -> Future[list[ReadOutcome]]: ...
 
     def write(
-        self, keys: Sequence[bytes], host_slots: Sequence[int], slots: Sequence[int], snapshot: bool
+        self,
+        keys: Sequence[bytes],
+        host_slots: Sequence[int],
+        slots: Sequence[int],
+        snapshot: bool,
+        positions: Sequence[int] = (),
     ) -> Future[list[bool]]: ...
 
     def close(self) -> None: ...
@@ -215,12 +224,21 @@ class LocalTierIO:
         self.backend = backend
 
     def read(
-        self, keys: Sequence[bytes], slots: Sequence[int], host_slots: Sequence[int]
+        self,
+        keys: Sequence[bytes],
+        slots: Sequence[int],
+        host_slots: Sequence[int],
+        positions: Sequence[int] = (),
     ) -> Future[list[ReadOutcome]]:
         return self.io.read(keys, slots, host_slots)
 
     def write(
-        self, keys: Sequence[bytes], host_slots: Sequence[int], slots: Sequence[int], snapshot: bool
+        self,
+        keys: Sequence[bytes],
+        host_slots: Sequence[int],
+        slots: Sequence[int],
+        snapshot: bool,
+        positions: Sequence[int] = (),
     ) -> Future[list[bool]]:
         return self.io.write(keys, host_slots, slots, snapshot)
 
@@ -235,16 +253,25 @@ class StoreIO:
         self.store = store
 
     def read(
-        self, keys: Sequence[bytes], slots: Sequence[int], host_slots: Sequence[int]
+        self,
+        keys: Sequence[bytes],
+        slots: Sequence[int],
+        host_slots: Sequence[int],
+        positions: Sequence[int] = (),
     ) -> Future[list[ReadOutcome]]:
-        return self.store.read(keys, host_slots)
+        return self.store.read(keys, host_slots, positions or None)
 
     def write(
-        self, keys: Sequence[bytes], host_slots: Sequence[int], slots: Sequence[int], snapshot: bool
+        self,
+        keys: Sequence[bytes],
+        host_slots: Sequence[int],
+        slots: Sequence[int],
+        snapshot: bool,
+        positions: Sequence[int] = (),
     ) -> Future[list[bool]]:
         # a store is written through: its host slots stay unchanged until the write ends
         assert not snapshot, "a store is written through, never from a snapshot"
-        return self.store.write(keys, host_slots)
+        return self.store.write(keys, host_slots, positions or None)
 
     def close(self) -> None:
         self.store.close()

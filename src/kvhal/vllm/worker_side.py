@@ -140,7 +140,7 @@ class WorkerSide:
         return self._read_tier(read)
 
     def _read_tier(self, read: TierRead) -> Future[list[ReadOutcome]]:
-        return self.tiers[read.tier].read(read.keys, read.slots, read.host_slots)
+        return self.tiers[read.tier].read(read.keys, read.slots, read.host_slots, read.positions)
 
     # -- per step -----------------------------------------------------------------
 
@@ -358,7 +358,7 @@ class WorkerSide:
             return
         try:
             running.write = self.tiers[write.tier].write(
-                write.keys, write.host_slots, write.slots, write.snapshot
+                write.keys, write.host_slots, write.slots, write.snapshot, write.positions
             )
         except Exception:  # a refused write leaves nothing loadable below
             logger.exception("kvhal: write job %d to the %s tier was refused", write.job_id, write.tier)

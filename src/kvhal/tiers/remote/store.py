@@ -101,6 +101,24 @@ class RemoteStore(abc.ABC):
         :raises StoreUnavailable: the store did not answer.
         """
 
+    def run_blocks(self, value_bytes: int) -> int:
+        """How many blocks of a request to store as one value (a run,
+        :mod:`kvhal.tiers.remote.runs`) where one block's value is ``value_bytes``: more than
+        1 for a store whose every request costs more than its bytes (an object store), which
+        then implements :meth:`get_ranges`. The default, 1: every block its own value."""
+        return 1
+
+    def get_ranges(
+        self, names: Sequence[str], starts: Sequence[int], buffers: Sequence[Sequence[memoryview]]
+    ) -> list[int]:
+        """:meth:`get`, reading each value from byte ``starts[i]`` on (the tail of a run): the
+        bytes delivered from there, :data:`ABSENT` or :data:`FAILED` (a value that does not end
+        where its buffers do, or that ends before ``starts[i]``).
+
+        :raises StoreUnavailable: the store did not answer.
+        """
+        raise NotImplementedError(f"{type(self).__name__} stores no runs (run_blocks is 1)")
+
     def close(self) -> None:  # noqa: B027 - a store without resources needs nothing here
         """Disconnect (idempotent)."""
 

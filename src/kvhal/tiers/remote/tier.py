@@ -20,6 +20,11 @@ A refused value does not keep its name: the tier remembers the names it refused
 there with the store's :meth:`~kvhal.tiers.remote.store.RemoteStore.replace`,
 which never replaces a value it was not shown to be refused.
 
+Where the store says a block's value is smaller than its requests are worth
+(:meth:`~kvhal.tiers.remote.store.RemoteStore.run_blocks`: an object store), runs of a
+request's blocks are stored as one value each (:mod:`~kvhal.tiers.remote.runs`): the
+calls then take each key's block position in its request.
+
 A store that cannot be reached marks the tier *down*: calls fail fast (the
 engine recomputes; stores are dropped) and the tier tries to connect again
 at most every ``retry_seconds``; the first call that succeeds marks it *up*.
@@ -47,7 +52,8 @@ from kvhal.tiers.backend import CORRUPT, FOREIGN, IO_ERROR, MISSING, OK, ReadOut
 from kvhal.tiers.media import open_store
 from kvhal.tiers.remote import format as remote_format
 from kvhal.tiers.remote.run_search import held_prefix
-from kvhal.tiers.remote.store import ABSENT, FAILED, RemoteStore, StoreUnavailable
+from kvhal.tiers.remote.runs import MAX_RUN_BLOCKS, Piece, held_blocks, pieces
+from kvhal.tiers.remote.store import ABSENT, RemoteStore, StoreUnavailable
 from kvhal.tiers.remote.urls import redact
 
 T = TypeVar("T")
@@ -62,9 +68,10 @@ LOOKUPS_KEPT = 16
 _REFUSED = (CORRUPT, FOREIGN, remote_format.UNAUTHENTICATED)
 
 
-def _sha1(header: memoryview, payload: memoryview) -> str:
-    digest = hashlib.sha1(header, usedforsecurity=False)
-    digest.update(payload)
+def _sha1(*parts: memoryview) -> str:
+    digest = hashlib.sha1(usedforsecurity=False)
+    for part in parts:
+        digest.update(part)
     return digest.hexdigest()
 
 
@@ -87,6 +94,8 @@ class RemoteTier:
     :param strict: a store unreachable now is a :class:`~kvhal.errors.TierError`
         instead of a tier that starts down.
     :param on_health: called with ``(up, why)`` each time the store's reachability changes.
+    :param runs: store runs of blocks as one value where the store asks for it (a model whose
+        blocks come in one group; the positions of a hybrid model's groups interleave).
     :raises ValidationError: a malformed URL (from the store's factory).
     :raises TierError: ``strict`` and the store is unreachable.
     """
@@ -105,6 +114,7 @@ class RemoteTier:
         on_health: Callable[[bool, str], None] | None = None,
         retry_seconds: float = 2.0,
         prefix: str = "kvhal",
+        runs: bool = True,
     ) -> None:
         self.url, self.spec, self.host, self.secret = url, spec, host, secret or None
         self.previous_secrets = tuple(p for p in previous_secrets if p) if self.secret else ()
@@ -117,6 +127,8 @@ class RemoteTier:
         self.retry_seconds = retry_seconds
         self._prefixes = [remote_format.name_prefix(prefix, spec.digest(r)) for r in range(spec.world_size)]
         self._namespace = spec.digest()
+        self._runs = runs
+        self.run_blocks = 1  # blocks per value: the store's choice, known once connected
         self._lock = threading.Lock()
         self._store: RemoteStore | None = None
         self._last_try = 0.0
@@ -145,6 +157,9 @@ class RemoteTier:
         self._last_try = time.monotonic()
         with kernel_name("kvhal-store"):  # the client's native threads, named for what they do
             store = open_store(self.url, self.registry)
+            if self._runs:
+                asked = store.run_blocks(HEADER_BYTES + self.spec.slot_bytes)
+                self.run_blocks = max(1, min(int(asked), MAX_RUN_BLOCKS))
             store.register(memoryview(self._headers.reshape(-1)))
             if self.host is not None and self.host.slots_are_contiguous:
                 store.register(self.host.memory())
@@ -199,6 +214,16 @@ class RemoteTier:
         prefix = self._prefixes[self.spec.rank if rank is None else rank]
         return [prefix + key.hex() for key in keys]
 
+    def _run_name(self, key: bytes, rank: int | None = None) -> str:
+        """The name of the run of :attr:`run_blocks` blocks that ends with block ``key``."""
+        prefix = self._prefixes[self.spec.rank if rank is None else rank]
+        return f"{prefix}r{self.run_blocks}-{key.hex()}"
+
+    def _pieces(self, positions: Sequence[int] | None, count: int, tails: bool) -> list[Piece]:
+        if positions is not None and len(positions) != count:
+            raise ValueError(f"{len(positions)} positions for {count} keys")
+        return pieces(positions if positions is not None else [-1] * count, self.run_blocks, tails=tails)
+
     # -- the scheduler's calls --------------------------------------------------------
 
     def exist(self, keys: Sequence[bytes]) -> Future[list[bool]]:
@@ -217,14 +242,17 @@ class RemoteTier:
 
         return self._threads.submit(self._run, call)
 
-    def exist_run(self, keys: Sequence[bytes]) -> Future[list[bool]]:
+    def exist_run(self, keys: Sequence[bytes], positions: Sequence[int] | None = None) -> Future[list[bool]]:
         """:meth:`exist` for a run of blocks' keys in order (a lookup's, after its local hit),
         of which only a held prefix counts. Where the store asks a request per name
         (``sparse_exist``), the answer is that prefix, found from a few names
         (:mod:`~kvhal.tiers.remote.run_search`): a key it takes as held may be a hole, whose
-        read then fails (recomputed, written again). How long each took is kept
+        read then fails (recomputed, written again). With runs (``positions``: each key's block
+        in its request), a run's name answers for its blocks
+        (:func:`~kvhal.tiers.remote.runs.held_blocks`). How long each took is kept
         (:attr:`expected_lookup_s`)."""
         keys = list(keys)
+        parts = self._pieces(positions, len(keys), tails=True)
         ranks = range(self.spec.world_size)
         asked_at = time.monotonic()
         store = self._store
@@ -238,8 +266,20 @@ class RemoteTier:
                 n = len(asked)
                 return [all(found[rank * n + i] for rank in ranks) for i in range(n)]
 
+            def exists(store: RemoteStore, units: list[tuple[bool, int]]) -> list[bool]:
+                names = [
+                    self._run_name(keys[i], rank) if run else self.names([keys[i]], rank)[0]
+                    for rank in ranks
+                    for run, i in units
+                ]
+                found, n = store.exist(names), len(units)
+                return [all(found[rank * n + u] for rank in ranks) for u in range(n)]
+
             def call(store: RemoteStore) -> list[bool]:
-                held = held_prefix(len(keys), lambda indices: ask(store, indices))
+                if any(part.run for part in parts):
+                    held = held_blocks(len(keys), parts, lambda units: exists(store, units))
+                else:
+                    held = held_prefix(len(keys), lambda indices: ask(store, indices))
                 return [True] * held + [False] * (len(keys) - held)
 
             future = self._threads.submit(self._run, call)
@@ -267,14 +307,19 @@ class RemoteTier:
         rows = _aligned(len(slots), self.host.slot_bytes)
         return [memoryview(row) for row in rows], rows
 
-    def write(self, keys: Sequence[bytes], host_slots: Sequence[int]) -> Future[list[bool]]:
+    def write(
+        self, keys: Sequence[bytes], host_slots: Sequence[int], positions: Sequence[int] | None = None
+    ) -> Future[list[bool]]:
         """Store host slots ``host_slots`` as ``keys``; one bool per key (False: not stored).
+        With ``positions`` (each key's block in its request), the runs the keys hold whole
+        are stored as one value each (:mod:`~kvhal.tiers.remote.runs`).
 
         The slots must stay unchanged until the future completes. It never
         raises: an unreachable store makes every result False.
         """
         keys, host_slots = list(keys), list(host_slots)
         names = self.names(keys)
+        parts = self._pieces(positions, len(keys), tails=False)
 
         def work() -> list[bool]:
             payloads, rows = self._payloads(host_slots)
@@ -284,17 +329,23 @@ class RemoteTier:
             headers = [memoryview(self._headers[slot]) for slot in host_slots]
             for header, payload, name in zip(headers, payloads, names, strict=True):
                 remote_format.write_header(header, payload, self._namespace, name, self.secret)
-            values = list(zip(headers, payloads, strict=True))
+            # a value per piece: a block's header and bytes, or a run's blocks', one after another
+            objects = [self._run_name(keys[p.indices[-1]]) if p.run else names[p.indices[0]] for p in parts]
+            values = [tuple(view for i in p.indices for view in (headers[i], payloads[i])) for p in parts]
             with self._lock:
-                refused = {i: self._refused[n] for i, n in enumerate(names) if n in self._refused}
+                refused = {i: self._refused[n] for i, n in enumerate(objects) if n in self._refused}
             try:
-                results = self._run(lambda store: self._put(store, names, values, refused))
+                stored = self._run(lambda store: self._put(store, objects, values, refused))
             except StoreUnavailable:
                 return [False] * len(keys)
             with self._lock:
-                for i, stored in zip(refused, (results[i] for i in refused), strict=True):
-                    if stored:
-                        self._refused.pop(names[i], None)
+                for i in refused:
+                    if stored[i]:
+                        self._refused.pop(objects[i], None)
+            results = [False] * len(keys)
+            for part, ok in zip(parts, stored, strict=True):
+                for i in part.indices:
+                    results[i] = ok
             return results
 
         return self._threads.submit(work)
@@ -303,7 +354,7 @@ class RemoteTier:
     def _put(
         store: RemoteStore,
         names: list[str],
-        values: list[tuple[memoryview, memoryview]],
+        values: list[tuple[memoryview, ...]],
         refused: dict[int, str],
     ) -> list[bool]:
         """Put ``values``; those of ``refused`` names (index -> SHA-1) replace what was refused."""
@@ -330,41 +381,61 @@ class RemoteTier:
             while len(self._refused) > REFUSED_NAMES:
                 self._refused.popitem(last=False)
 
-    def read(self, keys: Sequence[bytes], host_slots: Sequence[int]) -> Future[list[ReadOutcome]]:
+    def read(
+        self, keys: Sequence[bytes], host_slots: Sequence[int], positions: Sequence[int] | None = None
+    ) -> Future[list[ReadOutcome]]:
         """Read ``keys`` into host slots ``host_slots``: one outcome per key, :data:`OK` once
         its bytes are in its slot and verified (else ``missing``, ``corrupt``, ``foreign``,
-        ``unauthenticated`` or ``io_error``, and the slot's bytes are undefined).
+        ``unauthenticated`` or ``io_error``, and the slot's bytes are undefined). With
+        ``positions`` (each key's block in its request), a run's blocks are read from the
+        run's value, one ranged read each, and alone where the run is not there.
 
         It never raises: an unreachable store makes every outcome ``io_error``.
         """
         keys, host_slots = list(keys), list(host_slots)
         names = self.names(keys)
+        parts = self._pieces(positions, len(keys), tails=True)
+        block = HEADER_BYTES + (self.host.slot_bytes if self.host else 0)
 
         def work() -> list[ReadOutcome]:
             payloads, rows = self._payloads(host_slots)
             headers = [memoryview(self._headers[slot]) for slot in host_slots]
-            buffers = list(zip(headers, payloads, strict=True))
+            outcomes: list[ReadOutcome] = [IO_ERROR] * len(keys)
+            previous = 0
+
+            def fetch(batch: list[Piece]) -> list[Piece]:
+                """Read ``batch`` and judge its blocks; the runs that were not there."""
+                nonlocal previous
+                objects = [
+                    self._run_name(keys[p.indices[-1]]) if p.run else names[p.indices[0]] for p in batch
+                ]
+                starts = [p.skip * block for p in batch]
+                buffers = [[view for i in p.indices for view in (headers[i], payloads[i])] for p in batch]
+                if self.run_blocks > 1:
+                    sizes = self._run(lambda store: store.get_ranges(objects, starts, buffers))
+                else:
+                    sizes = self._run(lambda store: store.get(objects, buffers))
+                absent = []
+                for part, name, size, parts_read in zip(batch, objects, sizes, buffers, strict=True):
+                    if part.run and size == ABSENT:
+                        absent.extend(Piece(range(i, i + 1), False) for i in part.indices)
+                        continue
+                    for j, i in enumerate(part.indices):  # each block as much as reached it
+                        got = size if size < 0 else max(0, min(block, size - j * block))
+                        outcomes[i], signer = self._judge(got, headers[i], payloads[i], names[i])
+                        previous += signer > 0
+                    whole = size == len(part.indices) * block
+                    if any(outcomes[i] in _REFUSED for i in part.indices) or (size != ABSENT and not whole):
+                        # written again over it: where its digest is known, only over what was read
+                        self._remember_refused(name, _sha1(*parts_read) if whole and part.skip == 0 else "")
+                return absent
+
             try:
-                sizes = self._run(lambda store: store.get(names, buffers))
+                absent = fetch(parts)
+                if absent:  # runs not stored as runs: their blocks alone
+                    fetch(absent)
             except StoreUnavailable:
                 return [IO_ERROR] * len(keys)
-            outcomes: list[ReadOutcome] = []
-            previous = 0
-            for size, header, payload, name in zip(sizes, headers, payloads, names, strict=True):
-                if size == ABSENT:
-                    outcomes.append(MISSING)
-                elif size != HEADER_BYTES + payload.nbytes:
-                    outcomes.append(CORRUPT if size >= 0 else IO_ERROR)
-                    if size >= 0 or size == FAILED:  # (FAILED: oversized, or one transfer failed)
-                        self._remember_refused(name, "")  # replaced only if not a block's length
-                else:
-                    outcome, signer = remote_format.signed_by(
-                        header, payload, self._namespace, name, self.secret, self.previous_secrets
-                    )
-                    outcomes.append(outcome)
-                    previous += signer > 0
-                    if outcome in _REFUSED:
-                        self._remember_refused(name, _sha1(header, payload))
             if previous:
                 self.on_previous_secret(previous)
             if rows is not None:
@@ -375,6 +446,18 @@ class RemoteTier:
             return outcomes
 
         return self._threads.submit(work)
+
+    def _judge(
+        self, size: int, header: memoryview, payload: memoryview, name: str
+    ) -> tuple[ReadOutcome, int]:
+        """One block's outcome from the bytes its read delivered, and which secret signed it."""
+        if size == ABSENT:
+            return MISSING, 0
+        if size != HEADER_BYTES + payload.nbytes:
+            return (CORRUPT if size >= 0 else IO_ERROR), 0
+        return remote_format.signed_by(
+            header, payload, self._namespace, name, self.secret, self.previous_secrets
+        )
 
     def close(self) -> None:
         """Finish the calls in flight, then disconnect (idempotent)."""

@@ -21,7 +21,9 @@ has the measurement that chose it over boto3.
   stored meanwhile is never overwritten (412: it is looked at again, once).
 - ``get``: a range ``GET`` of the value's buffer size + 1 bytes, copied into the buffers (one
   copy: obstore hands a buffer of its own); a value longer than its buffers is FAILED,
-  never read past them; 404 is absent.
+  never read past them; 404 is absent. ``get_ranges`` the same from a byte offset: the tail
+  of a run of blocks stored as one object (``run_blocks``, :mod:`kvhal.tiers.remote.runs`:
+  about 1 MiB an object by default, so a returning user's context is a few requests).
 
 Errors: a name whose request failed alone (a 4xx, a 5xx while others of the batch were
 answered) is that name's failure (``False``, ``FAILED``). Where no request of a call was
@@ -53,6 +55,7 @@ from typing import Any, TypeVar
 
 from kvhal.errors import ValidationError
 from kvhal.threads import name_this_thread
+from kvhal.tiers.remote.runs import run_blocks_for
 from kvhal.tiers.remote.store import ABSENT, FAILED, RemoteStore, StoreUnavailable
 from kvhal.tiers.stores.s3_url import ARGUMENT, S3Target, credentials_source, parse_url
 
@@ -396,10 +399,22 @@ class S3Store(RemoteStore):
             # an empty object: no range of it can be read, its ETag comes with a HEAD
             return b"", (await obstore.head_async(self._client, name)).get("e_tag")
 
+    def run_blocks(self, value_bytes: int) -> int:
+        return self.target.run_blocks or run_blocks_for(value_bytes)
+
     def get(self, names: Sequence[str], buffers: Sequence[Sequence[memoryview]]) -> list[int]:
+        return self.get_ranges(names, [0] * len(names), buffers)
+
+    def get_ranges(
+        self, names: Sequence[str], starts: Sequence[int], buffers: Sequence[Sequence[memoryview]]
+    ) -> list[int]:
         names = list(names)
-        if len(buffers) != len(names):
-            raise ValidationError("buffers", f"{len(buffers)} buffers for {len(names)} names")
+        if len(buffers) != len(names) or len(starts) != len(names):
+            raise ValidationError(
+                "buffers", f"{len(buffers)} buffers, {len(starts)} starts for {len(names)} names"
+            )
+        if any(start < 0 for start in starts):
+            raise ValidationError("starts", "a value is read from a byte offset >= 0")
         views = [[_flat(part) for part in parts] for parts in buffers]
         sizes = [sum(len(part) for part in parts) for parts in views]
         obstore = self._obstore
@@ -407,7 +422,9 @@ class S3Store(RemoteStore):
         async def get(i: int) -> Any:
             try:
                 # one byte more than the buffers hold: a longer value is seen, never read whole
-                return await obstore.get_range_async(self._client, names[i], start=0, length=sizes[i] + 1)
+                return await obstore.get_range_async(
+                    self._client, names[i], start=starts[i], length=sizes[i] + 1
+                )
             except FileNotFoundError as exc:
                 if "NoSuchBucket" in str(exc):
                     raise
@@ -418,7 +435,7 @@ class S3Store(RemoteStore):
             if data is None:
                 results.append(ABSENT)
             elif isinstance(data, BaseException):
-                results.append(FAILED)  # (an empty object: 416, nothing to read)
+                results.append(FAILED)  # (an empty object, or one ending before the start: 416)
             else:
                 view = memoryview(data)
                 results.append(FAILED if len(view) > size else _scatter(view, parts))

@@ -28,6 +28,9 @@ Options:
 * ``conditional``: ``true`` (default) writes with ``If-None-Match: *`` and replaces a refused
   value with ``If-Match`` on its ETag; ``false`` for a server that refuses those headers
   (then a write overwrites: two engines may both upload a block, the same bytes).
+* ``run_blocks``: how many blocks of a request one object holds (:mod:`kvhal.tiers.remote.runs`):
+  ``auto`` (default) as many as make about 1 MiB (a power of two, at most 16; 1 for blocks of
+  1 MiB or more), or 1-16. Engines of another value share only the blocks stored alone.
 * ``profile``: take the credentials from this profile of the AWS config files, through boto3
   (SSO, assume-role, ``credential_process`` and static keys alike; ``pip install boto3``).
 
@@ -48,6 +51,7 @@ from dataclasses import dataclass
 from urllib.parse import parse_qsl, urlsplit
 
 from kvhal.errors import ValidationError
+from kvhal.tiers.remote.runs import MAX_RUN_BLOCKS
 from kvhal.tiers.remote.urls import SECRET_OPTIONS
 
 __all__ = ["S3Target", "credentials_source", "parse_url"]
@@ -60,7 +64,7 @@ DEFAULT_RETRIES = 2
 DEFAULT_MAX_REQUESTS = 32
 OPTIONS = (
     "endpoint", "region", "addressing", "ca_file", "tls_verify", "timeout", "retries",
-    "max_requests", "conditional", "profile",
+    "max_requests", "conditional", "profile", "run_blocks",
 )  # fmt: skip
 #: S3's bucket names (3-63 of lower-case letters, digits, dots and hyphens; an underscore too,
 #: which some servers allow), starting and ending with a letter or digit
@@ -88,6 +92,8 @@ class S3Target:
     max_requests: int
     conditional: bool
     profile: str | None
+    #: blocks per object, 0: ``auto`` (:func:`kvhal.tiers.remote.runs.run_blocks_for`)
+    run_blocks: int = 0
 
     @property
     def where(self) -> str:
@@ -229,7 +235,12 @@ def parse_url(url: str, environ: dict[str, str] | None = None) -> S3Target:
         max_requests=_count("max_requests", options.get("max_requests", str(DEFAULT_MAX_REQUESTS)), 1, 1024),
         conditional=_bool("conditional", options.get("conditional", "true")),
         profile=profile,
+        run_blocks=_run_blocks(options.get("run_blocks", "auto")),
     )
+
+
+def _run_blocks(text: str) -> int:
+    return 0 if text == "auto" else _count("run_blocks", text, 1, MAX_RUN_BLOCKS)
 
 
 def credentials_source(target: S3Target, environ: dict[str, str] | None = None) -> str:
