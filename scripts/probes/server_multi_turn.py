@@ -192,6 +192,45 @@ def metrics(base: str) -> dict[str, float]:
     return out
 
 
+#: What a sampled stack is doing, by the first of these frames found in it (innermost first).
+#: kvhal's synchronous load wait is its worker side's ``start_load_kv`` blocked on the copy.
+ACTIVITIES = (
+    ("kvhal: start_load_kv", "start_load_kv"),
+    ("kvhal: wait_for_save", "wait_for_save"),
+    ("kvhal: other hooks", "kvhal/vllm/"),
+    ("kvhal threads", "kvhal/"),
+    ("model forward", "_model_forward"),
+    ("sampling", "sample_tokens"),
+    ("execute_model, the rest", "execute_model"),
+    ("scheduler", "schedule ("),
+    ("scheduler: update", "update_from_output"),
+    ("busy loop (shm queue)", "shm_broadcast.py"),
+    ("output processing", "process_outputs"),
+)
+
+
+def spy(pid: int, binary: str, path: Path) -> subprocess.Popen:
+    """py-spy sampling every thread of ``pid`` (idle ones too) until interrupted."""
+    command = [binary, "record", "--pid", str(pid), "--idle", "--threads", "--rate", "100"]
+    command += ["--format", "raw", "--nonblocking", "-o", str(path)]
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def spied(path: Path) -> dict[str, dict[str, int]]:
+    """Samples per thread (by name: ``thread (TID): NAME``, digits dropped) and activity from a
+    py-spy raw file. Waits are sampled too (``--idle``): a stack says what a thread waits in."""
+    found: dict[str, dict[str, int]] = {}
+    if not path.exists():
+        return found
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        thread = re.sub(r"[0-9]+", "#", stack.split(";", 1)[0].partition(": ")[2])
+        what = next((name for name, frame in ACTIVITIES if frame in stack), "other")
+        by = found.setdefault(thread, {})
+        by[what] = by.get(what, 0) + int(count)
+    return found
+
+
 def loadavg() -> str:
     return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
@@ -201,10 +240,12 @@ def pinned(cpus: str | None, command: list[str]) -> list[str]:
 
 
 def serve(name: str, args: argparse.Namespace, model: Path, gen: Path, out: Path, k: int) -> dict:
-    engine, kvhal = configs(args.num_clients)[name]
+    base, _, extra = name.partition(":")  # "host:K=V,K=V": host with these variables set
+    engine, kvhal = configs(args.num_clients)[base]
+    variables = dict(item.split("=", 1) for item in extra.split(",") if item)
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    env = {**os.environ, **BASE_ENV, "VLLM_PORT": str(free_port()), **dict(args.server_env)}
+    env = {**os.environ, **BASE_ENV, "VLLM_PORT": str(free_port()), **dict(args.server_env), **variables}
     log = out / f"{k:02d}-{name}-server.log"
     command = pinned(args.server_cpus, api_server_command(str(model), port=port, kvhal=kvhal, engine=engine))
     with log.open("w") as sink:
@@ -227,6 +268,11 @@ def serve(name: str, args: argparse.Namespace, model: Path, gen: Path, out: Path
         bench += ["model", "-u", base, "-i", str(gen), "--seed", str(args.seed), "-p", str(args.num_clients)]
         bench += ["-k", str(USERS), "--no-early-stop"]  # else it stops when one client has no work
         before_cpu, before_metrics, load_before = thread_cpu(server.pid), metrics(base), loadavg()
+        spies = {}
+        if args.py_spy:
+            for proc in [psutil.Process(server.pid), *psutil.Process(server.pid).children(recursive=True)]:
+                role = "api_server" if proc.pid == server.pid else proc.name().replace("VLLM::", "")
+                spies[role] = spy(proc.pid, args.py_spy, out / f"{k:02d}-{name}-{role}.spy")
         start = time.perf_counter()
         with (out / f"{k:02d}-{name}-bench.log").open("w") as sink:
             client = subprocess.Popen(
@@ -237,6 +283,9 @@ def serve(name: str, args: argparse.Namespace, model: Path, gen: Path, out: Path
             )
             _, status, usage = os.wait4(client.pid, 0)  # rusage: the benchmark and its clients
         wall = time.perf_counter() - start
+        for process in spies.values():
+            process.send_signal(2)  # py-spy writes its file on SIGINT
+            process.wait(60)
         after_cpu, after_metrics = thread_cpu(server.pid), metrics(base)
         if status != 0 or not requests.exists():
             raise SystemExit(f"{name}: the benchmark failed, see {out}/{k:02d}-{name}-bench.log")
@@ -251,6 +300,7 @@ def serve(name: str, args: argparse.Namespace, model: Path, gen: Path, out: Path
             "requests": json.loads(requests.read_text()),
             "cpu_s": {key: round(v, 3) for key, v in sorted(cpu.items()) if v > 0},
             "metrics": {key: v for key, v in grew.items() if v},
+            "samples": {role: spied(out / f"{k:02d}-{name}-{role}.spy") for role in spies},
         }
     finally:
         if server.poll() is None:
@@ -322,6 +372,14 @@ def report(runs: list[dict]) -> None:
         top = sorted(run["cpu_s"].items(), key=lambda kv: -kv[1])[:12]
         shown = ", ".join(f"{n} {v:.2f}" for n, v in top)
         print(f"  {k + 1} {run['config']} ({run['wall_s']:.1f} s, load {run['load_after']}): {shown}")
+        for role, threads in run.get("samples", {}).items():
+            for thread, acts in threads.items():
+                busy = {a: n for a, n in sorted(acts.items(), key=lambda kv: -kv[1]) if a != "idle"}
+                if sum(busy.values()) >= 100:  # a second of samples at least
+                    parts = ", ".join(f"{a} {n / 100:.1f}" for a, n in busy.items())
+                    print(
+                        f"    {role} {thread}: s sampled busy: {parts} (idle {acts.get('idle', 0) / 100:.1f})"
+                    )
 
 
 def main() -> None:
@@ -330,31 +388,40 @@ def main() -> None:
     parser.add_argument("--text", type=Path, help="conversations' and tokenizer's text (DIR/pg1184.txt)")
     parser.add_argument("--out", type=Path, default=Path("bench-results/server-multi-turn"))
     parser.add_argument("--models", type=Path, default=Path.home() / ".cache" / "kvhal-bench-models")
-    parser.add_argument("--order", nargs="+", default=["floor", "host"] * 2, choices=["floor", "host"])
+    parser.add_argument(
+        "--order",
+        nargs="+",
+        default=["floor", "host"] * 2,
+        help="runs: floor, host, or either with the server's variables set (host:K=V,K=V)",
+    )
     parser.add_argument("--num-clients", type=int, default=3, help="the benchmark's clients (in flight)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--py-spy", metavar="BIN", help="py-spy: sample the server's processes (100 Hz)")
     parser.add_argument("--server-cpus", help="taskset -c list for the server (default: none)")
     parser.add_argument("--client-cpus", help="taskset -c list for the benchmark (default: none)")
     parser.add_argument(
         "--server-env", action="append", default=[], type=lambda s: tuple(s.split("=", 1)), metavar="K=V"
     )
     args = parser.parse_args()
+    if bad := [n for n in args.order if n.partition(":")[0] not in ("floor", "host")]:
+        parser.error(f"unknown runs {bad}: floor or host, with :K=V,... after it")
     text = (args.text or args.bench_dir / "pg1184.txt").resolve()
     args.out.mkdir(parents=True, exist_ok=True)
     model = build_model(args.models, text)
     gen = workload(text, Path(tempfile.mkdtemp(prefix="smt-")) / "generate.json")
-    runs = []
-    for k, name in enumerate(args.order):
-        print(f"run {k + 1}/{len(args.order)}: {name}, load {loadavg()}", flush=True)
-        runs.append(serve(name, args, model, gen, args.out, k))
-        print(f"  {runs[-1]['wall_s']:.0f} s, load {runs[-1]['load_after']}", flush=True)
-    report(runs)
     header = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         "argv": sys.argv,
         "model": asdict(MODEL),
         "configs": configs(args.num_clients),
     }
+    runs: list[dict] = []
+    for k, name in enumerate(args.order):
+        print(f"run {k + 1}/{len(args.order)}: {name}, load {loadavg()}", flush=True)
+        runs.append(serve(name, args, model, gen, args.out, k))
+        print(f"  {runs[-1]['wall_s']:.0f} s, load {runs[-1]['load_after']}", flush=True)
+        (args.out / "server_multi_turn.json").write_text(json.dumps({**header, "runs": runs}, indent=1))
+    report(runs)
     (args.out / "server_multi_turn.json").write_text(json.dumps({**header, "runs": runs}, indent=1))
     print(f"\nwrote {args.out / 'server_multi_turn.json'}")
 
