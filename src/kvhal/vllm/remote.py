@@ -173,7 +173,8 @@ def open_remote_tier(
         )
     if role == "index":
         logger.info(
-            "kvhal: remote tier %s (HMAC: %s, lookups %d ms, loads %d ms, at most %d blocks written at once)",
+            "kvhal: remote tier %s (HMAC: %s, lookups %d ms, loads %d ms, at most %d blocks written at once, "
+            "%s)",
             url,
             ("on" + (f", {len(previous)} previous secret(s) accepted" if previous else ""))
             if secret
@@ -181,5 +182,8 @@ def open_remote_tier(
             remote.lookup_timeout_ms,
             remote.load_timeout_ms,
             remote.max_inflight_blocks,
+            (f"runs of {tier.run_blocks} blocks a value" if tier.run_blocks > 1 else "a value a block")
+            if tier.up
+            else "values per block known once connected",
         )
     return tier
