@@ -37,6 +37,8 @@ def split_hit(
     :param read_from: tier name -> the keys read from it (at the prefetch, or by the load).
     :param order: the tiers below the host tier, top to bottom.
     """
+    if not read_from:  # the usual host hit: every block's tokens are the host tier's
+        return {HOST: count * block_size} if count else {}
     rank = {name: i for i, name in enumerate(order)}
     tier_of: dict[int, str] = {}
     for name, keys in read_from.items():
