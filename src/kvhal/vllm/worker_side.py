@@ -53,7 +53,7 @@ from kvhal.vllm.metadata import KVHALMetadata, KVHALWorkerMetadata, LoadJob, Sto
 from kvhal.vllm.stats import READ_FAILURE_COUNTERS, KVHALStats
 from kvhal.vllm.tier_list import TierReadWrite, ends_by, load_wait_s, open_worker_tiers, result_of
 from kvhal.vllm.trace import TraceRecorder, WorkerObserver
-from kvhal.vllm.worker_jobs import Running, on_engine_thread
+from kvhal.vllm.worker_jobs import Running, on_engine_thread, submit_copies
 from kvhal.vllm.worker_reports import WorkerReports
 from kvhal.vllm.worker_setup import wrap_caches
 
@@ -90,7 +90,7 @@ class WorkerSide:
         self.host_views: dict[int, KVCache] = {}
         self.tiers: dict[str, TierReadWrite] = {}  # the tiers below, by name
         self._jobs: dict[int, Running] = {}  # every job in flight, by id
-        self._job_of_copy: dict[int, int] = {}  # a device copy's job (the index of Running.copies)
+        self._job_of_copy: dict[int, list[int]] = {}  # a device copy's jobs (the index of Running.copies)
         self.reports = WorkerReports(self.traits)  # what this worker has yet to report
         self._stores_started: KVHALMetadata | None = None  # the step whose stores were submitted
         self._idle = False  # this step computes nothing and no request waits (KVHALMetadata.idle)
@@ -166,8 +166,8 @@ class WorkerSide:
         below first; :meth:`collect` reports them. The compute stream waits for the
         synchronous ones: vLLM runs their requests in this step's forward."""
         self.observer.call("loads")
-        sync_copies: list[int] = []
         by_layer: list[LoadJob] = []
+        plain: list[Running] = []
         for job in meta.loads:
             running = Running(job)
             if job.doomed:
@@ -178,9 +178,12 @@ class WorkerSide:
             elif job.sync and self.layer_gate.takes(job, self.device):
                 by_layer.append(job)
             else:
-                self._submit(running)
-                if job.sync:
-                    sync_copies.extend(running.copies)
+                plain.append(running)
+        # the synchronous ones apart: the compute stream waits for their copies alone
+        for batch in ([r for r in plain if r.sync], [r for r in plain if not r.sync]):
+            if batch:
+                self._submit(batch)
+        sync_copies = list(dict.fromkeys(c for r in plain if r.sync for c in r.copies))
         if by_layer:
             self._submit_by_layer(by_layer)
         if sync_copies:
@@ -195,7 +198,8 @@ class WorkerSide:
         copies, refused = self.layer_gate.submit(self.engine, jobs)
         for job in jobs:
             running = self._jobs[job.job_id] = Running(job, copies[job.job_id], ok=job.job_id not in refused)
-            self._job_of_copy.update(dict.fromkeys(running.copies, job.job_id))
+            for copy in running.copies:
+                self._job_of_copy.setdefault(copy, []).append(job.job_id)
             if not running.copies:
                 self._finish(running, running.ok)
 
@@ -218,9 +222,10 @@ class WorkerSide:
         left = self.layer_gate.end_forward()
         if left:
             for copy in left:
-                running = self._jobs.get(self._job_of_copy.get(copy, -1))
-                if running is not None:
-                    running.ok = False
+                for job_id in self._job_of_copy.get(copy, ()):
+                    running = self._jobs.get(job_id)
+                    if running is not None:
+                        running.ok = False
             assert self.engine is not None and self.device is not None
             self.engine.order_after(self.device.current_stream(), left)
 
@@ -263,45 +268,33 @@ class WorkerSide:
         for job in meta.stores:
             self.reports.store_started(job)
             self.observer.stored(job, self.caches)
-            self._submit(Running(job))
+        if meta.stores:
+            self._submit([Running(job) for job in meta.stores])
 
-    def _submit(self, running: Running) -> None:
-        """Submit a load's or a store's device copies."""
+    def _submit(self, runnings: list[Running]) -> None:
+        """Submit loads' or stores' device copies, all of them at once (:func:`submit_copies`)."""
         assert self.engine is not None
-        job = running.job
-        assert isinstance(job, (LoadJob, StoreJob))
-        self._jobs[job.job_id] = running
-        for group_id, (block_ids, slots) in job.groups.items():
-            if not block_ids:
-                continue
-            cache, host = self.caches[group_id], self.host_views[group_id]
-            keys = ()  # the manager's keys stay scheduler-side; jobs are tracked by id
-            try:
-                if isinstance(job, StoreJob):
-                    copy = self.engine.submit_store(
-                        keys, cache, host, list(zip(block_ids, slots, strict=True))
-                    )
-                else:
-                    copy = self.engine.submit_load(
-                        keys, host, cache, list(zip(slots, block_ids, strict=True))
-                    )
-            except Exception:  # a refused copy fails the job; the engine recomputes or skips it
-                logger.exception("kvhal: %s job %d refused", type(job).__name__, job.job_id)
-                running.ok = False
-                continue
-            running.copies.add(copy)
-            self._job_of_copy[copy] = job.job_id
-        if not running.copies:
-            self._finish(running, running.ok)
+        jobs = [running.job for running in runnings]
+        copies, refused = submit_copies(self.engine, self.caches, self.host_views, jobs)  # type: ignore[arg-type]
+        for running in runnings:
+            job_id = running.job.job_id
+            self._jobs[job_id] = running
+            running.copies |= copies[job_id]
+            running.ok &= job_id not in refused
+            for copy in copies[job_id]:
+                self._job_of_copy.setdefault(copy, []).append(job_id)
+            if not running.copies:
+                self._finish(running, running.ok)
 
     def _onresult_of(self, result: TransferResult) -> None:
-        running = self._jobs[self._job_of_copy.pop(result.job_id)]
-        running.copies.discard(result.job_id)
-        running.ok &= result.success
-        if not result.success:
-            logger.warning("kvhal: job %d failed: %s", running.job.job_id, result.error)
-        if not running.copies:
-            self._finish(running, running.ok)
+        for job_id in self._job_of_copy.pop(result.job_id):  # a step's jobs share a copy
+            running = self._jobs[job_id]
+            running.copies.discard(result.job_id)
+            running.ok &= result.success
+            if not result.success:
+                logger.warning("kvhal: job %d failed: %s", job_id, result.error)
+            if not running.copies:
+                self._finish(running, running.ok)
 
     def _finish(self, running: Running, ok: bool) -> None:
         """End a job here: report it, and what follows from its kind."""
@@ -411,7 +404,7 @@ class WorkerSide:
         reads, running.reads = running.reads, {}
         if not failures and not shutting_down and not running.gave_up:
             if isinstance(running.job, LoadJob):
-                self._submit(running)  # now a load of host slots, as any hit
+                self._submit([running])  # now a load of host slots, as any hit
             else:
                 self._finish(running, ok=True)
             return
