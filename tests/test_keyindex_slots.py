@@ -278,6 +278,9 @@ def test_add_refs_and_prefix_refuse_bad_states():
         add_refs(refs, [3], 1, 0, 5)
     with pytest.raises(ValueError):
         add_refs([0], [0], 2**40, 0, 5)
+    top, bottom = 2**63 - 1, -(2**63)
+    assert add_refs([top], [0], 1, 0, top) == -1  # past a C long long: refused, not wrapped
+    assert add_refs([bottom], [0], -1, bottom, 0) == -1
     index = KeyIndex((0, 1))
     index.add([b"a"], [0])
     with pytest.raises(ValueError, match="states"):

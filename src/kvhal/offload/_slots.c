@@ -19,6 +19,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <limits.h>
 #include <stdint.h>
 
 #include "_slots.h"
@@ -406,6 +407,10 @@ static PyObject *add_refs(PyObject *Py_UNUSED(module), PyObject *args) {
         if (overflow || (pre == -1 && PyErr_Occurred()) || pre < lowest || pre > highest) {
             PyErr_Clear();
             bad = i;
+            break;
+        }
+        if ((delta > 0 && pre > LLONG_MAX - delta) || (delta < 0 && pre < LLONG_MIN - delta)) {
+            bad = i; /* the move would leave a C long long: refused as out of bounds */
             break;
         }
         long long now = pre + delta;
