@@ -237,3 +237,17 @@ def test_without_memlock_rights_the_start_warns_once_and_the_engine_runs_on_page
     [host] = [line for line in lines if line.startswith("HOST ")]
     capacity, pinned = host.split()[1:]
     assert int(capacity) > LIMIT and pinned == "False"
+
+
+def test_cpu_binding_is_warned_of_where_vllm_reserves_no_core_for_its_frontend() -> None:
+    from kvhal.vllm.start_log import cpu_binding_warning
+
+    warned = cpu_binding_warning("cpu", 1, 2, {})
+    assert warned is not None and "VLLM_CPU_NUM_OF_RESERVED_CPU=1" in warned
+    assert "VLLM_CPU_NUM_OF_RESERVED_CPU=2" in (cpu_binding_warning("cpu", 2, 4, {}) or "")
+    # vLLM keeps cores for its frontend, the user chose, one process, or not the CPU: no warning
+    assert cpu_binding_warning("cpu", 1, 3, {}) is None
+    assert cpu_binding_warning("cpu", 1, 2, {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}) is None
+    assert cpu_binding_warning("cpu", 1, 2, {"VLLM_CPU_OMP_THREADS_BIND": "0-1"}) is None
+    assert cpu_binding_warning("cpu", 1, 2, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}) is None
+    assert cpu_binding_warning("cuda", 1, 2, {}) is None

@@ -11,6 +11,8 @@ it is tested without an engine.
 from __future__ import annotations
 
 import logging
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +27,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "HostMemory",
+    "cpu_binding_warning",
     "device_plugin",
     "host_memory",
     "log_start",
@@ -130,6 +133,40 @@ def pinning_warning(plugin: str, memory: HostMemory) -> str:
     )
 
 
+def cpu_binding_warning(
+    device_type: str | None, world_size: int, cpus: int, environ: Mapping[str, str] | None = None
+) -> str | None:
+    """The warning for vLLM's CPU backend leaving no core to its API server and scheduler.
+
+    vLLM (0.32) reserves ``world_size`` cores for the processes beside its workers, and as many
+    again whenever a KV connector is configured (for NIXL's threads). On ``cpus`` <= twice the
+    workers' that reservation is dropped altogether: the workers' OpenMP threads are bound to
+    every core, and the API server, the scheduler's busy loop and the clients then preempt a
+    forward whose threads wait for each other (BENCHMARKS.md, "The OpenAI server path": 1.2-1.9x
+    the returning turns' TTFT of vLLM alone on 2 cores, 1.12-1.15x with the reservation set). None
+    where vLLM binds as it would without kvhal, or the user chose the binding."""
+    environ = os.environ if environ is None else environ
+    if device_type != "cpu" or environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0":
+        return None  # one process: vLLM binds nothing and reserves nothing
+    if (
+        environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU")
+        or environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") != "auto"
+    ):
+        return None
+    if cpus > 2 * world_size:
+        return None  # vLLM reserves one core more than without a connector: a core, not the step
+    return (
+        f"kvhal: vLLM's CPU backend reserves {2 * world_size} of this engine's {cpus} cores when a "
+        "KV connector is configured (one per worker more than without one, for NIXL) and, as that "
+        "leaves its workers too few, reserves none: every core runs the forward's OpenMP threads, "
+        "and the API server and the scheduler take them from it (on 2 cores the server's "
+        "returning turns took 1.2-1.9x vLLM alone's and its decode steps 3-4x; 1.12-1.15x and "
+        f"the same with the fix). Fix: set VLLM_CPU_NUM_OF_RESERVED_CPU={world_size} (the "
+        "reservation vLLM makes without a connector), or bind the workers yourself with "
+        "VLLM_CPU_OMP_THREADS_BIND"
+    )
+
+
 def _select(config: ConnectorConfig, device_type: str | None) -> tuple[str, DeviceDescriptor | None]:
     """The device plugin the workers will select, in words, and its probe's descriptor (they
     select it again, and their selection is the one that counts: a failure here is
@@ -188,3 +225,8 @@ def log_start(logger: logging.Logger, config: ConnectorConfig, vllm_config: Any)
             logger.warning("%s", build_info.missing_extension_warning(by_module[module], reason))
     if memory.pinned is False and memory.turned_off is None:
         logger.warning("%s", pinning_warning(device, memory))
+    parallel = getattr(vllm_config, "parallel_config", None)
+    world = int(getattr(parallel, "local_world_size", None) or getattr(parallel, "world_size", 1) or 1)
+    binding = cpu_binding_warning(device_type, world, len(os.sched_getaffinity(0)))
+    if binding is not None:
+        logger.warning("%s", binding)
