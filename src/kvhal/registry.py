@@ -30,7 +30,7 @@ import pluggy
 from kvhal import env, hookspecs
 from kvhal.cpu import CPUPlugin
 from kvhal.descriptor import DeviceDescriptor, Refusal
-from kvhal.device import Device
+from kvhal.device import Device, PluginManager
 from kvhal.discovery import (
     BUILTIN_DISTRIBUTION,
     ENTRY_POINT_GROUP,
@@ -106,7 +106,7 @@ class PluginRegistry:
         self.block = split_names(block if block is not None else env.read(ENV_BLOCK)) or set()
         if autoload is None:
             autoload = (env.read(ENV_NO_AUTOLOAD) or "") not in ("1", "true", "yes")
-        self.pm = pluggy.PluginManager(hookspecs.PROJECT)
+        self.pm = PluginManager(hookspecs.PROJECT)
         self.pm.add_hookspecs(hookspecs)
         self.plugins: list[PluginInfo] = []
         self.register(CPUPlugin(), "cpu", BUILTIN_DISTRIBUTION)
