@@ -96,6 +96,15 @@ def test_a_returning_request_and_a_new_one_each_take_one_round_trip():
     assert len(calls) == 1 and calls[0] <= 16
 
 
+def test_a_prefill_cut_across_a_run_costs_one_more_round_trip():
+    k, positions = 8, list(range(0, 44))  # runs end at 7, 15, 23, 31, 39; blocks 40-43 alone
+    runs = {7, 15, 31, 39}  # the run of blocks 16-23 was cut by a chunk of the prefill: alone
+    alone = set(range(16, 24)) | {40, 41, 42, 43}
+    exists, calls = _store(runs, alone, positions)
+    assert held_blocks(44, pieces(positions, k, tails=True), exists) == 44
+    assert len(calls) == 2, "the runs and the blocks after them, then the cut run's blocks"
+
+
 def test_a_run_never_stored_whole_is_found_block_by_block():
     k, positions = 4, list(range(2, 30))  # the lookup starts inside run 0 (blocks 0-3)
     runs = {1, 5}  # runs ending at blocks 3 and 7 (key indices 1 and 5)

@@ -123,17 +123,14 @@ def held_blocks(count: int, parts: list[Piece], exists: Callable[[list[Unit]], l
         units = [(True, runs[i].indices[-1]) for i in indices]
         extra, first = (early if first else []), False  # the first batch carries the blocks' first names
         answers = ask(units + extra)[: len(units)]
-        # A run not there may be held block by block (never stored whole): its first block, then
-        # the others, each a batch for every such run; none where the first run's first block is
-        # known absent (a new request's: asked in the first batch).
-        absent = sorted((a for a in range(len(indices)) if not answers[a]), key=lambda a: indices[a])
-        if not absent or memo.get((False, runs[indices[absent[0]]].indices[0])) is False:
-            return answers
-        firsts = ask([(False, runs[indices[a]].indices[0]) for a in absent])
-        maybe = [a for a, yes in zip(absent, firsts, strict=True) if yes]
-        ask([(False, i) for a in maybe for i in runs[indices[a]].indices[1:]])
-        for a in absent:  # the prefix ends at the first run held neither way
-            answers[a] = all(memo[(False, i)] for i in runs[indices[a]].indices) if a in maybe else False
+        # A run not there may be held block by block (never stored whole: a prefill cut in chunks
+        # across it): all of its blocks in one batch, run by run, up to the first held neither way;
+        # none where its first block is known absent (a new request's: asked in the first batch).
+        for a in sorted((a for a in range(len(indices)) if not answers[a]), key=lambda a: indices[a]):
+            blocks = runs[indices[a]].indices
+            if memo.get((False, blocks[0])) is False:
+                break
+            answers[a] = all(ask([(False, i) for i in blocks]))
             if not answers[a]:
                 break
         return answers
