@@ -69,7 +69,8 @@ class StorePlanner:
         """The stores of the blocks this step fills, each with its write-throughs."""
         bs = self.config.block_size
         block_state = self._block_tables.update(scheduler_output)
-        stores = []
+        stores: list[StoreJob] = []
+        gids = [group.group_id for group in self.config.groups]
         for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
             state = requests.get(req_id)
             if state is None or block_state is None:
@@ -83,7 +84,6 @@ class StorePlanner:
             table = block_state.get_block_ids(req_id)
             if table is None:
                 continue
-            gids = [group.group_id for group in self.config.groups]
             first, held = state.stored_upto, 0
             lo, hi = state.loading_blocks if state.loading is not None else (0, 0)
             if lo <= first < hi:
@@ -105,12 +105,15 @@ class StorePlanner:
             if not plan.keys:
                 continue
             groups: Groups = {}
-            for key, slot in zip(plan.keys, plan.slots, strict=True):
-                at = where[key]
-                group_id, block_id = gids[bisect_right(starts, at) - 1], block_of[at]
-                ids, slots = groups.setdefault(group_id, ([], []))
-                ids.append(block_id)
-                slots.append(slot)
+            if len(gids) == 1:  # one KV cache group (most models): no group to find a key
+                groups[gids[0]] = ([block_of[where[key]] for key in plan.keys], list(plan.slots))
+            else:
+                for key, slot in zip(plan.keys, plan.slots, strict=True):
+                    at = where[key]
+                    group_id, block_id = gids[bisect_right(starts, at) - 1], block_of[at]
+                    ids, slots = groups.setdefault(group_id, ([], []))
+                    ids.append(block_id)
+                    slots.append(slot)
             self.storing.update(plan.keys)
             job = self.jobs.store(req_id, plan.keys, groups, state.tenant)
             self.fences.add(job.job_id, self.jobs[job.job_id].blocks)
