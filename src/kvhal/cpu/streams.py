@@ -32,6 +32,11 @@ class _Marker:
     error: BaseException | None = None
 
 
+#: The compute stream's markers: its work is done when recorded.
+_DONE = _Marker()
+_DONE.done.set()
+
+
 class CPUEvent:
     """An event: completes when the stream it was last recorded on reaches it."""
 
@@ -121,7 +126,10 @@ class CPUStream:
 
     def wait_event(self, event: CPUEvent) -> None:
         marker = event._marker
-        if marker is not None:
+        # an event already complete orders nothing (CUDA's wait captures the event as it is
+        # now): no task to queue and no worker to wake, as for every copy's wait on the compute
+        # stream's marker, recorded complete
+        if marker is not None and not marker.done.is_set():
             self.submit(marker.done.wait)
 
     def synchronize(self) -> None:
@@ -137,9 +145,7 @@ class InlineStream:
         task()
 
     def record(self, event: CPUEvent) -> None:
-        marker = _Marker()
-        marker.done.set()
-        event._marker = marker
+        event._marker = _DONE  # complete at once, never failed: one marker for every record
 
     def wait_event(self, event: CPUEvent) -> None:
         marker = event._marker
