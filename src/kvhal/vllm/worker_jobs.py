@@ -20,7 +20,7 @@ from kvhal.tiers.chain import TierRead
 from kvhal.vllm.metadata import LoadJob, ReadJob, StoreJob, WriteJob
 
 F = TypeVar("F", bound=Callable[..., Any])
-logger = logging.getLogger("vllm.kvhal.vllm.worker_side")  # the worker side's logger
+logger = logging.getLogger("vllm." + __name__)  # under "vllm": its handlers and level
 
 
 @dataclass
