@@ -112,7 +112,7 @@ def test_a_run_never_stored_whole_is_found_block_by_block():
     exists, calls = _store(runs, alone, positions)
     held = held_blocks(28, pieces(positions, k, tails=True), exists)
     assert held == 20 == _expected(28, k, runs, alone, positions)
-    assert len(calls) <= 6  # per round of the run search: the runs, their first blocks, the rest
+    assert len(calls) <= 6  # per round of the run search: the runs, then the blocks of those not there
 
 
 @given(
@@ -132,4 +132,4 @@ def test_held_blocks_is_the_held_prefix_where_what_is_held_is_a_prefix(start, co
     alone = {i for i in range(upto) if i not in covered}
     exists, calls = _store(runs, alone, positions)
     assert held_blocks(count, parts, exists) == upto
-    assert len(calls) <= 12  # 3 rounds of the run search (3 batches each), 3 of the blocks after
+    assert len(calls) <= 9  # 3 rounds of the run search (2 batches each), 3 of the blocks after

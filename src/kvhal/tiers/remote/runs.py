@@ -124,15 +124,17 @@ def held_blocks(count: int, parts: list[Piece], exists: Callable[[list[Unit]], l
         extra, first = (early if first else []), False  # the first batch carries the blocks' first names
         answers = ask(units + extra)[: len(units)]
         # A run not there may be held block by block (never stored whole: a prefill cut in chunks
-        # across it): all of its blocks in one batch, run by run, up to the first held neither way;
-        # none where its first block is known absent (a new request's: asked in the first batch).
-        for a in sorted((a for a in range(len(indices)) if not answers[a]), key=lambda a: indices[a]):
-            blocks = runs[indices[a]].indices
-            if memo.get((False, blocks[0])) is False:
-                break
-            answers[a] = all(ask([(False, i) for i in blocks]))
-            if not answers[a]:
-                break
+        # across it, or written by an engine storing every block alone): the blocks of every such
+        # run of this round in one batch; none where the first one's first block is known absent
+        # (a new request's: asked in the first batch). The prefix ends at the first run held
+        # neither way.
+        absent = sorted((a for a in range(len(indices)) if not answers[a]), key=lambda a: indices[a])
+        if absent and memo.get((False, runs[indices[absent[0]]].indices[0])) is not False:
+            ask([(False, i) for a in absent for i in runs[indices[a]].indices])
+            for a in absent:
+                answers[a] = all(memo[(False, i)] for i in runs[indices[a]].indices)
+                if not answers[a]:
+                    break
         return answers
 
     found = held_prefix(len(runs), ask_runs)
