@@ -219,6 +219,10 @@ class RemoteTier:
         prefix = self._prefixes[self.spec.rank if rank is None else rank]
         return f"{prefix}r{self.run_blocks}-{key.hex()}"
 
+    def _object(self, keys: list[bytes], names: list[str], part: Piece) -> str:
+        """The name of the value ``part`` of a call moves: its run's, or its one block's."""
+        return self._run_name(keys[part.indices[-1]]) if part.run else names[part.indices[0]]
+
     def _pieces(self, positions: Sequence[int] | None, count: int, tails: bool) -> list[Piece]:
         if positions is not None and len(positions) != count:
             raise ValueError(f"{len(positions)} positions for {count} keys")
@@ -252,13 +256,13 @@ class RemoteTier:
         (:func:`~kvhal.tiers.remote.runs.held_blocks`). How long each took is kept
         (:attr:`expected_lookup_s`)."""
         keys = list(keys)
-        parts = self._pieces(positions, len(keys), tails=True)
         ranks = range(self.spec.world_size)
         asked_at = time.monotonic()
         store = self._store
         if store is None or not store.sparse_exist:
             future = self.exist(keys)
         else:
+            parts = self._pieces(positions, len(keys), tails=True)  # (a store asked by name only)
 
             def ask(store: RemoteStore, indices: list[int]) -> list[bool]:
                 asked = [keys[i] for i in indices]
@@ -330,7 +334,7 @@ class RemoteTier:
             for header, payload, name in zip(headers, payloads, names, strict=True):
                 remote_format.write_header(header, payload, self._namespace, name, self.secret)
             # a value per piece: a block's header and bytes, or a run's blocks', one after another
-            objects = [self._run_name(keys[p.indices[-1]]) if p.run else names[p.indices[0]] for p in parts]
+            objects = [self._object(keys, names, p) for p in parts]
             values = [tuple(view for i in p.indices for view in (headers[i], payloads[i])) for p in parts]
             with self._lock:
                 refused = {i: self._refused[n] for i, n in enumerate(objects) if n in self._refused}
@@ -406,9 +410,7 @@ class RemoteTier:
             def fetch(batch: list[Piece]) -> list[Piece]:
                 """Read ``batch`` and judge its blocks; the runs that were not there."""
                 nonlocal previous
-                objects = [
-                    self._run_name(keys[p.indices[-1]]) if p.run else names[p.indices[0]] for p in batch
-                ]
+                objects = [self._object(keys, names, p) for p in batch]
                 starts = [p.skip * block for p in batch]
                 buffers = [[view for i in p.indices for view in (headers[i], payloads[i])] for p in batch]
                 if self.run_blocks > 1:
