@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvhal.tiers.remote.run_search import ROUND
 from kvhal.tiers.remote.runs import MAX_RUN_BLOCKS, held_blocks, pieces, run_blocks_for
 
 
@@ -86,23 +87,41 @@ def _expected(count: int, k: int, stored_runs: set[int], stored_alone: set[int],
     return held
 
 
-def test_a_returning_request_and_a_new_one_each_take_one_round_trip():
+def test_a_returning_request_and_a_new_one_each_take_one_round_trip_of_a_few_names():
     k, positions = 8, list(range(0, 60))  # runs end at 7, 15, ..., 55; blocks 56-59 alone
     exists, calls = _store({7, 15, 23, 31, 39, 47, 55}, {56, 57}, positions)
     assert held_blocks(60, pieces(positions, k, tails=True), exists) == 58
-    assert len(calls) == 1, "one batch for runs and the blocks after them"
+    assert calls == [8], "one batch: blocks 0 and 55 and their runs, blocks 56-59"
     exists, calls = _store(set(), set(), positions)
     assert held_blocks(60, pieces(positions, k, tails=True), exists) == 0
-    assert len(calls) == 1 and calls[0] <= 16
+    assert calls == [8]
 
 
-def test_a_prefill_cut_across_a_run_costs_one_more_round_trip():
+def test_a_chat_turns_split_run_is_found_in_the_same_round_trip():
+    # turn 1 stored blocks 0-39 as runs, its partial run (40-45) and its answer's block (46)
+    # alone; turn 2's prompt reaches block 49, its last three blocks new
+    k, positions = 8, list(range(0, 50))
+    exists, calls = _store({7, 15, 23, 31, 39}, set(range(40, 47)), positions)
+    assert held_blocks(50, pieces(positions, k, tails=True), exists) == 47
+    assert calls == [8], "block 0 and its run, blocks 45-49 and the run of 40-47"
+
+
+def test_a_prefill_cut_across_a_run_is_taken_as_held_between_the_names_asked():
     k, positions = 8, list(range(0, 44))  # runs end at 7, 15, 23, 31, 39; blocks 40-43 alone
     runs = {7, 15, 31, 39}  # the run of blocks 16-23 was cut by a chunk of the prefill: alone
     alone = set(range(16, 24)) | {40, 41, 42, 43}
     exists, calls = _store(runs, alone, positions)
     assert held_blocks(44, pieces(positions, k, tails=True), exists) == 44
-    assert len(calls) == 2, "the runs and the blocks after them, then the cut run's blocks"
+    assert len(calls) == 1, "the blocks of the cut run are not asked"
+
+
+def test_a_hole_between_the_names_asked_is_taken_as_held_and_one_asked_ends_the_hit():
+    k, positions = 8, list(range(0, 50))
+    runs, alone = {7, 15, 23, 31, 39}, set(range(40, 47))
+    exists, _ = _store(runs - {23}, alone, positions)  # run 16-23 expired: its read fails
+    assert held_blocks(50, pieces(positions, k, tails=True), exists) == 47
+    exists, _ = _store(runs, alone - {45}, positions)  # block 45 asked: the hit ends there
+    assert held_blocks(50, pieces(positions, k, tails=True), exists) == 45
 
 
 def test_a_run_never_stored_whole_is_found_block_by_block():
@@ -112,7 +131,7 @@ def test_a_run_never_stored_whole_is_found_block_by_block():
     exists, calls = _store(runs, alone, positions)
     held = held_blocks(28, pieces(positions, k, tails=True), exists)
     assert held == 20 == _expected(28, k, runs, alone, positions)
-    assert len(calls) <= 6  # per round of the run search: the runs, then the blocks of those not there
+    assert len(calls) <= 3
 
 
 @given(
@@ -132,4 +151,5 @@ def test_held_blocks_is_the_held_prefix_where_what_is_held_is_a_prefix(start, co
     alone = {i for i in range(upto) if i not in covered}
     exists, calls = _store(runs, alone, positions)
     assert held_blocks(count, parts, exists) == upto
-    assert len(calls) <= 9  # 3 rounds of the run search (2 batches each), 3 of the blocks after
+    # one batch a round: the first and last five, then rounds of 8 blocks (two names each at most)
+    assert len(calls) <= 4 and max(calls) <= 2 * ROUND, calls

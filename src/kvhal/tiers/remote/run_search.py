@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-__all__ = ["ROUND", "first_round", "held_prefix"]
+__all__ = ["ROUND", "first_round", "held_prefix", "tail_round"]
 
 #: most names a later round asks (one batch of requests in flight at once)
 ROUND = 8
@@ -43,13 +43,22 @@ def first_round(count: int) -> list[int]:
     return sorted({0} | {count - d for d in distances if d <= count})
 
 
-def held_prefix(count: int, ask: Callable[[list[int]], list[bool]]) -> int:
+def tail_round(count: int) -> list[int]:
+    """A first round of only the run's first index and its last :data:`DENSE_TAIL`: for a
+    store whose names answer for several blocks each (runs: each asked index costs up to two
+    names), where the growing distances of :func:`first_round` would cost more names than
+    the later round they save in the rare case (a new turn longer than the tail)."""
+    return sorted({0} | {count - d for d in range(1, DENSE_TAIL + 1) if d <= count})
+
+
+def held_prefix(count: int, ask: Callable[[list[int]], list[bool]], first: list[int] | None = None) -> int:
     """How many of a run's ``count`` names, from the first, the store holds, taking the held
-    part as a prefix; ``ask(indices)`` says whether it holds each of those (one batch)."""
+    part as a prefix; ``ask(indices)`` says whether it holds each of those (one batch).
+    ``first``: the first round's indices (ascending; default :func:`first_round`)."""
     if count <= 0:
         return 0
     held, absent = -1, count  # the last index known held, the first known absent
-    indices = first_round(count)
+    indices = first_round(count) if first is None else first
     while indices:
         answers = ask(indices)
         absent = min([absent] + [i for i, found in zip(indices, answers, strict=True) if not found])

@@ -12,7 +12,8 @@ another ``k`` never read each other's runs.
 A write stores as a run only the runs it holds whole (the blocks of a request's prefill);
 its other blocks (a decode step's, a prompt's last partial run) stay one object each. A
 read takes a run's blocks from the run wherever its tail up to the run's last block is
-wanted; a run that is not there is read block by block instead.
+wanted; a run that is not there is read block by block instead. A lookup asks about a block
+by both names (:func:`held_blocks`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvhal.tiers.remote.run_search import first_round, held_prefix
+from kvhal.tiers.remote.run_search import held_prefix, tail_round
 
 __all__ = ["MAX_RUN_BLOCKS", "RUN_BYTES", "Piece", "held_blocks", "pieces", "run_blocks_for"]
 
@@ -93,52 +94,30 @@ def held_blocks(count: int, parts: list[Piece], exists: Callable[[list[Unit]], l
     ``parts`` are :func:`pieces` of their positions (``tails=True``) and ``exists(units)``
     asks the store about each unit (one batch of requests).
 
-    The runs the lookup's blocks begin with are searched first
-    (:func:`~kvhal.tiers.remote.run_search.held_prefix`; a run not there counts where its
-    blocks are there one by one), then the blocks after the last run held, alone (a prompt's
-    last partial run, a decode step's blocks, a run that was never
-    whole in one write). The first batch asks, besides the runs, the first block alone and
-    the search's first names of the blocks after the runs: a returning request's lookup and a
-    new one's both end in that one round trip.
+    A block is held where its run is (a run the lookup's blocks reach the end of) or where it
+    is stored alone; asking about a block asks both names. The held part is searched as a
+    prefix (:func:`~kvhal.tiers.remote.run_search.held_prefix`), its first round asking the
+    first block and the last :data:`~kvhal.tiers.remote.run_search.DENSE_TAIL`: a returning
+    request's stored blocks end a few blocks before its new prompt does (its new turn), and a
+    new request's first block is not held, so both end in that one round trip of a few
+    ``HEAD`` s, wherever the blocks between lie in runs or alone (a run split by a turn's end,
+    or by a chunk of a prefill, is blocks alone). A block between that no round asks is taken
+    as held: where it is not (a write dropped, an object expired), its read fails and it is
+    recomputed (the remote tier's contract for a value that has gone).
     """
-    runs = []
+    run_of: dict[int, Unit] = {}
     for part in parts:
-        if not part.run:
-            break
-        runs.append(part)
+        if part.run:
+            for i in part.indices:
+                run_of[i] = (True, part.indices[-1])
     memo: dict[Unit, bool] = {}
 
-    def ask(units: list[Unit]) -> list[bool]:
+    def ask(indices: list[int]) -> list[bool]:
+        asked = [(run_of[i],) if i in run_of else () for i in indices]
+        units = [unit for i, runs in zip(indices, asked, strict=True) for unit in (*runs, (False, i))]
         new = [unit for unit in dict.fromkeys(units) if unit not in memo]
         if new:
             memo.update(zip(new, exists(new), strict=True))
-        return [memo[unit] for unit in units]
+        return [memo[(False, i)] or (i in run_of and memo[run_of[i]]) for i in indices]
 
-    after = runs[-1].indices.stop if runs else 0
-    early = [(False, 0)] + [(False, after + i) for i in first_round(count - after) if after + i < count]
-    first = True
-
-    def ask_runs(indices: list[int]) -> list[bool]:
-        nonlocal first
-        units = [(True, runs[i].indices[-1]) for i in indices]
-        extra, first = (early if first else []), False  # the first batch carries the blocks' first names
-        answers = ask(units + extra)[: len(units)]
-        # A run not there may be held block by block (never stored whole: a prefill cut in chunks
-        # across it, or written by an engine storing every block alone): the blocks of every such
-        # run of this round in one batch; none where the first one's first block is known absent
-        # (a new request's: asked in the first batch). The prefix ends at the first run held
-        # neither way.
-        absent = sorted((a for a in range(len(indices)) if not answers[a]), key=lambda a: indices[a])
-        if absent and memo.get((False, runs[indices[absent[0]]].indices[0])) is not False:
-            ask([(False, i) for a in absent for i in runs[indices[a]].indices])
-            for a in absent:
-                answers[a] = all(memo[(False, i)] for i in runs[indices[a]].indices)
-                if not answers[a]:
-                    break
-        return answers
-
-    found = held_prefix(len(runs), ask_runs)
-    start = after if found == len(runs) else runs[found].indices.start
-    if start >= count or memo.get((False, start)) is False:
-        return start
-    return start + held_prefix(count - start, lambda indices: ask([(False, start + i) for i in indices]))
+    return held_prefix(count, ask, tail_round(count))
