@@ -62,3 +62,34 @@ def test_a_store_whose_lookups_take_longer_is_waited_for_up_to_a_bound():
     assert wait(0.008) == pytest.approx(0.012)  # a local object store's HEADs
     assert wait(STORE_LOOKUP_MAX_WAIT_S / 1.5) == pytest.approx(STORE_LOOKUP_MAX_WAIT_S)
     assert wait(0.03) == STORE_LOOKUP_WAIT_S, "a store slower than the bound is not waited for"
+
+
+def test_a_lookup_waiting_whole_waits_as_long_as_the_stores_lookups_take_within_its_timeout():
+    pytest.importorskip("vllm")
+    from kvhal.vllm.store_lookup import STORE_LOOKUP_MAX_WAIT_S, WHOLE_WAIT_LOOKUPS, _wait_for
+
+    def wait(expected: float | None, timeout: float = 0.2) -> float:
+        store = SimpleNamespace(expected_lookup_s=expected)
+        return _wait_for(SimpleNamespace(store=store, lookup_timeout_s=timeout), whole=True)
+
+    assert wait(None) == STORE_LOOKUP_MAX_WAIT_S  # nothing measured yet
+    assert wait(0.002) == STORE_LOOKUP_MAX_WAIT_S
+    assert wait(0.03) == pytest.approx(WHOLE_WAIT_LOOKUPS * 0.03), "a remote S3's HEADs are waited for"
+    assert wait(0.1) == 0.2, "never past the lookup timeout"
+    assert wait(0.03, timeout=0.05) == 0.05
+
+
+def test_only_an_in_process_worker_computing_on_the_host_makes_lookups_wait_whole(cpu):
+    pytest.importorskip("vllm")
+    from kvhal.vllm.local import waits_whole
+
+    assert cpu.computes_on_host, "the CPU plugin's device computes on the host's cores"
+
+    def worker(device_type: str | None) -> SimpleNamespace:
+        device = None if device_type is None else SimpleNamespace(computes_on_host=device_type == "cpu")
+        return SimpleNamespace(device=device)
+
+    assert waits_whole(worker("cpu"))
+    assert not waits_whole(worker("cuda")), "a GPU's forward leaves the host's cores to the read"
+    assert not waits_whole(worker(None)), "no caches registered yet"
+    assert not waits_whole(None), "workers in other processes: their reads are their jobs"

@@ -123,6 +123,13 @@ class Device:
         """The device's name as its plugin's probe declared it (``"cpu"``, ``"cuda"``)."""
         return self.descriptor.name
 
+    @property
+    def computes_on_host(self) -> bool:
+        """Whether the device computes on the host's own cores (torch's ``cpu``: the CPU
+        plugin): work kvhal does beside the engine's forward, a store's reads, takes cores from
+        it, and the forward from the reads."""
+        return self.torch_device.type == "cpu"
+
     def on(self, index: int) -> Device:
         """The same plugin bound to device ``index``."""
         return Device(self._pm, self.plugin_name, self.distribution, self.descriptor, self._others, index)

@@ -34,3 +34,13 @@ def in_process_worker(config: ConnectorConfig) -> WorkerSide | None:
     if worker is None or worker.config.engine_id != config.engine_id:
         return None
     return worker
+
+
+def waits_whole(local: WorkerSide | None) -> bool:
+    """Whether a lookup waits for its stores' answers and its prefetch's read whole rather than
+    answer ``None`` and let the engine take a step meanwhile: where the engine's one worker
+    shares this process and computes on the host's cores (the CPU plugin). There a forward
+    beside a read takes the cores the store's client and a local server read with (a returning
+    user's 9 MiB read from SeaweedFS took 100-900 ms between forwards, 40 ms alone), and the
+    read slows the forward; a GPU's forward leaves the host's cores to the read."""
+    return local is not None and local.device is not None and local.device.computes_on_host

@@ -27,6 +27,7 @@ from kvhal.tiers.backend import OK, ReadOutcome
 from kvhal.tiers.chain import Held, LoadPlan, TierChain, TierRead
 from kvhal.vllm.config import ConnectorConfig
 from kvhal.vllm.keys import offload_key
+from kvhal.vllm.local import waits_whole
 from kvhal.vllm.metadata import ReadJob
 from kvhal.vllm.request_state import Prefetch, RequestState
 from kvhal.vllm.stats import READ_FAILURE_COUNTERS, KVHALStats
@@ -41,7 +42,9 @@ logger = logging.getLogger("vllm." + __name__)  # under "vllm": its handlers and
 #: How long a lookup waits for a read through the in-process worker's tiers: a returning
 #: user's blocks (about 10 MiB) take a few milliseconds from a disk of 2.7 GB/s, an engine
 #: step of the others' decode about 65 ms (the CPU benchmarks); a read not done by then is
-#: waited for as a prefetch (``None`` answers) until its tiers' waits.
+#: waited for as a prefetch (``None`` answers) until its tiers' waits. Where the engine
+#: computes on the host's cores (:func:`~kvhal.vllm.local.waits_whole`), the lookup waits for
+#: the read up to its tiers' waits instead: a forward beside it would slow both.
 LOCAL_READ_WAIT_S = 0.02
 #: Steps after its read ends that the scheduler side learns of a workers' prefetch: it
 #: starts at the next step, and ends in that step's output or the one after.
@@ -167,7 +170,13 @@ class Prefetcher:
             reads = {read.tier: _started(worker, read) for read in plan.reads}
             local = LocalRead(plan, reads, state, now)
             self.local_reads.append(local)
-            wait = 0.0 if probe else min(deadline - now, LOCAL_READ_WAIT_S)
+            wait = (
+                0.0
+                if probe
+                else deadline - now
+                if waits_whole(worker)
+                else min(deadline - now, LOCAL_READ_WAIT_S)
+            )
             futures.wait(list(reads.values()), timeout=wait)
             self.poll_local_reads(chain)
             if local.done():

@@ -55,6 +55,7 @@ from kvhal.vllm.hit_sources import by_kind, split_hit
 from kvhal.vllm.job_table import JobTable, Pending
 from kvhal.vllm.keys import offload_keys
 from kvhal.vllm.kv_events import kv_events, tier_kv_events
+from kvhal.vllm.local import waits_whole
 from kvhal.vllm.metadata import KVHALMetadata, KVHALWorkerMetadata, LoadJob, ReadJob, StoreJob, WriteJob
 from kvhal.vllm.prefetch import Prefetcher, Started
 from kvhal.vllm.request_state import RequestState
@@ -159,7 +160,8 @@ class SchedulerSide:
         held: dict[str, set[bytes]] = {}
         if self.stores and hit < len(hashes) and not state.prefetched:
             # a store's blocks are read once, at the request's prefetch: after it, recomputed
-            if not lookup_stores(self.stores, self.config, self.stats, state, start, hashes, hit):
+            whole = waits_whole(self.local)
+            if not lookup_stores(self.stores, self.config, self.stats, state, start, hashes, hit, whole):
                 return None, False
             held = state.held
             hit, below = self._walk(state, start, len(hashes), held)

@@ -3,7 +3,8 @@
 A lookup that the local tiers end short asks every store of the chain (in one round trip
 each, at once) whether it holds the following blocks, waiting up to
 :data:`STORE_LOOKUP_WAIT_S` for the answers (longer for a store whose lookups take longer,
-up to :data:`STORE_LOOKUP_MAX_WAIT_S`); the request is asked again (``None``) until
+up to :data:`STORE_LOOKUP_MAX_WAIT_S`, or, where the engine computes on the host's cores, as
+long as its lookups take: :func:`_wait_for`); the request is asked again (``None``) until
 every store answered or its lookup timeout passed (a miss). A store's answer is kept in the
 request's :class:`~kvhal.vllm.request_state.Probe`, and answers for a later lookup of the
 same blocks too.
@@ -33,6 +34,9 @@ STORE_LOOKUP_WAIT_S = 0.005
 #: local read (:data:`~kvhal.vllm.prefetch.LOCAL_READ_WAIT_S`). A store slower than this (a
 #: remote S3: tens of ms) is not waited for beyond :data:`STORE_LOOKUP_WAIT_S`.
 STORE_LOOKUP_MAX_WAIT_S = 0.02
+#: Where a lookup waits whole (:func:`~kvhal.vllm.local.waits_whole`), it waits up to this many
+#: times the store's recent median lookup (and :data:`STORE_LOOKUP_MAX_WAIT_S` at least).
+WHOLE_WAIT_LOOKUPS = 4
 
 
 def lookup_stores(
@@ -43,9 +47,14 @@ def lookup_stores(
     start: int,
     hashes: list[bytes],
     hit: int,
+    whole: bool = False,
 ) -> bool:
     """Ask each store which of the blocks after the local hit (``hashes[hit:]``, from block
-    ``start``) it holds, into ``state.held``; False while a store has not answered."""
+    ``start``) it holds, into ``state.held``; False while a store has not answered.
+    ``whole``: wait for the answers as long as a store's lookups take
+    (:data:`WHOLE_WAIT_LOOKUPS` of them), not just a round trip (an engine computing on the
+    host's cores, where a forward run beside the lookup slows both:
+    :func:`~kvhal.vllm.local.waits_whole`)."""
     groups = [g.group_id for g in config.groups]
     first, wanted = start + hit, hashes[hit:]
     asked = []
@@ -69,7 +78,7 @@ def lookup_stores(
             probe = state.probes[tier.name] = Probe(first, wanted, future, deadline)
             stats.add_tier("tier_lookups", tier.name, 1)
             asked.append(probe.future)
-            wait = max(wait, _wait_for(tier))
+            wait = max(wait, _wait_for(tier, whole))
     if asked:
         futures.wait(asked, timeout=wait)
     answered = True
@@ -98,10 +107,16 @@ def lookup_stores(
     return answered
 
 
-def _wait_for(tier: SchedulerTier) -> float:
-    """How long a lookup waits for ``tier``'s answer (:data:`STORE_LOOKUP_MAX_WAIT_S`)."""
+def _wait_for(tier: SchedulerTier, whole: bool = False) -> float:
+    """How long a lookup waits for ``tier``'s answer (:data:`STORE_LOOKUP_MAX_WAIT_S`; with
+    ``whole``, :data:`WHOLE_WAIT_LOOKUPS` times its recent median, within its lookup timeout:
+    a stalled store costs each request that much until its health check takes it down, not
+    the whole timeout)."""
     assert tier.store is not None
     expected = tier.store.expected_lookup_s
+    if whole:
+        timeout = tier.lookup_timeout_s or STORE_LOOKUP_MAX_WAIT_S
+        return min(timeout, max(STORE_LOOKUP_MAX_WAIT_S, WHOLE_WAIT_LOOKUPS * (expected or 0.0)))
     if expected is None or 1.5 * expected > STORE_LOOKUP_MAX_WAIT_S:
         return STORE_LOOKUP_WAIT_S
     return max(STORE_LOOKUP_WAIT_S, 1.5 * expected)
