@@ -103,6 +103,20 @@ def test_failed_promotion_forgets_the_blocks_in_both_tiers():
     assert c.lookup(keys(0)) == (0, 0)
 
 
+def test_a_promotion_with_some_reads_failed_forgets_only_those_blocks():
+    c = chain(host_slots=4)
+    store(c, keys(0, 1, 2, 3))
+    store(c, keys(4, 5, 6, 7))  # 0-3 only below now
+    plan = c.prepare_load(keys(0, 1, 2, 3))
+    assert plan is not None and plan.read_keys == keys(0, 1, 2, 3)
+    c.complete_load(plan, failed=keys(1))  # block 1 gone below (an expired object)
+    assert c.host.state(keys(1)[0]) is BlockState.ABSENT
+    assert lower(c).state(keys(1)[0]) is BlockState.ABSENT, "the failed block is not offered again"
+    assert [c.host.state(k) for k in keys(0, 2, 3)] == [BlockState.READY] * 3, "the others stay"
+    assert c.lookup(keys(0, 1, 2, 3)) == (1, 0), "the hit ends at the block lost"
+    assert lower(c).loads_in_flight(keys(2)[0]) == 0
+
+
 def test_promotion_refused_when_the_host_tier_has_no_room():
     c = chain(host_slots=2)
     store(c, keys(0, 1))

@@ -21,6 +21,7 @@ from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
 from kvhal.testing.redis_servers import RedisServer
 from kvhal.vllm.config import LowerTierConfig, RemoteTierConfig
+from kvhal.vllm.keys import offload_key
 from kvhal.vllm.scheduler_side import SchedulerSide
 from kvhal.vllm.worker_side import WorkerSide
 from tests.test_local_read import loaded_in_its_step, run
@@ -121,6 +122,45 @@ def test_a_corrupt_value_in_the_store_is_recomputed_not_served(server):
     assert answer == (0, False), "a corrupt block was offered"
     assert scheduler.stats.data["tier_corrupt_blocks{tier=redis}"] >= 1
     assert scheduler.stats.data["tier_failed_loads{tier=redis}"] == 1
+    worker.shutdown()
+    scheduler.close()
+
+
+def test_a_block_whose_read_fails_costs_the_hit_from_that_block_on_not_the_whole_hit(server):
+    """The lookup said the store holds both blocks; the read finds the second corrupt (as it
+    finds an object expired between the names an S3 lookup asks). The first block, read
+    whole, is still the hit, with the bytes engine "a" stored; the control: the whole prefix
+    corrupt is no hit at all."""
+    caches_a = stored(server.url)
+    client = server.client()
+    scheduler, worker, caches = engine(server.url, "b", seed=2)
+    b = request("b")
+    scheduler.track(b)
+    (tier,) = worker.tiers.values()
+    second = offload_key(b.block_hashes[1], 0)
+    (name,) = tier.store.names([second])  # type: ignore[attr-defined]
+    value = bytearray(client.get(name))
+    value[-1] ^= 1
+    client.set(name, bytes(value))
+    answer, _ = lookup(scheduler, b)
+    assert answer == (4, False), "the first block is the hit, loaded in its step"
+    assert scheduler.stats.data["tier_corrupt_blocks{tier=redis}"] == 1
+    assert scheduler.stats.data["tier_failed_loads{tier=redis}"] == 1
+    scheduler.after_alloc(b, KVCacheBlocks(([KVCacheBlock(7)],)), 4)
+    run(scheduler, worker, scheduler.build_meta(output()))
+    assert worker.take_load_errors() == set()
+    assert all(same(block(caches, 7), block(caches_a, 1))), "block 7 is not what the store held"
+    worker.shutdown()
+    scheduler.close()
+    first = offload_key(b.block_hashes[0], 0)
+    (name,) = tier.store.names([first])  # type: ignore[attr-defined]
+    value = bytearray(client.get(name))
+    value[-1] ^= 1
+    client.set(name, bytes(value))
+    scheduler, worker, _ = engine(server.url, "c", seed=3)
+    c = request("b")
+    scheduler.track(c)
+    assert lookup(scheduler, c)[0] == (0, False), "a corrupt first block: no hit"
     worker.shutdown()
     scheduler.close()
 

@@ -314,23 +314,32 @@ class TierChain:
         ]
         return LoadPlan(keys, [where[key] for key in keys], reads)
 
-    def complete_load(self, plan: LoadPlan, success: bool = True) -> None:
+    def complete_load(self, plan: LoadPlan, success: bool = True, failed: Collection[bytes] = ()) -> None:
         """End ``plan``'s load. Promoted blocks become host-ready on success; on failure
         they leave the host tier, and the local tier they came from (a read that failed
-        may have found them corrupt)."""
+        may have found them corrupt). ``failed``: on success, the promoted blocks whose
+        reads failed all the same, which leave alone (the others stay loadable)."""
         self.host.complete_load(plan.host_hits)
+        lost = set(failed)
         for read in plan.reads:
-            self.host.complete_store(read.keys, success=success)
-        self._end_tier_loads({read.tier: read.keys for read in plan.reads}, success)
+            if success and lost:
+                self.host.complete_store([key for key in read.keys if key not in lost])
+                self.host.complete_store([key for key in read.keys if key in lost], success=False)
+            else:
+                self.host.complete_store(read.keys, success=success)
+        self._end_tier_loads({read.tier: read.keys for read in plan.reads}, success, lost)
 
-    def _end_tier_loads(self, by_tier: Mapping[str, list[bytes]], success: bool) -> None:
+    def _end_tier_loads(
+        self, by_tier: Mapping[str, list[bytes]], success: bool, lost: Collection[bytes] = ()
+    ) -> None:
         for name, keys in by_tier.items():
             index = self._by_name[name].index
             if index is not None:
                 index.complete_load(keys)
-                if not success:
-                    slots = [index.slot(key) for key in keys]
-                    index.forget(keys)
+                gone = keys if not success else [key for key in keys if key in lost]
+                if gone:
+                    slots = [index.slot(key) for key in gone]
+                    index.forget(gone)
                     self._removed(name, slots)
 
     # -- stores --------------------------------------------------------------------

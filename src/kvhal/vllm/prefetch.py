@@ -242,6 +242,7 @@ class Prefetcher:
         for read in [r for r in self.local_reads if r.done()]:
             self.local_reads.remove(read)
             ok: dict[str, bool] = {}
+            lost: set[bytes] = set()
             for tier_read in read.plan.reads:
                 future = read.futures[tier_read.tier]
                 try:
@@ -249,14 +250,18 @@ class Prefetcher:
                 except Exception:
                     logger.exception("kvhal: a read of the %s tier raised", tier_read.tier)
                     outcomes = [ReadOutcome.IO_ERROR] * len(tier_read.keys)
-                failed = [outcome for outcome in outcomes if outcome is not OK]
-                for outcome in failed:
-                    self.stats.add_tier(READ_FAILURE_COUNTERS[outcome], tier_read.tier, 1)
+                failed = [
+                    key for key, outcome in zip(tier_read.keys, outcomes, strict=True) if outcome is not OK
+                ]
+                for outcome in outcomes:
+                    if outcome is not OK:
+                        self.stats.add_tier(READ_FAILURE_COUNTERS[outcome], tier_read.tier, 1)
                 good = len(outcomes) - len(failed)
                 self.stats.add_tier("tier_read_bytes", tier_read.tier, good * self.config.slot_bytes)
                 ok[tier_read.tier] = not failed
+                lost.update(failed)
             seconds = {name: ended - read.started for name, ended in read.ended.items()}
-            self.end_read(chain, read.state, -1, read.plan, ok, seconds)
+            self.end_read(chain, read.state, -1, read.plan, ok, seconds, lost)
 
     def end_read(
         self,
@@ -266,20 +271,30 @@ class Prefetcher:
         plan: LoadPlan,
         ok: dict[str, bool],
         seconds: dict[str, float],
+        lost: set[bytes] | None = None,
     ) -> None:
         """A prefetch's read ended (the workers' job ``job_id``, or -1 for a read through the
         in-process worker; ``ok`` and ``seconds`` after it started, by tier, where known): its
         blocks are host blocks now, or forgotten (a failed read may have found them corrupt),
-        and the request waiting for it (``state``, if not finished) waits no more."""
+        and the request waiting for it (``state``, if not finished) waits no more. ``lost``:
+        where each block's outcome is known (a read through the in-process worker), the
+        blocks whose reads failed; only they are forgotten, so a block gone from a store (an
+        object expired between the names a lookup asked) costs the hit from that block on,
+        not the whole hit. Without it, a tier's failed read forgets every block read."""
         self.reading -= len(plan.read_keys)
-        chain.complete_load(plan, success=all(ok.values()))
+        if lost is None:
+            chain.complete_load(plan, success=all(ok.values()))
+        else:
+            chain.complete_load(plan, failed=lost)
         for read in plan.reads:
             if read.tier in seconds:
                 self.stats.observe("tier_read_seconds", read.tier, seconds[read.tier])
             if not ok.get(read.tier, False):
                 self.stats.add_tier("tier_failed_loads", read.tier, 1)
                 if state is not None:
-                    state.forget_read(read.tier, read.keys)
+                    state.forget_read(
+                        read.tier, read.keys if lost is None else [k for k in read.keys if k in lost]
+                    )
                 continue
             self.stats.add_tier("tier_loaded_blocks", read.tier, len(read.keys))
             policy = self.waits.get(read.tier)
