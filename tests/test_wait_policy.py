@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvhal.offload.wait_policy import MIN_WAIT_S, PROBE, PROBE_S, WAIT_SHARE, StepTimes, WaitPolicy
+from kvhal.offload.wait_policy import MIN_WAIT_S, PROBE, PROBE_S, WAIT_SHARE, InFlight, StepTimes, WaitPolicy
 
 
 class Clock:
@@ -208,3 +208,41 @@ def test_no_read_is_predicted_quicker_than_the_quickest_small_one():
         wait.observe_read(2 * MiB, 0.002)  # 1 MB a millisecond
     assert wait.read_seconds(1 * MiB) == pytest.approx(0.004)
     assert wait.read_seconds(64 * MiB) == pytest.approx(0.064)  # bandwidth, not latency
+
+
+def test_a_read_shares_the_tier_with_the_reads_in_flight_beside_it():
+    clock = Clock()
+    flights = InFlight(clock)
+    alone = flights.start(10)
+    clock.now += 0.04
+    assert flights.end(10, alone) == 1.0, "alone: its whole time"
+    marks = [flights.start(10) for _ in range(3)]  # three users return at once
+    clock.now += 0.12
+    assert [flights.end(10, mark) for mark in marks] == pytest.approx([1 / 3] * 3)
+    first = flights.start(10)
+    clock.now += 0.05
+    second = flights.start(30)  # joins for the second half of the first's time
+    clock.now += 0.05
+    assert flights.end(10, first) == pytest.approx(10 / 25)  # (10 x 0.05 + 40 x 0.05) / 0.1
+    assert flights.end(30, second) == pytest.approx(30 / 40)
+    assert flights.blocks == 0
+
+
+def test_three_reads_at_once_do_not_make_a_fast_tier_look_slow():
+    """Three returning users' reads of 10 MiB, each 0.03 s alone, started together and each
+    taking 0.09 s: fed as measured, the policy judges the tier slower than recomputing their
+    1,000 tokens (0.1 s); fed as their share of the tier (InFlight), it does not. The
+    control is the first policy."""
+    raw, shared = policy()[0], policy()[0]
+    clock = Clock()
+    flights = InFlight(clock)
+    for wait in (raw, shared):
+        ten_thousand_tokens_a_second(wait)
+    for _ in range(3):
+        marks = [flights.start(640) for _ in range(3)]
+        clock.now += 0.09
+        for mark in marks:
+            raw.observe_read(10 << 20, 0.09)
+            shared.observe_read(10 << 20, 0.09 * flights.end(640, mark))
+    assert raw.wait_for(tokens=1000, nbytes=10 << 20) is None and raw.slow, "judged slower: recomputed"
+    assert shared.wait_for(tokens=1000, nbytes=10 << 20) not in (None, PROBE) and not shared.slow

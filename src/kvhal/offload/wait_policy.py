@@ -19,7 +19,7 @@ import statistics
 import time
 from collections.abc import Callable
 
-__all__ = ["POLICIES", "PROBE", "PROBE_S", "StepTimes", "WaitPolicy"]
+__all__ = ["POLICIES", "PROBE", "PROBE_S", "InFlight", "StepTimes", "WaitPolicy"]
 
 #: ``lower_tier_wait_policy``'s values.
 POLICIES = ("auto", "timeout")
@@ -104,6 +104,47 @@ def _fit(steps: list[tuple[int, float]]) -> tuple[float, float] | None:
         return None
     slope = max(0.0, sum((t - mx) * (s - my) for t, s in steps) / var)
     return max(0.0, my - slope * mx), slope
+
+
+class InFlight:
+    """The blocks being read from one tier, over time: how much of the tier a read had.
+
+    Reads at once share a tier (its bandwidth, a local server's cores): three users' reads
+    started together each take about three times as long as one alone. A policy fed those
+    times would judge the tier three times slower than it is (one engine judged S3 slower than
+    recomputing from its first three concurrent reads and recomputed half a round). A read of
+    ``n`` blocks that had ``m`` in flight on average (its own included) is taken to have
+    taken ``n / m`` of its time alone (:meth:`end`): what the tier reads against what the
+    engine computes, both for one request.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.blocks = 0
+        self._area = 0.0  # blocks in flight x seconds, since the first read
+        self._at = clock()
+
+    def _advance(self) -> tuple[float, float]:
+        now = self.clock()
+        self._area += self.blocks * (now - self._at)
+        self._at = now
+        return now, self._area
+
+    def start(self, blocks: int) -> tuple[float, float]:
+        """A read of ``blocks`` starts: the mark :meth:`end` takes."""
+        mark = self._advance()
+        self.blocks += blocks
+        return mark
+
+    def end(self, blocks: int, mark: tuple[float, float]) -> float:
+        """The read started at ``mark`` ended: the share of its time it had the tier (0-1]."""
+        now, area = self._advance()
+        self.blocks = max(0, self.blocks - blocks)
+        seconds = now - mark[0]
+        if seconds <= 0 or blocks <= 0:
+            return 1.0
+        mean = (area - mark[1]) / seconds  # blocks in flight on average, its own included
+        return min(1.0, blocks / mean) if mean > 0 else 1.0
 
 
 class WaitPolicy:

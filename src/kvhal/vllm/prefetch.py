@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvhal.offload.manager import BlockState
-from kvhal.offload.wait_policy import PROBE, PROBE_S, WaitPolicy
+from kvhal.offload.wait_policy import PROBE, PROBE_S, InFlight, WaitPolicy
 from kvhal.tiers.backend import OK, ReadOutcome
 from kvhal.tiers.chain import Held, LoadPlan, TierChain, TierRead
 from kvhal.vllm.config import ConnectorConfig
@@ -106,6 +106,8 @@ class Prefetcher:
         self._new_job = new_job
         self.local = local
         self.reading = 0  # blocks being read by prefetches
+        self._flights = {name: InFlight() for name in waits}  # each tier's reads at once
+        self._marks: dict[int, dict[str, tuple[float, float]]] = {}  # by id(plan): each read's start
         self.local_reads: list[LocalRead] = []
         self.jobs: list[ReadJob] = []  # the workers' prefetches for the next step's metadata
 
@@ -160,6 +162,10 @@ class Prefetcher:
                 self.stats.add_tier("tier_prefetch_skipped_blocks", name, blocks)
             return Started.RECOMPUTE if probe else Started.NO  # a tier of unknown speed is not waited for
         self.reading += len(plan.read_keys)
+        self._marks[id(plan)] = {
+            read.tier: self._flights.setdefault(read.tier, InFlight()).start(len(read.keys))
+            for read in plan.reads
+        }
         state.prefetched = True
         state.read_from = {read.tier: set(read.keys) for read in plan.reads}
         for read in plan.reads:
@@ -282,6 +288,12 @@ class Prefetcher:
         object expired between the names a lookup asked) costs the hit from that block on,
         not the whole hit. Without it, a tier's failed read forgets every block read."""
         self.reading -= len(plan.read_keys)
+        marks = self._marks.pop(id(plan), {})
+        shares = {
+            read.tier: self._flights[read.tier].end(len(read.keys), marks[read.tier])
+            for read in plan.reads
+            if read.tier in marks
+        }
         if lost is None:
             chain.complete_load(plan, success=all(ok.values()))
         else:
@@ -299,7 +311,9 @@ class Prefetcher:
             self.stats.add_tier("tier_loaded_blocks", read.tier, len(read.keys))
             policy = self.waits.get(read.tier)
             if policy is not None and read.tier in seconds:
-                policy.observe_read(len(read.keys) * self.config.slot_bytes, seconds[read.tier])
+                # its time alone: reads at once share the tier (InFlight)
+                alone = seconds[read.tier] * shares.get(read.tier, 1.0)
+                policy.observe_read(len(read.keys) * self.config.slot_bytes, alone)
         waiting = state.prefetch if state is not None else None
         if waiting is not None and waiting.job_id == job_id:
             waiting.done = True
