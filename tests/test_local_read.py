@@ -242,3 +242,26 @@ def test_a_tier_refusing_the_read_at_once_costs_a_recompute_not_the_lookup(tmp_p
     worker.tiers["disk"] = disk
     worker.shutdown()
     scheduler.close()
+
+
+def test_a_lookup_waiting_whole_waits_three_predicted_reads_at_most(tmp_path):
+    """On the CPU plugin the lookup waits for its read whole, but only up to three times the
+    read's predicted time: a read that stalls is then waited for as a prefetch while the engine
+    steps. Before a tier's first read there is no prediction: its deadline bounds the wait."""
+    from kvhal.vllm.local import waits_whole
+    from kvhal.vllm.prefetch import WHOLE_WAIT_READS
+
+    scheduler, worker, _ = engine(tmp_path)
+    prefetcher = scheduler.prefetcher
+    assert waits_whole(worker)
+    assert prefetcher._whole_wait({"disk": 4}) == float("inf"), "not measured yet"
+    policy = prefetcher.waits["disk"]
+    assert policy is not None
+    slot = scheduler.config.slot_bytes
+    for _ in range(3):
+        policy.observe_read(64 * slot, 0.01)  # a read of 64 blocks alone: 10 ms
+    predicted = policy.read_seconds(64 * slot)
+    assert predicted == pytest.approx(0.01)
+    assert prefetcher._whole_wait({"disk": 64}) == pytest.approx(WHOLE_WAIT_READS * predicted)
+    worker.shutdown()
+    scheduler.close()

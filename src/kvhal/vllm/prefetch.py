@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import math
 import time
 from concurrent import futures
 from concurrent.futures import Future
@@ -46,6 +47,9 @@ logger = logging.getLogger("vllm." + __name__)  # under "vllm": its handlers and
 #: computes on the host's cores (:func:`~kvhal.vllm.local.waits_whole`), the lookup waits for
 #: the read up to its tiers' waits instead: a forward beside it would slow both.
 LOCAL_READ_WAIT_S = 0.02
+#: Where a lookup waits whole for its read, it waits up to this many times the read's predicted
+#: time (and its deadline at most): :meth:`Prefetcher._whole_wait`.
+WHOLE_WAIT_READS = 3
 #: Steps after its read ends that the scheduler side learns of a workers' prefetch: it
 #: starts at the next step, and ends in that step's output or the one after.
 WORKER_READ_STEPS = 2
@@ -176,13 +180,11 @@ class Prefetcher:
             reads = {read.tier: _started(worker, read) for read in plan.reads}
             local = LocalRead(plan, reads, state, now)
             self.local_reads.append(local)
-            wait = (
-                0.0
-                if probe
-                else deadline - now
-                if waits_whole(worker)
-                else min(deadline - now, LOCAL_READ_WAIT_S)
-            )
+            wait = min(deadline - now, LOCAL_READ_WAIT_S)
+            if probe:
+                wait = 0.0
+            elif waits_whole(worker):
+                wait = min(deadline - now, max(LOCAL_READ_WAIT_S, self._whole_wait(below)))
             futures.wait(list(reads.values()), timeout=wait)
             self.poll_local_reads(chain)
             if local.done():
@@ -199,6 +201,21 @@ class Prefetcher:
             return Started.RECOMPUTE
         state.prefetch = Prefetch(job.job_id, deadline, started=now)
         return Started.WAITING
+
+    def _whole_wait(self, below: dict[str, int]) -> float:
+        """How long a lookup waiting whole (:func:`~kvhal.vllm.local.waits_whole`) waits for its
+        read: :data:`WHOLE_WAIT_READS` times the slowest tier's predicted read (unbounded
+        before a tier's first read: its deadline bounds it). A read that stalls is then
+        waited for as a prefetch (``None`` answers), the engine stepping meanwhile, not held
+        for the whole deadline (a store stopped mid-read)."""
+        longest = 0.0
+        for name, blocks in below.items():
+            policy = self.waits.get(name)
+            predicted = policy.read_seconds(blocks * self.config.slot_bytes) if policy is not None else None
+            if predicted is None:
+                return math.inf
+            longest = max(longest, predicted)
+        return WHOLE_WAIT_READS * longest
 
     def _wait_for(self, name: str, policy: WaitPolicy, tokens: int, nbytes: int, steps: int) -> float | None:
         """``policy.wait_for``, and the operator told when the tier turns slow or fast again."""
