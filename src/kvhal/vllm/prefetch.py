@@ -45,7 +45,7 @@ logger = logging.getLogger("vllm." + __name__)  # under "vllm": its handlers and
 #: step of the others' decode about 65 ms (the CPU benchmarks); a read not done by then is
 #: waited for as a prefetch (``None`` answers) until its tiers' waits. Where the engine
 #: computes on the host's cores (:func:`~kvhal.vllm.local.waits_whole`), the lookup waits for
-#: the read up to its tiers' waits instead: a forward beside it would slow both.
+#: the read longer (:data:`WHOLE_WAIT_READS`): a forward beside it would slow both.
 LOCAL_READ_WAIT_S = 0.02
 #: Where a lookup waits whole for its read, it waits up to this many times the read's predicted
 #: time (and its deadline at most): :meth:`Prefetcher._whole_wait`.
