@@ -223,8 +223,13 @@ def test_a_corrupted_value_is_recomputed(model, own_redis):
     client.set(names[0], bytes(value))
     second = engine(model, remote(own_redis.url), [{"op": "generate", "prompts": batch}, {"op": "metrics"}])
     assert tokens(second[0]) == baseline(model, batch), "a corrupt block was served"
-    served = loaded(second[0])
-    assert sorted(served) == [0, SERVED, SERVED], f"exactly the corrupted prompt recomputes: {served}"
+    served = sorted(loaded(second[0]))
+    # the corrupted prompt recomputes from its corrupt block on; the blocks before it (none
+    # where it is the first) are still served (a prefetch forgets only the blocks it could
+    # not read); the other two prompts are served whole
+    assert served[1:] == [SERVED, SERVED] and served[0] < SERVED and served[0] % BLOCK == 0, (
+        f"exactly the corrupted prompt recomputes, from its corrupt block: {served}"
+    )
     found = metrics(second[1], own_redis.url)
     assert found["tier_corrupt_blocks"] == 1, found
     assert found["tier_failed_loads"] == 1, found
