@@ -6,8 +6,10 @@ same job loop with an echoing handler."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import types
+from pathlib import Path
 
 import pytest
 
@@ -67,3 +69,44 @@ def test_variables_read_at_process_start_send_a_scenario_to_a_fresh_interpreter(
     assert not server.accepts({"MALLOC_ARENA_MAX": "2"}, "/another/python")
     server.proc = types.SimpleNamespace(poll=lambda: 1)  # the server died
     assert not server.accepts({"MALLOC_ARENA_MAX": "2"}, None)
+
+
+EXITING = Path(__file__).resolve().parents[1] / "src" / "kvhal" / "vllm" / "testing" / "exiting.py"
+#: A process ending through exit_now: the module loaded from its file (no kvhal or vLLM import).
+ENDS = """
+import atexit, importlib.util, pathlib, sys, threading, time
+spec = importlib.util.spec_from_file_location("exiting", sys.argv[1])
+exiting = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(exiting)
+out = pathlib.Path(sys.argv[2])
+
+class TornDown:  # alive at exit: only the interpreter's teardown would run this
+    def __init__(self, path):
+        self.path = path
+    def __del__(self, open=open):
+        with open(self.path, "w") as f:
+            f.write("ran")
+
+kept = TornDown(str(out / "teardown"))
+def late():
+    time.sleep(0.3)
+    (out / "thread").write_text("joined")
+threading.Thread(target=late).start()  # not a daemon: the interpreter joins it first
+threading._register_atexit(lambda: (out / "threading-hook").write_text("ran"))
+atexit.register(lambda: (out / "atexit").write_text("ran"))
+print("flushed", end="")
+exiting.exit_now(3)
+"""
+
+
+def test_an_engine_process_ends_as_the_interpreter_ends_it_less_its_teardown(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", ENDS, str(EXITING), str(tmp_path)], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 3, done.stderr
+    assert done.stdout == "flushed", "stdout was not flushed"
+    # what vLLM's shutdown and kvhal's last stores rest on: threading's hooks, every non-daemon
+    # thread joined, the atexit handlers
+    assert {p.name for p in tmp_path.iterdir()} == {"thread", "threading-hook", "atexit"}, (
+        "the teardown ran, or a step before it did not"
+    )

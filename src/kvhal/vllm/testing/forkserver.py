@@ -4,9 +4,10 @@ Every scenario runs its engine in a fresh process (see :mod:`kvhal.vllm.testing.
 and on these 2-core machines a fresh process spends about 9 s importing torch, vLLM and
 kvhal before the engine starts. This server pays that once: it imports them, then
 forks one child per scenario, which sets the scenario's environment and runs the runner
-exactly as ``python -m kvhal.vllm.testing.runner`` would (same ``main``, same exit path:
-``atexit`` handlers and vLLM's shutdown run). The engine is still built from nothing in
-its own process; only the module imports are shared.
+exactly as ``python -m kvhal.vllm.testing.runner`` would (same ``main``, same exit path,
+:func:`kvhal.vllm.testing.exiting.exit_now`: ``atexit`` handlers and vLLM's shutdown
+run). The engine is still built from nothing in its own process; only the module imports
+are shared.
 
 The server itself starts no engine, runs no torch op (a forked libgomp thread pool
 would hang the child) and starts no thread of its own. Variables a process reads
@@ -115,9 +116,10 @@ def main() -> int:
     argv = serve()
     if argv is None:
         return 0
+    from kvhal.vllm.testing.exiting import exit_now
     from kvhal.vllm.testing.runner import main as run_scenario_main
 
-    return run_scenario_main(argv)
+    exit_now(run_scenario_main(argv))
 
 
 if __name__ == "__main__":

@@ -210,4 +210,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from kvhal.vllm.testing.exiting import exit_now
+
+    exit_now(main(sys.argv[1:]))
