@@ -34,21 +34,25 @@ settings.load_profile(os.environ.get("KVHAL_HYPOTHESIS", "full"))
 #: The longest files first: with two xdist workers taking whole files (--dist loadfile), the
 #: longest start first and the workers end together instead of one waiting out the other's last
 #: long file. Seconds per file in CI (2 cores, bash scripts/test.sh, 2026-11-28, 2,057 s in all)
-#: where measured there; "old" figures are from before and not remeasured.
+#: where measured there, "alone" where measured alone on 2 cores shared with other runs
+#: (2026-11-29, ``pytest -q -p no:randomly FILE``, load 2-9; CI's run two files at a time, so
+#: more); "old" figures are from before and not remeasured.
 LONGEST_FIRST = (
-    "test_vllm_tensor_parallel.py",  # 450: TP=2 engines, two spawned workers each
-    "test_bench_chat.py",  # 266
+    "test_bench_chat.py",  # 266; alone 235-247
+    # TP=2 engines, two spawned workers each, both cores bound: 450 with 6 engines; alone 5
+    # engines, 104 (load 2) to 132 (load 3-7)
+    "test_vllm_tensor_parallel.py",
     # the mutation batch in four shards (tests/conformance_mutation.py), 150-250 each; in one
-    # file it was 863, the critical path
+    # file it was 863, the critical path; shard 1 alone 182-190
     "test_conformance_mutants_1.py",
     "test_conformance_mutants_2.py",
     "test_conformance_mutants_3.py",
     "test_conformance_mutants_4.py",
-    "test_vllm_connector.py",  # old: 200
+    "test_vllm_disk_tier.py",  # alone 110 (load 6-9; 169 before its engines skipped their teardown)
+    "test_vllm_connector.py",  # old: 200; alone 88 (load 2)
     "test_vllm_remote_tier.py",  # old: 160
     "test_sanitizers.py",  # 107
     "test_vllm_overlap.py",  # old: 100
-    "test_vllm_disk_tier.py",  # old: 80
     "test_vllm_openai_server.py",  # old: 70
     "test_vendor_guide.py",  # 64
 )
