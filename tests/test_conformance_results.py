@@ -165,3 +165,20 @@ def test_an_unbound_plugin_says_why_once_and_counts_the_checks() -> None:
     assert "kvhal_probe raised" in messages[0]
     assert all("kvhal_probe raised" not in m and "given once" in m for m in messages[1:])
     assert target.unbound_summary() == "3 checks failed: plugin 'x' could not be bound: kvhal_probe raised"
+
+
+def test_the_pytest_plugin_loads_neither_the_suites_classes_nor_vllm() -> None:
+    """Every pytest run where the suite is installed loads its plugin (entry point ``pytest11``),
+    most with no device to test: the report names the checks' metric keys instead of importing
+    them (the worker path's replay imports vLLM: 6-11 s a process on 2 cores)."""
+    import subprocess
+    import sys
+
+    from kvhal_conformance.base import device_faults, worker_path
+
+    assert (report.FAULTS_METRIC, report.WORKER_METRIC) == (device_faults.METRIC, worker_path.METRIC)
+    heavy = "{'vllm', 'kvhal_conformance.base'}"
+    code = f"import sys, kvhal_conformance.plugin; print(sorted({heavy} & set(sys.modules)))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]", done.stdout

@@ -12,8 +12,6 @@ import torch
 
 import kvhal
 import kvhal_conformance
-from kvhal_conformance.base.device_faults import METRIC, faults_summary
-from kvhal_conformance.base.worker_path import METRIC as WORKER_METRIC
 from kvhal_conformance.results import (
     FAIL,
     NOT_JUDGED,
@@ -104,10 +102,25 @@ def build(settings: Settings, target: Target | None, results: dict[str, TestResu
         "first_probe": target.metrics.get("first_probe", {}) if target else {},
         "pinning": _pinning(target),
         "device_faults": {
-            "faults": dict(target.metrics.get(METRIC, {})) if target else {},
+            "faults": dict(target.metrics.get(FAULTS_METRIC, {})) if target else {},
             "summary": faults_summary(target),
         },
     }
+
+
+#: The keys of Target.metrics the device-fault and worker-path checks fill
+#: (kvhal_conformance.base.device_faults.METRIC, kvhal_conformance.base.worker_path.METRIC): named
+#: here, not imported, so that loading the pytest plugin (every pytest run where the suite is
+#: installed, most with no device to test) imports neither the suite's classes nor vLLM, which
+#: the worker path's replay imports (6-11 s a process on 2 cores).
+FAULTS_METRIC, WORKER_METRIC = "device_faults", "worker_path"
+
+
+def faults_summary(target: Target | None) -> str | None:
+    """:func:`kvhal_conformance.base.device_faults.faults_summary` (imported when a report is made)."""
+    from kvhal_conformance.base.device_faults import faults_summary as summary
+
+    return summary(target)
 
 
 def _pinning(target: Target | None) -> dict[str, Any] | None:
