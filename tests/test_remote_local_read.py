@@ -108,6 +108,30 @@ def test_a_store_hit_is_read_by_the_lookup_and_loaded_in_its_step(server):
     scheduler.close()
 
 
+def test_a_request_arriving_starts_its_lookup_and_read_and_its_lookup_waits_for_the_rest(server):
+    """On the CPU plugin, ``on_new_request`` (``arrived``) asks the store and starts the read
+    without waiting for it, so requests arriving together read at once; the request's lookup
+    in its step then answers the host hit in one call. The control: without the in-process
+    worker nothing starts at arrival."""
+    caches_a = stored(server.url)
+    scheduler, worker, caches = engine(server.url, "b", seed=2)
+    b = request("b")
+    scheduler.arrived(b)
+    state = scheduler._requests[b.request_id]
+    assert state.prefetched and state.probes, "the store asked and the read started at arrival"
+    assert scheduler.lookup(b, 0) == (8, False), "answered in the step's first lookup"
+    loaded_in_its_step(scheduler, worker, caches, b, source=caches_a)
+    worker.shutdown()
+    scheduler.close()
+    scheduler, worker, _ = engine(server.url, "c", seed=3)
+    scheduler.local = None  # the workers in other processes: their reads are their jobs
+    c = request("b")
+    scheduler.arrived(c)
+    assert not scheduler._requests[c.request_id].prefetched and not scheduler._requests[c.request_id].probes
+    worker.shutdown()
+    scheduler.close()
+
+
 def test_a_corrupt_value_in_the_store_is_recomputed_not_served(server):
     stored(server.url)
     client = server.client()

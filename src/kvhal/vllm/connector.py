@@ -180,7 +180,7 @@ class KVHALConnector(KVConnectorBase_V1, SupportsHMA):
         return self.scheduler_side
 
     def on_new_request(self, request: Request) -> None:
-        self._scheduler().track(request)
+        self._scheduler().arrived(request)
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int

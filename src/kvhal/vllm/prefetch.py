@@ -79,6 +79,8 @@ class LocalRead:
     state: RequestState
     started: float
     ended: dict[str, float] = field(default_factory=dict)  # by the futures' callbacks
+    #: until when a lookup waiting whole waits for it (:meth:`Prefetcher.wait_local`)
+    wait_until: float = 0.0
 
     def __post_init__(self) -> None:
         for name, future in self.futures.items():
@@ -114,6 +116,9 @@ class Prefetcher:
         self._marks: dict[int, dict[str, tuple[float, float]]] = {}  # by id(plan): each read's start
         self.local_reads: list[LocalRead] = []
         self.jobs: list[ReadJob] = []  # the workers' prefetches for the next step's metadata
+        #: start local reads without waiting for them (a lookup at the request's arrival,
+        #: :meth:`~kvhal.vllm.scheduler_side.SchedulerSide.arrived`): its lookup waits later
+        self.defer = False
 
     def take_jobs(self) -> list[ReadJob]:
         """The workers' prefetches started since the last call."""
@@ -178,14 +183,14 @@ class Prefetcher:
         deadline = now + max(wait for wait in waits.values() if wait is not None)
         if worker is not None:  # the worker is in this process: read now, wait a little
             reads = {read.tier: _started(worker, read) for read in plan.reads}
-            local = LocalRead(plan, reads, state, now)
-            self.local_reads.append(local)
             wait = min(deadline - now, LOCAL_READ_WAIT_S)
             if probe:
                 wait = 0.0
             elif waits_whole(worker):
                 wait = min(deadline - now, max(LOCAL_READ_WAIT_S, self._whole_wait(below)))
-            futures.wait(list(reads.values()), timeout=wait)
+            local = LocalRead(plan, reads, state, now, wait_until=now + wait)
+            self.local_reads.append(local)
+            futures.wait(list(reads.values()), timeout=0.0 if self.defer else wait)
             self.poll_local_reads(chain)
             if local.done():
                 return Started.READ_NOW
@@ -201,6 +206,16 @@ class Prefetcher:
             return Started.RECOMPUTE
         state.prefetch = Prefetch(job.job_id, deadline, started=now)
         return Started.WAITING
+
+    def wait_local(self, state: RequestState) -> None:
+        """Wait for ``state``'s read through the in-process worker, if one goes on, until its
+        ``wait_until`` (a read started at the request's arrival, not waited for then)."""
+        for read in self.local_reads:
+            if read.state is state:
+                futures.wait(
+                    list(read.futures.values()), timeout=max(0.0, read.wait_until - time.monotonic())
+                )
+                return
 
     def _whole_wait(self, below: dict[str, int]) -> float:
         """How long a lookup waiting whole (:func:`~kvhal.vllm.local.waits_whole`) waits for its
