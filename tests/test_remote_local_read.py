@@ -132,6 +132,26 @@ def test_a_request_arriving_starts_its_lookup_and_read_and_its_lookup_waits_for_
     scheduler.close()
 
 
+def test_arrivals_stop_being_looked_up_while_many_wait_unasked(server, monkeypatch):
+    """A saturated engine: past ARRIVING requests looked up at arrival and not yet asked about
+    by vLLM, an arrival waits for vLLM's lookup (blocks read for a request far back in the
+    queue could be evicted before it runs); one asked makes room again."""
+    import kvhal.vllm.scheduler_side as scheduler_side
+
+    monkeypatch.setattr(scheduler_side, "ARRIVING", 2)
+    scheduler, worker, _ = engine(server.url, "b", seed=2)
+    first, second, third, fourth = (request(name) for name in ("r1", "r2", "r3", "r4"))
+    for req in (first, second, third):
+        scheduler.arrived(req)
+    assert scheduler._arriving == {"r1", "r2"}, "the third arrival is not looked up"
+    assert not scheduler._requests["r3"].probes
+    scheduler.lookup(first, 0)  # vLLM asks about the first
+    scheduler.arrived(fourth)
+    assert scheduler._arriving == {"r2", "r4"}
+    worker.shutdown()
+    scheduler.close()
+
+
 def test_a_corrupt_value_in_the_store_is_recomputed_not_served(server):
     stored(server.url)
     client = server.client()
