@@ -20,6 +20,7 @@ from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
 from kvhal.testing.redis_servers import RedisServer
+from kvhal.vllm.arrivals import arrived
 from kvhal.vllm.config import LowerTierConfig, RemoteTierConfig
 from kvhal.vllm.keys import offload_key
 from kvhal.vllm.scheduler_side import SchedulerSide
@@ -116,7 +117,7 @@ def test_a_request_arriving_starts_its_lookup_and_read_and_its_lookup_waits_for_
     caches_a = stored(server.url)
     scheduler, worker, caches = engine(server.url, "b", seed=2)
     b = request("b")
-    scheduler.arrived(b)
+    arrived(scheduler, b)
     state = scheduler._requests[b.request_id]
     assert state.prefetched and state.probes, "the store asked and the read started at arrival"
     assert scheduler.lookup(b, 0) == (8, False), "answered in the step's first lookup"
@@ -126,7 +127,7 @@ def test_a_request_arriving_starts_its_lookup_and_read_and_its_lookup_waits_for_
     scheduler, worker, _ = engine(server.url, "c", seed=3)
     scheduler.local = None  # the workers in other processes: their reads are their jobs
     c = request("b")
-    scheduler.arrived(c)
+    arrived(scheduler, c)
     assert not scheduler._requests[c.request_id].prefetched and not scheduler._requests[c.request_id].probes
     worker.shutdown()
     scheduler.close()
@@ -136,18 +137,18 @@ def test_arrivals_stop_being_looked_up_while_many_wait_unasked(server, monkeypat
     """A saturated engine: past ARRIVING requests looked up at arrival and not yet asked about
     by vLLM, an arrival waits for vLLM's lookup (blocks read for a request far back in the
     queue could be evicted before it runs); one asked makes room again."""
-    import kvhal.vllm.scheduler_side as scheduler_side
+    import kvhal.vllm.arrivals
 
-    monkeypatch.setattr(scheduler_side, "ARRIVING", 2)
+    monkeypatch.setattr(kvhal.vllm.arrivals, "ARRIVING", 2)
     scheduler, worker, _ = engine(server.url, "b", seed=2)
     first, second, third, fourth = (request(name) for name in ("r1", "r2", "r3", "r4"))
     for req in (first, second, third):
-        scheduler.arrived(req)
-    assert scheduler._arriving == {"r1", "r2"}, "the third arrival is not looked up"
+        arrived(scheduler, req)
+    assert scheduler.arriving == {"r1", "r2"}, "the third arrival is not looked up"
     assert not scheduler._requests["r3"].probes
     scheduler.lookup(first, 0)  # vLLM asks about the first
-    scheduler.arrived(fourth)
-    assert scheduler._arriving == {"r2", "r4"}
+    arrived(scheduler, fourth)
+    assert scheduler.arriving == {"r2", "r4"}
     worker.shutdown()
     scheduler.close()
 

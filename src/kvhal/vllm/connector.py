@@ -35,6 +35,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetricT,
 )
 
+from kvhal.vllm.arrivals import arrived
 from kvhal.vllm.config import ConnectorConfig
 from kvhal.vllm.config_check import refuse_early
 from kvhal.vllm.hit_sources import vllm_sources
@@ -180,7 +181,7 @@ class KVHALConnector(KVConnectorBase_V1, SupportsHMA):
         return self.scheduler_side
 
     def on_new_request(self, request: Request) -> None:
-        self._scheduler().arrived(request)
+        arrived(self._scheduler(), request)
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int

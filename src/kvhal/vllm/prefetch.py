@@ -117,7 +117,7 @@ class Prefetcher:
         self.local_reads: list[LocalRead] = []
         self.jobs: list[ReadJob] = []  # the workers' prefetches for the next step's metadata
         #: start local reads without waiting for them (a lookup at the request's arrival,
-        #: :meth:`~kvhal.vllm.scheduler_side.SchedulerSide.arrived`): its lookup waits later
+        #: :func:`~kvhal.vllm.arrivals.arrived`): its lookup waits later
         self.defer = False
 
     def take_jobs(self) -> list[ReadJob]:

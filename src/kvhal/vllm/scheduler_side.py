@@ -75,11 +75,6 @@ logger = logging.getLogger("vllm." + __name__)  # under "vllm": its handlers and
 #: The key of ``RequestOutput.kv_transfer_params`` that says how many prompt
 #: tokens kvhal loaded for the request (0 after a failed load).
 LOADED_TOKENS = "kvhal_loaded_tokens"
-#: Requests looked up at their arrival and not yet asked about by vLLM, past which an arrival
-#: is not looked up (:meth:`SchedulerSide.arrived`): with more waiting in vLLM's queue the
-#: engine is saturated, and blocks read for a request far back in it could be evicted before
-#: it runs (its store's blocks are read once: then recomputed).
-ARRIVING = 8
 
 
 @dataclass
@@ -116,7 +111,7 @@ class SchedulerSide:
         self.fences = StoreFences(self.config.block_size, self.stats)  # the stores a step may overwrite
         self.planner = StorePlanner(self.config, self.stats, self.tiers, self.jobs, self.fences)
         self._last_step: tuple[float, int] | None = None  # the last step's start, its tokens
-        self._arriving: set[str] = set()  # looked up at arrival, not asked by vLLM yet (arrived)
+        self.arriving: set[str] = set()  # looked up at arrival, not asked by vLLM yet (kvhal.vllm.arrivals)
         self._held: list[str] = []  # finished requests to announce to the workers
         self._holding: set[str] = set()  # held requests not yet reported in finished_sending
         self._gauges_sent: dict[str, int] = {}  # each gauge's last reported value
@@ -136,32 +131,13 @@ class SchedulerSide:
 
     # -- lookups and loads -----------------------------------------------------
 
-    def arrived(self, request: Request) -> None:
-        """A request vLLM just queued (``on_new_request``). Where lookups wait whole
-        (:func:`~kvhal.vllm.local.waits_whole`), its lookup starts now: its stores are asked
-        and its read from below started, not waited for, so that the requests arriving
-        together read at once (a local store server uses both cores while the engine waits)
-        instead of one after another in the step's lookups, each waited for whole (three
-        returning chat users: 199 ms of a 443 ms step). Its lookup in the step then waits for
-        what is left of its read. vLLM's own prefix-cache hit is not known yet: the lookup
-        starts at block 0."""
-        self.track(request)
-        if not self.tiers or not waits_whole(self.local) or len(self._arriving) >= ARRIVING:
-            return
-        self.prefetcher.defer = True
-        try:
-            self.lookup(request, 0)
-        finally:
-            self.prefetcher.defer = False
-        self._arriving.add(request.request_id)
-
     def lookup(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens beyond ``num_computed_tokens`` kvhal can load, block-aligned and
         short of the last prompt token (vLLM computes at least one); ``None``
         while a store that would extend the hit, a store's lookup or a prefetch is in
         flight."""
         state = self.track(request)
-        self._arriving.discard(request.request_id)  # vLLM asks: it is near the front of the queue
+        self.arriving.discard(request.request_id)  # vLLM asks: it is near the front of the queue
         if state.load_failed:  # offering the same hit again would loop (the load failed)
             return 0, False
         self._join_tiers()
@@ -425,7 +401,7 @@ class SchedulerSide:
         allocated), and vLLM frees its blocks when the load is reported.
         """
         state = self._requests.pop(request.request_id, None)
-        self._arriving.discard(request.request_id)
+        self.arriving.discard(request.request_id)
         full = min(len(request.block_hashes), request.num_prompt_tokens // self.config.block_size)
         # block by block, every group's key: the manager makes the first key the most
         # recent, so a shared prefix outlives the tails behind it
