@@ -112,7 +112,7 @@ class Prefetcher:
         self._new_job = new_job
         self.local = local
         self.reading = 0  # blocks being read by prefetches
-        self._flights = {name: InFlight() for name in waits}  # each tier's reads at once
+        self._flights: dict[str, InFlight] = {}  # each tier's reads at once, from its first
         self._marks: dict[int, dict[str, tuple[float, float]]] = {}  # by id(plan): each read's start
         self.local_reads: list[LocalRead] = []
         self.jobs: list[ReadJob] = []  # the workers' prefetches for the next step's metadata
